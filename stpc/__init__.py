@@ -1,0 +1,9 @@
+"""stpc: a spatial-temporal partitioning compiler for PyTorch training.
+
+Pipeline (one stage a module): trace -> annotate -> strategies -> solve -> passes -> lower -> run.
+"""
+from stpc.dump import dump
+from stpc.trace import TracedGraph, trace
+
+__all__ = ["trace", "TracedGraph", "dump"]
+__version__ = "0.1.0"

@@ -1,0 +1,83 @@
+"""trace: a model and example inputs become an aten-level fx graph (torch.export training IR).
+
+The graph takes parameters and buffers as placeholders (in the order of the
+export signature), then the user inputs. Built on ``meta`` tensors it plans a
+70B model without allocating a weight; every node carries its FakeTensor in
+``node.meta["val"]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from stpc.annotate import annotate
+
+
+@dataclass
+class TracedGraph:
+    """The traced program and what its placeholders are.
+
+    ``gm(*params_and_buffers, *user_inputs)`` runs it; ``param_fqns`` maps a
+    placeholder name to the parameter's fully-qualified name in the model.
+    """
+
+    gm: fx.GraphModule
+    param_fqns: dict[str, str]
+    buffer_fqns: dict[str, str]
+    user_inputs: list[str]
+    user_outputs: list[str]
+    model_name: str = ""
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def placeholder_order(self) -> list[str]:
+        return [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    def state_args(self, model: nn.Module) -> list[torch.Tensor]:
+        """The parameter/buffer tensors of ``model`` in placeholder order."""
+        named = dict(model.named_parameters(remove_duplicate=False))
+        named.update(dict(model.named_buffers(remove_duplicate=False)))
+        fqns = {**self.param_fqns, **self.buffer_fqns}
+        return [named[fqns[n]] for n in self.placeholder_order() if n in fqns]
+
+    def num_params(self) -> int:
+        return sum(n.meta["val"].numel() for n in self.gm.graph.nodes
+                   if n.op == "placeholder" and n.name in self.param_fqns)
+
+    def total_flops(self) -> int:
+        return sum(n.meta.get("flops", 0) for n in self.gm.graph.nodes)
+
+
+def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> TracedGraph:
+    """Export ``model`` at the aten level (training IR) and annotate every node.
+
+    Works with parameters and inputs on ``meta``: nothing is computed, shapes
+    propagate through FakeTensors.
+    """
+    try:
+        ep = torch.export.export(model, tuple(example_inputs), strict=False)
+    except Exception as e:  # export errors are long; keep the cause, add what to do
+        raise RuntimeError(
+            f"stpc.trace: torch.export could not capture {type(model).__name__} as one graph: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
+            "Fix: remove data-dependent Python control flow from forward() or run it on "
+            "meta/fake inputs of fixed shape."
+        ) from e
+    sig = ep.graph_signature
+    gm = ep.graph_module
+    tg = TracedGraph(
+        gm=gm,
+        param_fqns=dict(sig.inputs_to_parameters),
+        buffer_fqns=dict(sig.inputs_to_buffers),
+        user_inputs=list(sig.user_inputs),
+        user_outputs=list(sig.user_outputs),
+        model_name=name or type(model).__name__,
+    )
+    annotate(gm, tg.param_fqns, tg.buffer_fqns)
+    return tg
