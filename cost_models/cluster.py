@@ -1,0 +1,109 @@
+"""Clusters: nodes x devices per node, joined by an intra-node and an inter-node link.
+
+Units: seconds for ``alpha_s``, bytes/s for ``bw_bytes_per_s``.
+
+A :class:`Link`'s bandwidth is the *per-device, one-direction* bandwidth a device
+gets on that link class while every device of its node uses the link at the same
+time (which is what happens in SPMD collectives: all groups of a mesh axis run at
+once). Presets derive it from the marketed figures:
+
+* NVLink figures are quoted bidirectional per GPU (V100: 300 GB/s, H100: 900 GB/s);
+  a ring sends one way on each hop, so the link gets half.
+* InfiniBand figures are quoted per direction. A node's total is split over its
+  devices (8 x 400 Gb/s on a DGX H100 = one 50 GB/s NIC per GPU; PrimePar's
+  100 GB/s per 4-V100 node = 25 GB/s per GPU).
+
+Latencies (alpha) are typical per-hop NCCL figures: a few microseconds inside a node,
+~10 us across InfiniBand.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .devices import DeviceSpec, get_device
+
+
+@dataclass(frozen=True)
+class Link:
+    """alpha-beta link: sending n bytes costs ``alpha_s + n / bw_bytes_per_s`` seconds."""
+
+    alpha_s: float
+    bw_bytes_per_s: float
+
+    def __post_init__(self):
+        if self.alpha_s < 0 or self.bw_bytes_per_s <= 0:
+            raise ValueError(f"Link needs alpha_s >= 0 and bw_bytes_per_s > 0, got {self}")
+
+    @property
+    def beta_s_per_byte(self) -> float:
+        """Seconds per byte (1 / bandwidth)."""
+        return 1.0 / self.bw_bytes_per_s
+
+    def time(self, nbytes: float) -> float:
+        """Seconds to send ``nbytes`` over this link once."""
+        return self.alpha_s + nbytes / self.bw_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``devices_per_node`` identical devices.
+
+    ``collective_links`` is filled only by a calibration profile: the alpha-beta fitted
+    separately for each collective kind (``"all_gather"``, ``"reduce_scatter"``,
+    ``"all_reduce"``, ``"all_to_all"``, ``"p2p"``) on the intra-node link, because a
+    backend's algorithms differ per collective (gloo does not run every collective as a
+    ring). Collectives it does not name use ``intra``. ``collective_bands`` (also only
+    from a profile) refines that per message size: kind -> ((upper_nbytes, alpha_s,
+    bw_bytes_per_s), ...),
+    see :mod:`profile`.
+    """
+
+    name: str
+    device: DeviceSpec
+    nodes: int
+    devices_per_node: int
+    intra: Link
+    inter: Link
+    collective_links: dict = field(default_factory=dict, hash=False, compare=False)
+    collective_bands: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise ValueError(f"Cluster {self.name!r}: nodes and devices_per_node must be >= 1")
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+def _nvlink(bidirectional_gb_s: float) -> float:
+    return bidirectional_gb_s * 1e9 / 2
+
+
+CLUSTERS: dict[str, Cluster] = {
+    # PrimePar's testbed: 8 nodes x 4 V100-32GB, NVLink 300 GB/s, InfiniBand 100 GB/s per node.
+    "primepar-v100": Cluster("primepar-v100", get_device("V100-32GB"), nodes=8, devices_per_node=4,
+                             intra=Link(5e-6, _nvlink(300)), inter=Link(10e-6, 100e9 / 4)),
+    # DGX H100 nodes: 8 x H100, NVLink4 900 GB/s, 8 x 400 Gb/s ConnectX-7 (one per GPU).
+    # 8 nodes = 64 GPUs; a mesh may use fewer devices than the cluster has.
+    "dgx-h100": Cluster("dgx-h100", get_device("H100-SXM"), nodes=8, devices_per_node=8,
+                        intra=Link(3e-6, _nvlink(900)), inter=Link(10e-6, 8 * 400e9 / 8 / 8)),
+    # This machine: 4 gloo ranks over loopback TCP. Rough guesses; `python -m stpc calibrate`
+    # writes a measured profile to use instead.
+    "cpu-local": Cluster("cpu-local", get_device("CPU"), nodes=1, devices_per_node=4,
+                         intra=Link(50e-6, 2e9), inter=Link(50e-6, 2e9)),
+}
+
+
+def get_cluster(name_or_profile_path: str) -> Cluster:
+    """A preset by name, or a calibration profile (a ``.json`` path written by
+    ``python -m stpc calibrate``)."""
+    if name_or_profile_path in CLUSTERS:
+        return CLUSTERS[name_or_profile_path]
+    if name_or_profile_path.endswith(".json") or os.path.exists(name_or_profile_path):
+        from .profile import load_profile  # late: profile imports this module
+
+        return load_profile(name_or_profile_path)
+    raise KeyError(f"unknown cluster {name_or_profile_path!r}: not a preset "
+                   f"({', '.join(CLUSTERS)}) nor a profile .json path")

@@ -1,0 +1,204 @@
+"""Communication cost (alpha-beta, ring algorithms) and the :class:`CostModel` facade.
+
+Units: every method returns seconds; every size is in bytes.
+
+Ring formulas for a group of ``n`` devices on a link (alpha s, beta = 1/bandwidth s/B),
+where ``N`` is the size of the FULL tensor (the gathered result of an all-gather, the
+input of a reduce-scatter / all-reduce):
+
+    all_gather(N)     = (n-1) alpha + (n-1)/n * N * beta        each rank receives (n-1)/n of N
+    reduce_scatter(N) = (n-1) alpha + (n-1)/n * N * beta
+    all_reduce(N)     = 2 (n-1) alpha + 2 (n-1)/n * N * beta    reduce-scatter + all-gather
+    all_to_all(N)     = (n-1) alpha + (n-1)/n * (N/n) * beta    each rank holds N/n, keeps 1/n of it
+    p2p(N)            = alpha + N * beta                        one neighbour transfer
+
+Mesh convention: ranks are laid out row-major over ``mesh_shape``, the LAST axis
+innermost. Axis ``i``'s groups have stride ``s = prod(mesh_shape[i+1:])`` and size
+``n = mesh_shape[i]``. With ``D`` devices per node, a group stays in one node iff
+``s*n <= D`` and ``D % (s*n) == 0`` (otherwise some group straddles a node boundary).
+
+Hierarchical groups (crossing nodes). Each node then holds ``n_in = D // s`` members of
+a group (1 when ``s >= D``) and the group spans ``n_out = n / n_in`` nodes. A
+reduce-scatter runs as an intra-node reduce-scatter of N over n_in ranks followed by an
+inter-node reduce-scatter of N/n_in over n_out ranks (all-gather is the reverse):
+
+    T = (n_in-1) a_i + (n_in-1)/n_in * N b_i  +  (n_out-1) a_o + (n_out-1)/n_out * (N/n_in) b_o
+
+Written as one ring over n ranks this is an effective link (:meth:`CostModel.axis_link`)
+
+    alpha_eff = [(n_in-1) a_i + (n_out-1) a_o] / (n-1)
+    beta_eff  = n/(n-1) * [(n_in-1)/n_in * b_i + (n_out-1)/(n_out n_in) * b_o]
+
+each clamped from below by the intra-node value, so a group that crosses nodes is never
+modelled as cheaper than the same group inside one node. All-to-all does not shrink
+its data between stages, so it pays its own off-node share: per rank, (n - n_in)/n of
+its N/n bytes cross nodes. P2P along a crossing axis pays the inter-node link: the ring
+step is as slow as its slowest hop.
+
+A calibration profile may carry per-collective, per-message-size alpha-beta bands
+(``Cluster.collective_bands``); they apply to groups inside one node, the only kind a
+profile measures.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+
+from .cluster import Cluster, Link
+from .compute import roofline
+
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
+
+
+class CostModel:
+    """Costs on ``cluster`` for a device mesh of ``mesh_shape`` (row-major, last axis
+    innermost). All methods return seconds as plain floats and are cheap enough to call
+    many thousands of times (per-axis constants are precomputed here)."""
+
+    def __init__(self, cluster: Cluster, mesh_shape: tuple[int, ...]):
+        mesh_shape = tuple(int(x) for x in mesh_shape)
+        if not mesh_shape or any(x < 1 for x in mesh_shape):
+            raise ValueError(f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape}")
+        if math.prod(mesh_shape) > cluster.num_devices:
+            raise ValueError(f"mesh {mesh_shape} needs {math.prod(mesh_shape)} devices but cluster "
+                             f"{cluster.name!r} has {cluster.num_devices}")
+        self.cluster = cluster
+        self.mesh_shape = mesh_shape
+        self.device = cluster.device
+        D = cluster.devices_per_node
+        self._axes = []  # per axis: (n, crosses, n_in, n_out)
+        for i, n in enumerate(mesh_shape):
+            s = math.prod(mesh_shape[i + 1:])
+            crosses = s * n > D or D % (s * n) != 0
+            if crosses and s < D and D % s == 0 and n % (D // s) == 0:
+                n_in = D // s
+            elif crosses:
+                n_in = 1  # irregular layout: assume every hop leaves the node (pessimistic)
+            else:
+                n_in = n
+            self._axes.append((n, crosses, n_in, n // n_in))
+        # (axis, kind) -> (alpha_eff, beta_eff); filled lazily, pure floats afterwards.
+        self._eff: dict[tuple[int, str], tuple[float, float]] = {}
+        # kind -> (sorted band upper bounds, [(alpha, beta), ...]) from a calibration profile.
+        self._bands = {kind: ([u for u, _, _ in bands], [(a, 1.0 / bw) for _, a, bw in bands])
+                       for kind, bands in cluster.collective_bands.items() if bands}
+
+    # ------------------------------------------------------------------ links
+    def _intra(self, kind: str) -> Link:
+        return self.cluster.collective_links.get(kind, self.cluster.intra)
+
+    def _axis(self, axis: int):
+        try:
+            return self._axes[axis]
+        except IndexError:
+            raise IndexError(f"mesh axis {axis} out of range for mesh {self.mesh_shape}") from None
+
+    def _alpha_beta(self, axis: int, kind: str) -> tuple[float, float]:
+        key = (axis, kind)
+        ab = self._eff.get(key)
+        if ab is not None:
+            return ab
+        n, crosses, n_in, n_out = self._axis(axis)
+        li = self._intra(kind)
+        a_i, b_i = li.alpha_s, 1.0 / li.bw_bytes_per_s
+        if not crosses or n == 1:
+            ab = (a_i, b_i)
+        else:
+            lo = self.cluster.inter
+            a_o, b_o = lo.alpha_s, 1.0 / lo.bw_bytes_per_s
+            if kind == "p2p":
+                ab = (max(a_o, a_i), max(b_o, b_i))
+            else:
+                alpha = ((n_in - 1) * a_i + (n_out - 1) * a_o) / (n - 1)
+                beta = n / (n - 1) * ((n_in - 1) / n_in * b_i + (n_out - 1) / (n_out * n_in) * b_o)
+                ab = (max(alpha, a_i), max(beta, b_i))
+        self._eff[key] = ab
+        return ab
+
+    def _ab(self, axis: int, kind: str, nbytes: float) -> tuple[float, float]:
+        """alpha, beta for a message of ``nbytes``: the calibrated band if there is one."""
+        bands = self._bands.get(kind) if self._bands else None
+        if bands is None or self._axes[axis][1]:
+            return self._alpha_beta(axis, kind)
+        i = bisect_left(bands[0], nbytes)
+        return bands[1][i if i < len(bands[1]) else -1]
+
+    def axis_link(self, axis: int, kind: str = "all_gather") -> Link:
+        """The effective ring link of mesh axis ``axis`` (see the module docstring for the
+        hierarchical formula). ``kind`` selects a calibrated per-collective fit if any."""
+        a, b = self._alpha_beta(axis, kind)
+        return Link(a, 1.0 / b)
+
+    def axis_size(self, axis: int) -> int:
+        return self._axis(axis)[0]
+
+    def crosses_nodes(self, axis: int) -> bool:
+        return self._axis(axis)[1]
+
+    # ------------------------------------------------------------------ compute
+    def compute(self, flops: float, bytes_moved: float, dtype="fp32") -> float:
+        """Roofline seconds: max(flops / achievable FLOP/s, bytes / memory bandwidth)."""
+        return roofline(self.device, flops, bytes_moved, dtype)
+
+    # ------------------------------------------------------------------ collectives
+    def all_gather(self, nbytes: float, axis: int) -> float:
+        """Seconds to all-gather along ``axis`` into a full tensor of ``nbytes`` bytes."""
+        n = self._axis(axis)[0]
+        if n == 1:
+            return 0.0
+        a, b = self._ab(axis, "all_gather", nbytes)
+        return (n - 1) * a + (n - 1) / n * nbytes * b
+
+    def reduce_scatter(self, nbytes: float, axis: int) -> float:
+        """Seconds to reduce-scatter a full tensor of ``nbytes`` bytes along ``axis``."""
+        n = self._axis(axis)[0]
+        if n == 1:
+            return 0.0
+        a, b = self._ab(axis, "reduce_scatter", nbytes)
+        return (n - 1) * a + (n - 1) / n * nbytes * b
+
+    def all_reduce(self, nbytes: float, axis: int) -> float:
+        """Seconds to all-reduce a tensor of ``nbytes`` bytes along ``axis``."""
+        n = self._axis(axis)[0]
+        if n == 1:
+            return 0.0
+        a, b = self._ab(axis, "all_reduce", nbytes)
+        return 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes * b
+
+    def all_to_all(self, nbytes: float, axis: int) -> float:
+        """Seconds for an all-to-all along ``axis`` of a tensor whose full size is ``nbytes``
+        (each rank holds nbytes/n and sends (n-1)/n of it)."""
+        n, crosses, n_in, _ = self._axis(axis)
+        if n == 1:
+            return 0.0
+        shard = nbytes / n
+        if not crosses:
+            a, b = self._ab(axis, "all_to_all", nbytes)
+            return (n - 1) * a + (n - 1) / n * shard * b
+        li = self._intra("all_to_all")
+        t_intra = (n - 1) * li.alpha_s + (n - 1) / n * shard / li.bw_bytes_per_s
+        lo = self.cluster.inter
+        t = ((n_in - 1) * li.alpha_s + (n - n_in) * lo.alpha_s
+             + shard * ((n_in - 1) / n / li.bw_bytes_per_s + (n - n_in) / n / lo.bw_bytes_per_s))
+        return max(t, t_intra)
+
+    def p2p(self, nbytes: float, axis: int) -> float:
+        """Seconds for every rank to send ``nbytes`` to its ring neighbour along ``axis``."""
+        if self._axis(axis)[0] == 1:
+            return 0.0
+        a, b = self._ab(axis, "p2p", nbytes)
+        return a + nbytes * b
+
+    @staticmethod
+    def ring_step(compute_s: float, transfer_s: float) -> float:
+        """One double-buffered ring step: the transfer hides behind the compute or vice versa."""
+        return compute_s if compute_s > transfer_s else transfer_s
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def device_memory_bytes(self) -> float:
+        """Memory capacity of one device, bytes."""
+        return self.cluster.device.mem_bytes
+
+    def __repr__(self) -> str:
+        return f"CostModel({self.cluster.name!r}, mesh_shape={self.mesh_shape})"

@@ -1,0 +1,60 @@
+"""Roofline compute cost.
+
+An operator that does ``flops`` floating-point operations and moves ``bytes_moved``
+bytes between device memory and the cores takes
+
+    t = max(flops / (peak_flops[dtype] * efficiency), bytes_moved / mem_bw)   [seconds]
+
+i.e. it is bound by whichever of compute and memory traffic is slower (the two
+overlap on real hardware). Plain float math: the planner calls this per strategy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .devices import DeviceSpec, canonical_dtype
+
+
+def roofline(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32") -> float:
+    """Seconds for one kernel doing ``flops`` FLOPs and ``bytes_moved`` bytes of traffic."""
+    rate = device.peak_flops[canonical_dtype(dtype)] * device.efficiency
+    return max(flops / rate, bytes_moved / device.mem_bw)
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """Seconds for the three phases of one operator: forward (O = I.W), backward
+    (dI = dO.W^T) and gradient (dW = I^T.dO)."""
+
+    fwd: float
+    bwd: float
+    grad: float
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.bwd + self.grad
+
+
+def matmul_phase_flops(m: float, n: float, k: float) -> tuple[float, float, float]:
+    """FLOPs of forward, backward and gradient of ``O[m,k] = I[m,n] . W[n,k]``
+    (batch dims folded into m). Each is one GEMM of 2*m*n*k FLOPs."""
+    f = 2.0 * m * n * k
+    return f, f, f
+
+
+def matmul_phase_bytes(m: float, n: float, k: float, itemsize: float) -> tuple[float, float, float]:
+    """Bytes each phase reads and writes once: fwd reads I, W, writes O; bwd reads dO, W,
+    writes dI; grad reads I, dO, writes dW."""
+    i, w, o = m * n, n * k, m * k
+    return ((i + w + o) * itemsize, (o + w + i) * itemsize, (i + o + w) * itemsize)
+
+
+def matmul_phase_cost(device: DeviceSpec, m: float, n: float, k: float, dtype="fp32",
+                      itemsize: float | None = None) -> PhaseCost:
+    """Roofline seconds of the fwd/bwd/grad GEMMs of a linear layer on one device
+    (pass the *local* shard sizes)."""
+    if itemsize is None:
+        itemsize = 2.0 if canonical_dtype(dtype) in ("bf16", "fp16") else 4.0
+    fl = matmul_phase_flops(m, n, k)
+    by = matmul_phase_bytes(m, n, k, itemsize)
+    return PhaseCost(*(roofline(device, f, b, dtype) for f, b in zip(fl, by)))

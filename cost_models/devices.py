@@ -1,0 +1,110 @@
+"""Accelerator specifications.
+
+Units: FLOP/s for ``peak_flops``, bytes/s for ``mem_bw``, bytes for ``mem_bytes``.
+
+Peak numbers are the vendors' dense (no structured sparsity) tensor-core figures
+for SXM parts. ``efficiency`` is the fraction of peak a large, well-shaped GEMM
+reaches in practice (cuBLAS on a big square bf16 matmul lands at 70-80% of
+peak on A100/H100); the roofline in :mod:`compute` divides by
+``peak * efficiency``. A calibration profile replaces both with a measured
+throughput and sets ``efficiency=1``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+# Accepted spellings of dtype names, so callers may pass "float32", "torch.bfloat16", ...
+_DTYPE_ALIASES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "f32": "fp32",
+    "tf32": "tf32",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "f16": "fp16",
+}
+
+
+def canonical_dtype(dtype) -> str:
+    """Map a dtype (``torch.dtype`` or string) to one of fp32/tf32/bf16/fp16."""
+    key = str(dtype)
+    try:
+        return _DTYPE_ALIASES[key]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of fp32, tf32, bf16, fp16") from None
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator.
+
+    name:        identifier, e.g. ``"H100-SXM"``
+    peak_flops:  dtype name -> peak dense FLOP/s (keys fp32, tf32, bf16, fp16)
+    mem_bw:      device memory bandwidth, bytes/s
+    mem_bytes:   device memory capacity, bytes
+    efficiency:  achievable fraction of ``peak_flops`` for large GEMMs (0 < e <= 1)
+    """
+
+    name: str
+    peak_flops: dict = field(hash=False)
+    mem_bw: float
+    mem_bytes: float
+    efficiency: float = 0.75
+
+    def __post_init__(self):
+        missing = {"fp32", "tf32", "bf16", "fp16"} - set(self.peak_flops)
+        if missing:
+            raise ValueError(f"DeviceSpec {self.name!r}: peak_flops lacks {sorted(missing)}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"DeviceSpec {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
+        if self.mem_bw <= 0 or self.mem_bytes <= 0:
+            raise ValueError(f"DeviceSpec {self.name!r}: mem_bw and mem_bytes must be positive")
+
+    def achievable_flops(self, dtype="fp32") -> float:
+        """FLOP/s a large matmul reaches in ``dtype`` (peak x efficiency)."""
+        return self.peak_flops[canonical_dtype(dtype)] * self.efficiency
+
+
+T = 1e12
+GB = 1e9
+GiB = 2**30
+
+
+def _host_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # non-POSIX: a conservative 16 GiB
+        return 16.0 * GiB
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    # H100 SXM5: 67 TF fp32, 494.7 TF tf32, 989.4 TF bf16/fp16 (dense), HBM3 3.35 TB/s, 80 GB.
+    "H100-SXM": DeviceSpec("H100-SXM", {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T,
+                                        "fp16": 989.4 * T}, mem_bw=3.35e12, mem_bytes=80 * GB),
+    # H200 SXM: H100 compute, HBM3e 4.8 TB/s, 141 GB.
+    "H200": DeviceSpec("H200", {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T,
+                                "fp16": 989.4 * T}, mem_bw=4.8e12, mem_bytes=141 * GB),
+    # A100 SXM4 80GB: 19.5 TF fp32, 156 TF tf32, 312 TF bf16/fp16, HBM2e 2.039 TB/s.
+    "A100-80GB": DeviceSpec("A100-80GB", {"fp32": 19.5 * T, "tf32": 156 * T, "bf16": 312 * T,
+                                          "fp16": 312 * T}, mem_bw=2.039e12, mem_bytes=80 * GB),
+    # V100 SXM2 32GB: 15.7 TF fp32, 125 TF fp16 tensor cores. No tf32 and no native bf16
+    # (bf16 matmuls run at the fp32 rate there), so both map to the fp32 figure.
+    "V100-32GB": DeviceSpec("V100-32GB", {"fp32": 15.7 * T, "tf32": 15.7 * T, "bf16": 15.7 * T,
+                                          "fp16": 125 * T}, mem_bw=900 * GB, mem_bytes=32 * GB),
+    # A generic CPU socket share: order-of-magnitude figures only (a few AVX2 cores); run
+    # `python -m stpc calibrate` for real numbers. Memory is this host's RAM, which all
+    # local ranks share.
+    "CPU": DeviceSpec("CPU", {"fp32": 100e9, "tf32": 100e9, "bf16": 50e9, "fp16": 25e9},
+                      mem_bw=20 * GB, mem_bytes=_host_memory_bytes(), efficiency=0.6),
+}
+_DEVICE_ALIASES = {"h100": "H100-SXM", "h100-sxm": "H100-SXM", "h200": "H200", "a100": "A100-80GB",
+                   "a100-80gb": "A100-80GB", "v100": "V100-32GB", "v100-32gb": "V100-32GB",
+                   "cpu": "CPU"}
+
+
+def get_device(name: str) -> DeviceSpec:
+    """Look up a device by name (case-insensitive; short forms like ``"h100"`` work)."""
+    if name in DEVICES:
+        return DEVICES[name]
+    key = _DEVICE_ALIASES.get(name.lower())
+    if key is None:
+        raise KeyError(f"unknown device {name!r}; known: {', '.join(DEVICES)}")
+    return DEVICES[key]

@@ -1,0 +1,153 @@
+"""Calibration profiles: least-squares alpha-beta fits and the JSON file format.
+
+Pure numpy; the measurement itself (torch.distributed) is ``stpc.calibrate``.
+
+Profile JSON (version 1)::
+
+    {"version": 1, "name": str, "backend": "gloo"|"nccl", "ranks": int,
+     "device": {"name", "peak_flops": {fp32,tf32,bf16,fp16: FLOP/s}, "mem_bw": B/s,
+                "mem_bytes": B, "efficiency": 1.0},
+     "matmul": [{"m","n","k","dtype","seconds","flops_per_s"}, ...],
+     "link": {"alpha_s": s, "bw_bytes_per_s": B/s},          # joint fit, all collectives
+     "collectives": {kind: {"alpha_s", "bw_bytes_per_s", "rel_rms",
+                            "samples": [[nbytes, seconds], ...],
+                            "bands": [[upper_nbytes, alpha_s, bw_bytes_per_s], ...]}}}
+
+Why bands: a real transport is not one straight alpha-beta line over three decades of
+message size (NCCL switches protocols; gloo over loopback TCP gets markedly slower per
+byte once messages spill out of the CPU caches). Besides the single least-squares
+line per collective, a profile therefore keeps a *piecewise* alpha-beta model: one
+line per pair of adjacent calibrated sizes, fitted to the nearest sizes (see
+:func:`fit_bands`). The cost model uses the band containing the message size (the
+first/last band extrapolates).
+
+``nbytes`` of a sample follows :class:`~stpc.cost_models.comm.CostModel`: the FULL
+tensor for collectives, the per-rank message for p2p.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from .cluster import Cluster, Link
+from .devices import DeviceSpec
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
+
+
+def coefficients(kind: str, n: int, nbytes: float) -> tuple[float, float]:
+    """(c_alpha, c_beta) with time = c_alpha*alpha + c_beta*beta for a ring ``kind`` over
+    ``n`` ranks, ``nbytes`` as in :mod:`comm`."""
+    if kind in ("all_gather", "reduce_scatter"):
+        return n - 1.0, (n - 1.0) / n * nbytes
+    if kind == "all_reduce":
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n * nbytes
+    if kind == "all_to_all":
+        return n - 1.0, (n - 1.0) / n * nbytes / n
+    if kind == "p2p":
+        return 1.0, float(nbytes)
+    raise ValueError(f"unknown collective {kind!r}; known: {', '.join(KINDS)}")
+
+
+def fit_alpha_beta(samples: list[tuple[str, float, float]], n: int) -> tuple[float, float, float]:
+    """Fit one link to ``samples`` of (kind, nbytes, seconds) measured on ``n`` ranks.
+
+    Minimises the *relative* error (each row divided by its time) because sizes span
+    orders of magnitude and the planner cares about ratios; alpha and beta are kept
+    non-negative. Returns (alpha_s, bw_bytes_per_s, rms relative error)."""
+    if len(samples) < 2:
+        raise ValueError("need at least two (kind, nbytes, seconds) samples to fit alpha and beta")
+    A = np.array([coefficients(kd, n, nb) for kd, nb, _ in samples], dtype=float)
+    t = np.array([sec for _, _, sec in samples], dtype=float)
+    if np.any(t <= 0):
+        raise ValueError("measured times must be positive")
+    Aw, tw = A / t[:, None], np.ones_like(t)
+    (alpha, beta), *_ = np.linalg.lstsq(Aw, tw, rcond=None)
+    if alpha < 0:  # latency below resolution: bandwidth-only fit
+        alpha = 0.0
+        beta = float(Aw[:, 1] @ tw / (Aw[:, 1] @ Aw[:, 1]))
+    if beta <= 0:  # sizes too small to see bandwidth: latency-only fit, a huge bandwidth
+        beta = 1e-15
+        alpha = float(Aw[:, 0] @ tw / (Aw[:, 0] @ Aw[:, 0]))
+    pred = A @ np.array([alpha, beta])
+    rel_rms = float(np.sqrt(np.mean((pred / t - 1.0) ** 2)))
+    return float(alpha), float(1.0 / beta), rel_rms
+
+
+def fit_bands(samples: list[tuple[str, float, float]], n: int) -> list[list[float]]:
+    """Piecewise alpha-beta for one collective kind: for each pair of adjacent message
+    sizes, a line fitted by least squares (relative error) to the two sizes bounding the
+    band and their nearest neighbour on each side (up to four points). The neighbours
+    keep one noisy sample from bending a band; the locality lets the lines follow a
+    transport whose cost per byte changes with size. Returns ``[[upper_nbytes, alpha_s,
+    bw_bytes_per_s], ...]`` sorted by size.
+
+    A band's alpha is the intercept of a local line and may be negative (a steeper line
+    at large sizes); it is only used inside and next to its band. A band whose local
+    fit has no positive slope (noise) falls back to the least-squares line of all
+    sizes."""
+    kinds = {kd for kd, _, _ in samples}
+    if len(kinds) != 1:
+        raise ValueError(f"fit_bands takes samples of one collective kind, got {sorted(kinds)}")
+    pts = sorted((nb, t) for _, nb, t in samples)
+    if len(pts) < 2:
+        raise ValueError("need at least two message sizes to fit bands")
+    kind = samples[0][0]
+    g_alpha, g_bw, _ = fit_alpha_beta(samples, n)
+    bands = []
+    for i in range(len(pts) - 1):
+        local = pts[max(0, i - 1): i + 3]
+        A = np.array([coefficients(kind, n, nb) for nb, _ in local], dtype=float)
+        t = np.array([sec for _, sec in local], dtype=float)
+        (alpha, beta), *_ = np.linalg.lstsq(A / t[:, None], np.ones_like(t), rcond=None)
+        if beta <= 0:
+            alpha, beta = g_alpha, 1.0 / g_bw
+        bands.append([float(pts[i + 1][0]), float(alpha), float(1.0 / beta)])
+    return bands
+
+
+def predict(kind: str, n: int, nbytes: float, alpha_s: float, bw_bytes_per_s: float) -> float:
+    """Seconds the fitted model gives for one ``kind`` of ``nbytes`` on ``n`` ranks."""
+    ca, cb = coefficients(kind, n, nbytes)
+    return ca * alpha_s + cb / bw_bytes_per_s
+
+
+def save_profile(profile: dict, path: str) -> None:
+    _validate(profile, path)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(profile, fh, indent=2, sort_keys=True)
+    os.replace(tmp, path)  # never leave a half-written profile behind
+
+
+def _validate(p: dict, path: str) -> None:
+    for key in ("version", "name", "ranks", "device", "link", "collectives"):
+        if key not in p:
+            raise ValueError(f"profile {path}: missing key {key!r} (re-run `python -m stpc calibrate`)")
+    if p["version"] != 1:
+        raise ValueError(f"profile {path}: unsupported version {p['version']}")
+
+
+def load_profile(path: str) -> Cluster:
+    """A calibration profile as a :class:`Cluster`: one node of ``ranks`` devices, the
+    measured device throughput (``efficiency=1``), the jointly fitted link as both intra
+    and inter link, and per-collective fits in ``collective_links``."""
+    try:
+        with open(path) as fh:
+            p = json.load(fh)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no calibration profile at {path}; create one with "
+                                f"`python -m stpc calibrate --out {path}`") from None
+    _validate(p, path)
+    d = p["device"]
+    device = DeviceSpec(d["name"], dict(d["peak_flops"]), mem_bw=float(d["mem_bw"]),
+                        mem_bytes=float(d["mem_bytes"]), efficiency=float(d.get("efficiency", 1.0)))
+    link = Link(float(p["link"]["alpha_s"]), float(p["link"]["bw_bytes_per_s"]))
+    per_kind = {kind: Link(float(c["alpha_s"]), float(c["bw_bytes_per_s"]))
+                for kind, c in p["collectives"].items()}
+    bands = {kind: tuple((float(u), float(a), float(bw)) for u, a, bw in c["bands"])
+             for kind, c in p["collectives"].items() if c.get("bands")}
+    return Cluster(p["name"], device, nodes=1, devices_per_node=int(p["ranks"]), intra=link,
+                   inter=link, collective_links=per_kind, collective_bands=bands)

@@ -1,0 +1,343 @@
+"""Measure this machine and write a calibration profile (``python -m stpc calibrate``).
+
+What is measured, with ``world_size`` ranks running at once (the SPMD situation the
+planner models):
+
+* matmul throughput for a few shapes and dtypes on every rank concurrently (median
+  over ranks, best shape per dtype) and memory bandwidth from a large copy;
+* all-gather, reduce-scatter, all-reduce, all-to-all and ring P2P (every rank sends to
+  its right neighbour) over a range of message sizes, on gloo over 127.0.0.1 on CPU or
+  NCCL on GPUs. A sample's time is the slowest rank's, fastest of several timed windows.
+
+alpha and beta are then fitted by least squares (``cost_models.profile``): one fit per
+collective kind plus a joint fit, and the profile is written as JSON. Load it with
+``stpc.cost_models.get_cluster("profile.json")``.
+
+Processes are spawned with a hard deadline: on timeout or any rank's failure all
+children are killed and a ``RuntimeError`` says which and why; nothing hangs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+
+from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, save_profile
+
+DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+MATMUL_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024)]
+MATMUL_DTYPES = ("fp32", "bf16", "fp16")
+_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _repeats(fn, dev, min_window_s: float) -> int:
+    """Warm ``fn`` up and return how many back-to-back calls fill ``min_window_s`` (the
+    same on every rank: the slowest rank's single-call time decides)."""
+    import torch.distributed as dist
+
+    for _ in range(3):  # warm-up: connection setup, allocator, first-touch pages
+        fn()
+    _sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    _sync(dev)
+    one = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
+    dist.all_reduce(one, op=dist.ReduceOp.MAX)
+    return int(min(50, max(1, -(-min_window_s // float(one.item())))))
+
+
+def _window(fn, reps: int, dev) -> float:
+    """Seconds per call over one window of ``reps`` back-to-back calls on this rank."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(dev)
+    return (time.perf_counter() - t0) / reps
+
+
+def _time_ops(fns: list, iters: int, dev, min_window_s: float = 0.03) -> list[float]:
+    """Seconds per call of each closure in ``fns``.
+
+    Each closure runs in ``iters`` windows of back-to-back calls lasting about
+    ``min_window_s`` (barrier skew and scheduling jitter, milliseconds when ranks
+    outnumber cores, are amortised). Windows go round-robin over all closures so a
+    change in the machine's load spreads over every size instead of bending the curve.
+    A window lasts as long as its slowest rank; the result is the fastest window: on a
+    shared machine the others measure whoever else is running, and the model should
+    describe the transport, not the neighbours."""
+    import torch.distributed as dist
+
+    reps = [_repeats(fn, dev, min_window_s) for fn in fns]
+    times = [[_window(fn, r, dev) for fn, r in zip(fns, reps)] for _ in range(iters)]
+    t = torch.tensor(times, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a collective ends when its slowest rank does
+    return t.min(dim=0).values.tolist()
+
+
+def _collective_fn(kind: str, nbytes: int, rank: int, world: int, dev):
+    """A closure running one ``kind`` whose full tensor is ``nbytes`` (per-rank message for p2p)."""
+    import torch.distributed as dist
+
+    elems = max(world, nbytes // 4 // world * world)  # fp32, divisible by world
+    if kind == "all_gather":
+        inp, out = torch.ones(elems // world, device=dev), torch.empty(elems, device=dev)
+        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
+        return lambda: ag(out, inp)
+    if kind == "reduce_scatter":
+        inp, out = torch.ones(elems, device=dev), torch.empty(elems // world, device=dev)
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: rs(out, inp)
+    if kind == "all_reduce":
+        buf = torch.ones(elems, device=dev)
+        return lambda: dist.all_reduce(buf)
+    if kind == "all_to_all":
+        inp, out = torch.ones(elems // world, device=dev), torch.empty(elems // world, device=dev)
+        return lambda: dist.all_to_all_single(out, inp)
+    if kind == "p2p":
+        n = max(1, nbytes // 4)
+        send, recv = torch.ones(n, device=dev), torch.empty(n, device=dev)
+        right, left = (rank + 1) % world, (rank - 1) % world
+
+        def ring_shift():
+            ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
+            for r in dist.batch_isend_irecv(ops):
+                r.wait()
+        return ring_shift
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _matmul_rates(dev, iters: int = 3) -> list[dict]:
+    out = []
+    for dt in MATMUL_DTYPES:
+        shapes = MATMUL_SHAPES if dt != "fp16" else MATMUL_SHAPES[:2]  # CPU fp16 GEMM is slow
+        for m, n, k in shapes:
+            a = torch.randn(m, n, device=dev, dtype=_TORCH_DTYPE[dt])
+            b = torch.randn(n, k, device=dev, dtype=_TORCH_DTYPE[dt])
+            torch.mm(a, b)
+            _sync(dev)
+            best = float("inf")
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                torch.mm(a, b)
+                _sync(dev)
+                best = min(best, time.perf_counter() - t0)
+            out.append({"m": m, "n": n, "k": k, "dtype": dt, "seconds": best,
+                        "flops_per_s": 2.0 * m * n * k / best})
+    return out
+
+
+def _mem_bw(dev, nbytes: int = 64 << 20) -> float:
+    x = torch.ones(nbytes // 4, device=dev)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    _sync(dev)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        y.copy_(x)
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * nbytes / best  # a copy reads and writes every byte
+
+
+def _worker(rank: int, world: int, port: int, task: dict, result_path: str) -> None:
+    import torch.distributed as dist
+
+    use_cuda = task["backend"] == "nccl"
+    if use_cuda:
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    else:
+        # Ranks share the cores: give each its share so they do not oversubscribe.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dev = torch.device("cpu")
+    dist.init_process_group(task["backend"], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=task["op_timeout_s"]))
+    try:
+        result: dict = {"samples": []}
+        if task.get("matmul"):
+            dist.barrier()
+            rates = _matmul_rates(dev)
+            bw = _mem_bw(dev)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw})
+            result["per_rank"] = gathered
+        cases = [(kind, nbytes) for kind in task["kinds"] for nbytes in task["sizes"]]
+        fns = [_collective_fn(kind, nbytes, rank, world, dev) for kind, nbytes in cases]
+        secs = _time_ops(fns, task["iters"], dev)
+        result["samples"] = [[kind, nbytes, t] for (kind, nbytes), t in zip(cases, secs)]
+        if rank == 0:
+            with open(result_path, "w") as fh:
+                json.dump(result, fh)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_spawned(world_size: int, task: dict, timeout_s: float) -> dict:
+    """Run ``_worker`` on ``world_size`` fresh processes; return rank 0's result.
+    Kills every child and raises on failure or when ``timeout_s`` passes."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        ctx = mp.spawn(_worker, args=(world_size, _free_port(), task, path), nprocs=world_size,
+                       join=False)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"calibration on {world_size} {task['backend']} ranks did not "
+                                       f"finish within {timeout_s:.0f} s; all ranks were killed. "
+                                       f"Use fewer --sizes or a larger timeout.")
+        except BaseException:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(5)
+            raise
+        with open(path) as fh:
+            return json.load(fh)
+
+
+def measure_collectives(world_size: int = 4, sizes=DEFAULT_SIZES, kinds=KINDS, iters: int = 5,
+                        backend: str | None = None, timeout_s: float = 300.0) -> list[tuple[str, int, float]]:
+    """Fresh (kind, nbytes, seconds) samples, measured like ``calibrate`` does."""
+    task = {"backend": backend or _default_backend(world_size), "kinds": list(kinds),
+            "sizes": [int(s) for s in sizes], "iters": iters, "matmul": False,
+            "op_timeout_s": max(30, int(timeout_s))}
+    return [tuple(s) for s in run_spawned(world_size, task, timeout_s)["samples"]]
+
+
+def _default_backend(world_size: int) -> str:
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAULT_SIZES,
+              kinds=KINDS, iters: int = 5, backend: str | None = None,
+              timeout_s: float = 600.0) -> dict:
+    """Measure, fit and (if ``out``) write a calibration profile; returns the profile dict."""
+    if world_size < 2:
+        raise ValueError("calibration needs at least 2 ranks to time collectives")
+    if len(sizes) < 2:
+        raise ValueError("need at least two message sizes to fit alpha and beta")
+    backend = backend or _default_backend(world_size)
+    task = {"backend": backend, "kinds": list(kinds), "sizes": [int(s) for s in sizes],
+            "iters": iters, "matmul": True, "op_timeout_s": max(30, int(timeout_s))}
+    res = run_spawned(world_size, task, timeout_s)
+    samples = [tuple(s) for s in res["samples"]]
+
+    # Device: per dtype the best shape's median-over-ranks rate.
+    per_rank = res["per_rank"]
+    rows = []
+    for i, row in enumerate(per_rank[0]["matmul"]):
+        rates = [r["matmul"][i]["flops_per_s"] for r in per_rank]
+        rows.append({**row, "flops_per_s": statistics.median(rates)})
+    peak = {dt: max(r["flops_per_s"] for r in rows if r["dtype"] == dt) for dt in MATMUL_DTYPES}
+    # tf32 is a CUDA matmul mode; elsewhere fp32 runs at the fp32 rate.
+    peak["tf32"] = peak["fp32"]
+    if backend == "nccl":
+        dev_name = torch.cuda.get_device_name(0)
+        mem_bytes = torch.cuda.get_device_properties(0).total_memory
+    else:
+        dev_name = "cpu"
+        from stpc.cost_models.devices import get_device
+        mem_bytes = get_device("CPU").mem_bytes
+    device = {"name": f"calibrated-{dev_name}", "peak_flops": peak, "efficiency": 1.0,
+              "mem_bw": statistics.median(r["mem_bw"] for r in per_rank), "mem_bytes": mem_bytes}
+
+    collectives = {}
+    for kind in kinds:
+        ks = [s for s in samples if s[0] == kind]
+        alpha, bw, err = fit_alpha_beta(ks, world_size)
+        collectives[kind] = {"alpha_s": alpha, "bw_bytes_per_s": bw, "rel_rms": err,
+                             "samples": [[nb, t] for _, nb, t in ks], "bands": fit_bands(ks, world_size)}
+    alpha, bw, err = fit_alpha_beta(samples, world_size)
+    profile = {"version": 1, "name": f"calibrated-{socket.gethostname()}-{backend}-{world_size}",
+               "backend": backend, "ranks": world_size, "torch": torch.__version__,
+               "device": device, "matmul": rows,
+               "link": {"alpha_s": alpha, "bw_bytes_per_s": bw, "rel_rms": err},
+               "collectives": collectives}
+    if out:
+        save_profile(profile, out)
+    return profile
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if mult > 1 else text) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 256K, 4M, 65536") from None
+
+
+def main_calibrate(argv: list[str]) -> int:
+    """``python -m stpc calibrate [--out profile.json] [--ranks 4] [--sizes 256K,4M,64M]``."""
+    ap = argparse.ArgumentParser(prog="stpc calibrate",
+                                 description="Measure matmul and collective performance on this "
+                                             "machine and write a cost-model profile (JSON).")
+    ap.add_argument("--out", default="profile.json", help="profile path (default: profile.json)")
+    ap.add_argument("--ranks", type=int, default=4, help="local ranks to spawn (default: 4)")
+    ap.add_argument("--sizes", default=None,
+                    help="comma-separated message sizes, e.g. 64K,1M,16M (default: 64 KiB..64 MiB)")
+    ap.add_argument("--iters", type=int, default=5, help="timed windows per size (default: 5)")
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                    help="default: nccl when enough GPUs, else gloo")
+    ap.add_argument("--timeout", type=float, default=600.0, help="hard limit in seconds (default: 600)")
+    args = ap.parse_args(argv)
+    try:
+        sizes = [_parse_size(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
+    except argparse.ArgumentTypeError as exc:
+        ap.error(str(exc))  # exits with status 2 and the usage line
+    try:
+        prof = calibrate(args.ranks, args.out, sizes=sizes, iters=args.iters, backend=args.backend,
+                         timeout_s=args.timeout)
+    except (RuntimeError, ValueError) as exc:
+        print(f"stpc calibrate: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} ({prof['backend']}, {prof['ranks']} ranks)")
+    print("| collective | alpha (us) | bandwidth (GB/s) | fit rms rel. error |")
+    print("|---|---|---|---|")
+    for kind, c in prof["collectives"].items():
+        print(f"| {kind} | {c['alpha_s'] * 1e6:.1f} | {c['bw_bytes_per_s'] / 1e9:.3f} | {c['rel_rms']:.1%} |")
+    print("| matmul dtype | GFLOP/s per rank |")
+    print("|---|---|")
+    for dt, v in prof["device"]["peak_flops"].items():
+        print(f"| {dt} | {v / 1e9:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_calibrate(sys.argv[1:]))

@@ -1,0 +1,148 @@
+"""Costs of strategies and of resharding, from ``stpc.cost_models``.
+
+Every number is modelled seconds (or bytes) for one training step:
+forward + backward (dI) + gradient (dW) phases.
+
+Resharding along an edge, per mesh axis, from the producer's token ``p`` to the
+token ``q`` the consumer needs, for a tensor of ``nbytes`` (already divided by
+the splits on the other axes); forward cost plus the cost of its autograd dual
+in backward (only when the tensor needs a gradient):
+
+  p -> q            forward            backward
+  same              -                  all-reduce if q is R and the consumer splits
+                                       its work on this axis (Megatron's "f")
+  R -> S/grid       local slice        all-gather
+  R -> P            local (rank 0)     -
+  S -> R            all-gather         reduce-scatter if the consumer splits, else slice
+  S -> S', grid     all-to-all         all-to-all
+  P -> R            all-reduce         -
+  P -> S/grid       reduce-scatter     all-gather
+  B -> X (same dims) one P2P skew      one P2P skew   (PrimePar: next layer's input)
+  S/grid -> P       via R: all-gather  as S -> R
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from stpc.cost_models import CostModel
+from stpc.placement import PARTIAL, REPLICATE, parse, shard_factor
+from stpc.strategies import Strategy, aten
+
+_MATMUL = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def axis_reshard(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
+                 needs_grad: bool) -> float:
+    """Seconds to turn token ``p`` into ``q`` on one axis, forward plus backward dual."""
+    if cm.mesh_shape[axis] == 1:
+        return 0.0
+    if p == q:
+        return cm.all_reduce(nbytes, axis) if (q == REPLICATE and consumer_split and needs_grad) else 0.0
+    pk, qk = p[0], q[0]
+    if pk == "R":
+        return cm.all_gather(nbytes, axis) if (qk != "P" and needs_grad) else 0.0
+    if pk == "P":
+        if qk == "R":
+            return cm.all_reduce(nbytes, axis)
+        return cm.reduce_scatter(nbytes, axis) + (cm.all_gather(nbytes, axis) if needs_grad else 0.0)
+    # p is a split (S or a grid token)
+    if qk in "RP":
+        fwd = cm.all_gather(nbytes, axis)
+        bwd = cm.reduce_scatter(nbytes, axis) if (consumer_split or qk == "P") else 0.0
+        return fwd + (bwd if needs_grad else 0.0)
+    if pk == "B" and qk == "X" and parse(p)[1] == parse(q)[1]:
+        step = cm.p2p(nbytes / cm.mesh_shape[axis], axis)
+        return step * (2 if needs_grad else 1)
+    return cm.all_to_all(nbytes, axis) * (2 if needs_grad else 1)
+
+
+def reshard_cost(cm: CostModel, src: tuple[str, ...], dst: tuple[str, ...], full_bytes: float,
+                 consumer_split: tuple[bool, ...], needs_grad: bool) -> float:
+    """Seconds to reshard a tensor of ``full_bytes`` from ``src`` to ``dst`` (sum over axes)."""
+    if src == dst and not any(consumer_split):
+        return 0.0
+    mesh = cm.mesh_shape
+    total = 0.0
+    for a in range(len(mesh)):
+        if src[a] == dst[a] and not (dst[a] == REPLICATE and consumer_split[a]):
+            continue
+        nbytes = full_bytes / shard_factor(src, mesh, skip_axis=a)
+        total += axis_reshard(cm, a, src[a], dst[a], nbytes, consumer_split[a], needs_grad)
+    return total
+
+
+def _work_split(s: Strategy, mesh) -> int:
+    return math.prod(n for n, sp in zip(mesh, s.split_axes()) if sp)
+
+
+def node_time(node, s: Strategy, cm: CostModel, operand_grad: list[bool], is_param: list[bool]) -> float:
+    """Modelled seconds of one node under strategy ``s``: forward, backward (dI) and
+    gradient (dW) phases; temporal families include their overlapped ring transfers."""
+    mesh = cm.mesh_shape
+    val = node.meta["val"]
+    dt = dtype_name(val.dtype) if isinstance(val, torch.Tensor) else "fp32"
+    split = _work_split(s, mesh)
+    flops = node.meta.get("flops", 0) / split
+    moved = (node.meta.get("bytes_read", 0) + node.meta.get("bytes_written", 0)) / split
+    fwd = cm.compute(flops, moved, dt)
+    needs_bwd = any(operand_grad)
+    if node.target in _MATMUL:
+        bwd = fwd if (operand_grad and operand_grad[0]) else 0.0
+        grad = fwd if (len(operand_grad) > 1 and operand_grad[1]) else 0.0
+    else:
+        bwd = cm.compute(flops, 2 * moved, dt) if needs_bwd else 0.0
+        grad = 0.0
+    if s.kind in ("spatial", "replicate-fallback"):
+        return fwd + bwd + grad
+    a = s.axis
+    n = mesh[a]
+    x_val = node.args[0].meta["val"]
+    x_local = x_val.numel() * x_val.element_size() / shard_factor(s.ins[0], mesh)
+    out_local = val.numel() * val.element_size() / shard_factor(s.out, mesh)
+    if s.kind == "ag_ring":
+        # n steps; each moves one block of x (fwd, and again for dW) or of dI (bwd).
+        blk = x_local
+        step = cm.p2p(blk, a)
+        return n * (cm.ring_step(fwd / n, step) + cm.ring_step(bwd / n, step) + cm.ring_step(grad / n, step))
+    if s.kind == "rs_ring":
+        # fwd: accumulator blocks of the output travel; bwd+grad: one AG ring over dO blocks.
+        step = cm.p2p(out_local, a)
+        return n * (cm.ring_step(fwd / n, step) + cm.ring_step((bwd + grad) / n, step))
+    if s.kind == "p2x2":
+        g = math.isqrt(n)
+        w_val = node.args[1].meta["val"]
+        w_local = w_val.numel() * w_val.element_size() / shard_factor(s.ins[1], mesh)
+        # Per step both an activation block and a weight block move (fwd: I and W;
+        # bwd: dO and W; grad: I and dO), on different neighbours, in parallel.
+        step_f = cm.p2p(max(x_local, w_local), a)
+        step_b = cm.p2p(max(out_local, w_local), a)
+        step_g = cm.p2p(max(x_local, out_local), a)
+        return g * (cm.ring_step(fwd / g, step_f) + cm.ring_step(bwd / g, step_b)
+                    + cm.ring_step(grad / g, step_g))
+    raise ValueError(f"unknown strategy family {s.kind!r}")
+
+
+def local_bytes(val, placement: tuple[str, ...], mesh) -> float:
+    return val.numel() * val.element_size() / shard_factor(placement, mesh)
+
+
+def transient_bytes(node, s: Strategy, mesh) -> float:
+    """Working set while the node runs: its local inputs and output, plus the two
+    in-flight ring buffers of a temporal family."""
+    from stpc.strategies import tensor_operands
+    ops = tensor_operands(node)
+    total = local_bytes(node.meta["val"], s.out, mesh) if isinstance(node.meta["val"], torch.Tensor) else 0
+    for o, p in zip(ops, s.ins):
+        total += local_bytes(o.meta["val"], p, mesh)
+    if s.kind != "spatial" and s.kind != "replicate-fallback":
+        total += 2 * local_bytes(ops[0].meta["val"], s.ins[0], mesh)
+    return total
+
+
+__all__ = ["reshard_cost", "node_time", "transient_bytes", "local_bytes", "axis_reshard", "PARTIAL"]

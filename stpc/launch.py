@@ -1,0 +1,231 @@
+"""A small multi-rank launcher: run a function on N real gloo processes.
+
+Used by the multi-rank tests, the demo and calibration. It is deliberately
+not torchrun: tests need the per-rank return values back in the parent, a
+hard timeout, and a failure report that names the rank.
+
+    results = spawn(fn, world_size, *args, timeout_s=120)
+
+runs ``fn(rank, world_size, *args)`` in ``world_size`` processes started with
+the "spawn" method (never fork: the parent may hold threads / OpenMP pools),
+each with a gloo process group on ``tcp://127.0.0.1:<free port>``. ``fn`` and
+``args`` must be picklable (a module-level function). Returns the list of
+per-rank return values (picklable), in rank order.
+
+Guarantees: never hangs (a deadline covers start-up, the run and the
+collection of results; on expiry every child is killed and
+:class:`SpawnTimeout` is raised), never leaves orphans (all children are
+killed before any error propagates), and a failing rank raises
+:class:`SpawnError` carrying the rank and its traceback. When several ranks
+fail (one rank's exception typically breaks its peers' P2P/collectives), the
+earliest failure is reported and the others are listed as consequences.
+
+Each rank exits with ``os._exit`` right after reporting (its atexit handlers
+run first): the interpreter teardown of a torch process costs seconds per
+rank on a small machine and buys nothing here.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue as queue_mod
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+__all__ = ["spawn", "free_port", "SpawnError", "SpawnTimeout"]
+
+
+# After the first failure, how long to wait for the other ranks' reports, to
+# tell the root cause from the peers that failed because of it.
+_FAILURE_GRACE_S = 2.0
+
+
+class SpawnError(RuntimeError):
+    """A rank raised (or died); ``.rank`` and ``.remote_traceback`` say which and why."""
+
+    def __init__(self, rank: int, remote_traceback: str):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
+
+
+class SpawnTimeout(TimeoutError):
+    """The ranks did not all finish before the deadline; all were killed."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
+            timeout_s: float, results: Any) -> None:
+    # One thread per rank: ranks share the machine's few cores, and OpenMP
+    # oversubscription makes start-up and every matmul slower, not faster.
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    initialised = False
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            # a collective stuck on a dead peer fails instead of hanging
+            timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
+        )
+        initialised = True
+        value = fn(rank, world_size, *args)
+        # plain pickle (not torch's shared-memory reductions): the payload
+        # must outlive this process, which exits right after.
+        report, code = (rank, True, pickle.dumps(value), time.time()), 0
+    except BaseException:  # report everything, including SystemExit/KeyboardInterrupt
+        # stamp the failure before tearing the group down: the teardown is
+        # what makes the peers fail, and the parent ranks failures by time
+        report, code = (rank, False, traceback.format_exc(), time.time()), 1
+    if initialised:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the report matters more than a clean teardown
+            pass
+    results.put(report)
+    _fast_exit(results, code)
+
+
+def _fast_exit(results: Any, code: int) -> None:
+    """Exit without the interpreter's teardown of torch's ~2,000 modules
+    (seconds per rank on a loaded machine), but only after the report is
+    flushed to the parent and the atexit handlers (e.g. inductor's compile
+    worker pools, so no grandchild is orphaned) have run."""
+    import atexit
+
+    results.close()
+    results.join_thread()  # the report is in the pipe
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _kill_all(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+
+    Raises :class:`SpawnError` naming the first rank that failed (with its
+    traceback), or :class:`SpawnTimeout` if not all ranks returned within
+    ``timeout_s`` seconds. In every case all child processes are gone when
+    this returns or raises.
+    """
+    if world_size < 1:
+        raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = []
+    # Children inherit the environment at start: OMP_NUM_THREADS must be set
+    # before torch is imported there, which happens while unpickling fn.
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_worker,
+                args=(fn, rank, world_size, port, args, timeout_s, results),
+                name=f"stpc-rank{rank}",
+            )
+            p.start()
+            procs.append(p)
+    except BaseException:
+        _kill_all(procs)
+        raise
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    exited_quietly: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    values: dict[int, Any] = {}
+    failures: dict[int, tuple[float, str]] = {}  # rank -> (wall time of failure, traceback)
+    grace_end = None
+    try:
+        while len(values) + len(failures) < world_size:
+            now = time.monotonic()
+            if grace_end is not None and now >= grace_end:
+                break
+            if now >= deadline:
+                if failures:
+                    break
+                missing = sorted(set(range(world_size)) - set(values))
+                raise SpawnTimeout(
+                    f"spawn: ranks {missing} of {world_size} did not finish within {timeout_s} s "
+                    f"(deadlock in a collective/P2P sequence?); all ranks were killed"
+                )
+            try:
+                rank, ok, payload, when = results.get(timeout=min(0.2, deadline - now))
+            except queue_mod.Empty:
+                # a rank that died without reporting (segfault, OOM kill) would
+                # otherwise leave us waiting for the full timeout; its report
+                # may still be in the pipe, so only count it after a quiet poll
+                for r, p in enumerate(procs):
+                    if r in values or r in failures or p.is_alive() or p.exitcode in (0, None):
+                        continue
+                    if r in exited_quietly:
+                        # a silent death is the likeliest root cause: peers fail
+                        # through Python exceptions, which are reported
+                        failures[r] = (float("-inf"), f"process exited with code {p.exitcode} without reporting")
+                    else:
+                        exited_quietly.add(r)
+                if failures and grace_end is None:
+                    grace_end = time.monotonic() + _FAILURE_GRACE_S
+                continue
+            if ok:
+                values[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = (when, payload)
+                if grace_end is None:
+                    grace_end = time.monotonic() + _FAILURE_GRACE_S
+        if failures:
+            # One rank's exception usually makes its peers fail too (a P2P or
+            # collective sees the connection close); the root cause is the
+            # earliest failure, not the first report to arrive.
+            first = min(failures, key=lambda r: failures[r][0])
+            others = sorted(set(failures) - {first})
+            tb = failures[first][1]
+            if others:
+                tb += f"\n(ranks {others} failed after it, probably as a consequence)"
+            raise SpawnError(first, tb)
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        return [values[r] for r in range(world_size)]
+    finally:
+        _kill_all(procs)
+        results.close()
+        results.join_thread()

@@ -1,0 +1,95 @@
+"""Placements: how one tensor lies over the mesh, one token per mesh axis.
+
+The vocabulary is torch.distributed.tensor's, written as short strings so plans
+are JSON and hashing is cheap:
+
+  "R"        Replicate()
+  "S{d}"     Shard(d)
+  "P"        Partial() (sum)
+
+plus three tokens for PrimePar's P(2^k x 2^k) on an axis of 4^k devices viewed
+as a 2^k x 2^k grid, device (r, c) = axis rank r*2^k + c, over tensor dims i, j:
+
+  "B{i}.{j}"  block (r, c): dim i split over grid rows, dim j over columns
+              (the output layout of a P2x2 linear)
+  "X{i}.{j}"  skewed block (r, r+c): the input layout of a P2x2 linear
+  "W{i}.{j}"  skewed block (c, r+c): the weight layout ([K, N], torch's
+              out x in order) of a P2x2 linear
+
+A placement is a tuple of tokens, e.g. ("S0", "S2") on a 2-D mesh.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+REPLICATE = "R"
+PARTIAL = "P"
+
+
+def shard(d: int) -> str:
+    return f"S{d}"
+
+
+def block(kind: str, i: int, j: int) -> str:
+    return f"{kind}{i}.{j}"
+
+
+@lru_cache(maxsize=None)
+def parse(token: str) -> tuple[str, tuple[int, ...]]:
+    """``"S2" -> ("S", (2,))``, ``"X1.2" -> ("X", (1, 2))``, ``"R" -> ("R", ())``."""
+    kind, rest = token[0], token[1:]
+    return kind, tuple(int(x) for x in rest.split(".")) if rest else ()
+
+
+def is_grid(token: str) -> bool:
+    return token[0] in "BXW"
+
+
+def dims_split(token: str) -> tuple[int, ...]:
+    return parse(token)[1]
+
+
+def local_shape(shape: tuple[int, ...], placement: tuple[str, ...], mesh: tuple[int, ...]) -> tuple[int, ...]:
+    """Per-device shape of a tensor of ``shape`` under ``placement`` (even splits assumed)."""
+    out = list(shape)
+    for tok, n in zip(placement, mesh):
+        kind, dims = parse(tok)
+        if kind == "S":
+            out[dims[0]] //= n
+        elif kind in "BXW":
+            g = math.isqrt(n)
+            for d in dims:
+                out[d] //= g
+    return tuple(out)
+
+
+def shard_factor(placement: tuple[str, ...], mesh: tuple[int, ...], skip_axis: int = -1) -> int:
+    """How many pieces the tensor's data is cut into (R and P keep it whole)."""
+    f = 1
+    for a, (tok, n) in enumerate(zip(placement, mesh)):
+        if a != skip_axis and tok[0] in "SBXW":
+            f *= n
+    return f
+
+
+def fits(shape: tuple[int, ...], placement: tuple[str, ...], mesh: tuple[int, ...]) -> bool:
+    """Every split divides its dim evenly (the runtime shards evenly)."""
+    need = [1] * len(shape)
+    for tok, n in zip(placement, mesh):
+        kind, dims = parse(tok)
+        if kind == "S":
+            if dims[0] >= len(shape):
+                return False
+            need[dims[0]] *= n
+        elif kind in "BXW":
+            g = math.isqrt(n)
+            if g * g != n or any(d >= len(shape) for d in dims):
+                return False
+            for d in dims:
+                need[d] *= g
+    return all(s % k == 0 for s, k in zip(shape, need))
+
+
+def fmt(placement: tuple[str, ...]) -> str:
+    return "(" + ",".join(placement) + ")"

@@ -1,0 +1,206 @@
+"""solve: pick one choice per group minimising modelled step time under a memory budget.
+
+The solver sees an abstract :class:`Problem` — integers only, no torch, no
+torch.distributed — so it can be tested against brute force on random
+instances.
+
+Integer scaling: times are integer nanoseconds, memory integer bytes. Rounding
+each term to 1 ns changes a step time of milliseconds by far less than the cost
+model's own error; the optimum is exact for the rounded costs.
+
+CP-SAT model
+  x[g,c]  Boolean, exactly one per group (groups with one choice get no variable)
+  e[k,p,q] Boolean per edge k and class pair (p, q), the transport linearisation:
+          sum_q e[k,p,q] = sum_{c in class p} x[u,c]
+          sum_p e[k,p,q] = sum_{c in class q} x[v,c]
+          (exact for 0/1 values; its LP relaxation is tight on trees)
+  T       integer >= transient of the chosen choice of every group (the max)
+  memory  sum mem[g,c] x[g,c] + T <= budget
+  minimise sum cost[g,c] x[g,c] + sum cost[k,p,q] e[k,p,q]
+Edges carry class maps so that the variables scale with the number of distinct
+placements, not with the product of strategy counts.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+
+
+@dataclass
+class Edge:
+    u: int
+    v: int
+    ucls: tuple[int, ...]            # choice of u -> class
+    vcls: tuple[int, ...]            # choice of v -> class
+    table: dict[tuple[int, int], int]  # (class of u, class of v) -> ns (missing = 0)
+
+
+@dataclass
+class Problem:
+    cost: list[list[int]]            # per group, per choice: ns
+    mem: list[list[int]] = None      # per group, per choice: persistent bytes per device
+    transient: list[list[int]] = None  # per group, per choice: working-set bytes
+    edges: list[Edge] = field(default_factory=list)
+    budget: int | None = None        # bytes per device
+
+    def __post_init__(self):
+        n = [len(c) for c in self.cost]
+        if self.mem is None:
+            self.mem = [[0] * k for k in n]
+        if self.transient is None:
+            self.transient = [[0] * k for k in n]
+
+    def evaluate(self, choice: list[int]) -> tuple[int, int]:
+        """(objective ns, peak bytes) of a full assignment."""
+        obj = sum(self.cost[g][c] for g, c in enumerate(choice))
+        for e in self.edges:
+            obj += e.table.get((e.ucls[choice[e.u]], e.vcls[choice[e.v]]), 0)
+        mem = sum(self.mem[g][c] for g, c in enumerate(choice))
+        mem += max((self.transient[g][c] for g, c in enumerate(choice)), default=0)
+        return obj, mem
+
+
+@dataclass
+class Solution:
+    choice: list[int]
+    objective_ns: int
+    peak_bytes: int
+    status: str
+    solve_time_s: float
+    num_variables: int
+    num_constraints: int
+
+
+class InfeasibleBudget(ValueError):
+    """No assignment fits the memory budget; ``min_budget`` is the smallest that does."""
+
+    def __init__(self, budget: int, min_budget: int):
+        self.budget, self.min_budget = budget, min_budget
+        super().__init__(
+            f"no plan fits the memory budget of {budget / 2**30:.3f} GiB per device; the smallest "
+            f"feasible budget is {min_budget / 2**30:.3f} GiB ({min_budget} bytes). "
+            "Raise --budget-gib, use more devices, or a smaller batch/sequence.")
+
+
+def _build(p: Problem, minimise_memory: bool):
+    m = cp_model.CpModel()
+    x = []
+    for g, costs in enumerate(p.cost):
+        if len(costs) == 1:
+            x.append(None)
+            continue
+        vs = [m.NewBoolVar(f"x{g}_{c}") for c in range(len(costs))]
+        m.AddExactlyOne(vs)
+        x.append(vs)
+
+    def chosen(g, c):  # linear expression for "group g takes choice c"
+        return x[g][c] if x[g] is not None else 1
+
+    obj = []
+    const = 0
+    for g, costs in enumerate(p.cost):
+        if x[g] is None:
+            const += costs[0]
+        else:
+            obj += [costs[c] * x[g][c] for c in range(len(costs)) if costs[c]]
+    n_edge_vars = 0
+    for k, e in enumerate(p.edges):
+        if not any(e.table.values()):
+            continue
+        ucls, vcls = e.ucls, e.vcls
+        P = sorted(set(ucls))
+        Q = sorted(set(vcls))
+        if x[e.u] is None and x[e.v] is None:
+            const += e.table.get((ucls[0], vcls[0]), 0)
+            continue
+        if e.u == e.v:  # a self-edge (tied layers): both ends take the same choice
+            obj += [e.table.get((ucls[c], vcls[c]), 0) * x[e.u][c] for c in range(len(ucls))
+                    if e.table.get((ucls[c], vcls[c]), 0)]
+            continue
+        if x[e.u] is None:
+            obj += [e.table.get((ucls[0], vcls[c]), 0) * x[e.v][c] for c in range(len(vcls))
+                    if e.table.get((ucls[0], vcls[c]), 0)]
+            continue
+        if x[e.v] is None:
+            obj += [e.table.get((ucls[c], vcls[0]), 0) * x[e.u][c] for c in range(len(ucls))
+                    if e.table.get((ucls[c], vcls[0]), 0)]
+            continue
+        # Transport (local-polytope) linearisation: one Boolean per class pair, whose
+        # row sums are the producer's class indicators and column sums the consumer's.
+        # Its LP relaxation is tight on trees, which keeps CP-SAT's bound strong.
+        ev = {(pc, qc): m.NewBoolVar(f"e{k}_{pc}_{qc}") for pc in P for qc in Q}
+        n_edge_vars += len(ev)
+        for pc in P:
+            m.Add(sum(ev[pc, qc] for qc in Q) == sum(x[e.u][c] for c in range(len(ucls)) if ucls[c] == pc))
+        for qc in Q:
+            m.Add(sum(ev[pc, qc] for pc in P) == sum(x[e.v][c] for c in range(len(vcls)) if vcls[c] == qc))
+        obj += [w * ev[pq] for pq, w in sorted(e.table.items()) if w and pq in ev]
+    mem_terms = []
+    mem_const = 0
+    for g, mems in enumerate(p.mem):
+        if x[g] is None:
+            mem_const += mems[0]
+        else:
+            mem_terms += [mems[c] * x[g][c] for c in range(len(mems)) if mems[c]]
+    t_max = max((max(t) for t in p.transient), default=0)
+    T = m.NewIntVar(0, max(t_max, 0), "transient")
+    for g, ts in enumerate(p.transient):
+        if x[g] is None:
+            m.Add(T >= ts[0])
+        elif any(ts):
+            m.Add(T >= sum(ts[c] * x[g][c] for c in range(len(ts))))
+    memory = sum(mem_terms) + T + mem_const
+    if minimise_memory:
+        m.Minimize(memory)
+    else:
+        if p.budget is not None:
+            m.Add(memory <= p.budget)
+        m.Minimize(sum(obj) + const)
+    return m, x, n_edge_vars
+
+
+def solve(p: Problem, time_limit_s: float = 120.0) -> Solution:
+    """Exact CP-SAT solve; deterministic (one worker, fixed seed)."""
+    t0 = time.perf_counter()
+    m, x, n_edge_vars = _build(p, minimise_memory=False)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_time_in_seconds = time_limit_s
+    status = solver.Solve(m)
+    if status == cp_model.INFEASIBLE:
+        raise InfeasibleBudget(p.budget, min_memory(p))
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise RuntimeError(f"CP-SAT returned {solver.StatusName(status)} within {time_limit_s}s")
+    choice = [0 if xs is None else next(c for c, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x]
+    obj, peak = p.evaluate(choice)
+    proto = m.Proto()
+    return Solution(choice=choice, objective_ns=obj, peak_bytes=peak, status=solver.StatusName(status),
+                    solve_time_s=time.perf_counter() - t0, num_variables=len(proto.variables),
+                    num_constraints=len(proto.constraints))
+
+
+def min_memory(p: Problem) -> int:
+    """The smallest per-device peak any assignment reaches (for the infeasibility message)."""
+    m, x, _ = _build(p, minimise_memory=True)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_time_in_seconds = 60
+    solver.Solve(m)
+    return int(round(solver.ObjectiveValue()))
+
+
+def brute_force(p: Problem) -> tuple[int, list[int]] | None:
+    """Exhaustive optimum for tiny problems (tests): (objective, choice) or None if infeasible."""
+    best = None
+    for choice in itertools.product(*(range(len(c)) for c in p.cost)):
+        obj, mem = p.evaluate(list(choice))
+        if p.budget is not None and mem > p.budget:
+            continue
+        if best is None or obj < best[0]:
+            best = (obj, list(choice))
+    return best

@@ -1,0 +1,452 @@
+"""strategies: the candidate partitions of every node.
+
+Each aten op is described by an einsum-like :class:`OpSpec` — one label per
+dimension of every tensor operand and of the output, which labels may be split,
+which are contracted (splitting them leaves a Partial output) — and the
+enumerator takes the product over mesh axes of the per-axis options:
+
+  replicate            every operand and the output R
+  shard label L        operands holding L get S(dim of L), the output S(dim of L)
+  contract label L     operands holding L get S(dim of L), the output P
+  partial pass-through linear elementwise ops keep a Partial input Partial
+  block (2-D)          elementwise ops on a 4^k axis keep PrimePar's B layout
+
+Matmul-like nodes (aten.linear) also get the spatial-temporal families of
+shared/DESIGN.md on one axis: ``ag_ring`` (all-gather fused into the matmul),
+``rs_ring`` (reduce-scatter fused into the matmul) and ``p2x2`` (PrimePar's
+P(2^k x 2^k) on an axis of 4^k devices). Ops with no rule get one all-replicate
+strategy and are reported (``FALLBACK``).
+
+Views and unary elementwise ops are *followers*: they have no choice of their
+own; :func:`follow` maps the producer's placement through them.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from stpc.placement import PARTIAL, REPLICATE, block, fits, parse, shard
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node on the mesh.
+
+    ``ins`` has one placement per tensor operand (in ``tensor_operands`` order),
+    ``out`` the output placement. ``kind`` is the family: ``spatial``,
+    ``ag_ring``, ``rs_ring``, ``p2x2`` or ``replicate-fallback``; ``axis`` the
+    mesh axis a temporal family runs on (-1 for spatial).
+    """
+
+    out: tuple[str, ...]
+    ins: tuple[tuple[str, ...], ...]
+    kind: str = "spatial"
+    axis: int = -1
+
+    def split_axes(self) -> tuple[bool, ...]:
+        """Per axis: is the work divided (any operand or the output not replicated)?"""
+        n = len(self.out)
+        return tuple(self.out[a] != REPLICATE or any(p[a] != REPLICATE for p in self.ins)
+                     for a in range(n))
+
+    def describe(self) -> str:
+        tag = "" if self.kind == "spatial" else f"{self.kind}@{self.axis} "
+        return tag + "(" + ",".join(self.out) + ")"
+
+
+@dataclass
+class OpSpec:
+    """Labels of each tensor operand and the output; which labels may be split."""
+
+    ins: list[tuple[str, ...]]
+    out: tuple[str, ...]
+    contract: frozenset = frozenset()   # splitting these gives a Partial output
+    fixed: frozenset = frozenset()      # never split (normalised dims, softmax dims, ...)
+    partial: str = ""                   # "all": P in all operands -> P out; "first": P in operand 0 only
+    grid: bool = False                  # may keep PrimePar's B layout over the last two dims
+    kind: str = "spatial"
+
+
+# --------------------------------------------------------------------- op tables
+
+_UNARY_LINEAR = {aten.neg.default, aten.clone.default, aten._to_copy.default, aten.alias.default,
+                 aten.contiguous.default if hasattr(aten, "contiguous") else aten.clone.default,
+                 aten.lift_fresh_copy.default, aten.detach.default, aten.to.dtype, aten.to.dtype_layout,
+                 aten.type_as.default}
+_UNARY = {aten.gelu.default, aten.relu.default, aten.silu.default, aten.sigmoid.default,
+          aten.tanh.default, aten.exp.default, aten.log.default, aten.rsqrt.default, aten.sqrt.default,
+          aten.cos.default, aten.sin.default, aten.pow.Tensor_Scalar, aten.dropout.default,
+          aten.masked_fill.Scalar, aten.pow.Scalar, aten.reciprocal.default, aten.abs.default,
+          aten.gelu.default} | _UNARY_LINEAR
+_SCALAR_LINEAR = {aten.mul.Scalar, aten.div.Scalar}
+_BINARY_ADD = {aten.add.Tensor, aten.sub.Tensor}
+_BINARY_MUL = {aten.mul.Tensor, aten.div.Tensor}
+_BINARY = _BINARY_ADD | _BINARY_MUL | {aten.where.self, aten.masked_fill.Tensor, aten.maximum.default,
+                                       aten.minimum.default}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+          aten.permute.default, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+          aten.expand.default, aten.slice.Tensor, aten.select.int, aten.repeat_interleave.self_int,
+          aten.flatten.using_ints}
+_CONSTANT = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
+             aten.zeros.default, aten.full.default, aten.scalar_tensor.default, aten.empty.memory_format,
+             aten.tensor.default if hasattr(aten, "tensor") else aten.ones.default}
+_MATMUL = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default}
+
+# Ops whose backward keeps (some of) their inputs: used for activation memory.
+SAVES_INPUTS = _MATMUL | {aten.scaled_dot_product_attention.default, aten.layer_norm.default,
+                          aten.gelu.default, aten.silu.default, aten.relu.default, aten.sigmoid.default,
+                          aten.tanh.default, aten.pow.Tensor_Scalar, aten.mul.Tensor, aten.div.Tensor,
+                          aten.cross_entropy_loss.default, aten.embedding.default}
+SAVES_OUTPUT = {aten.scaled_dot_product_attention.default, aten.rsqrt.default, aten.exp.default,
+                aten.softmax.int, aten._softmax.default, aten.log_softmax.int}
+
+
+def tensor_operands(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor-valued inputs, in argument order (duplicates kept)."""
+    out = []
+    for a in itertools.chain(node.args, node.kwargs.values()):
+        for x in (a if isinstance(a, (list, tuple)) else [a]):
+            if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):
+                out.append(x)
+    return out
+
+
+def _shape(n) -> tuple[int, ...]:
+    return tuple(int(s) for s in n.meta["val"].shape)
+
+
+def _labels(prefix: str, k: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(k))
+
+
+def _broadcast_spec(operands, out_shape, fixed_dims=()) -> OpSpec:
+    """Elementwise with numpy broadcasting: labels align from the right; a size-1
+    broadcast dim gets its own label so it is never split."""
+    out = _labels("d", len(out_shape))
+    ins = []
+    for i, o in enumerate(operands):
+        shp = _shape(o)
+        lab = list(out[len(out) - len(shp):])
+        for j, s in enumerate(shp):
+            if s == 1 and out_shape[len(out) - len(shp) + j] != 1:
+                lab[j] = f"b{i}_{j}"
+        ins.append(tuple(lab))
+    fixed = frozenset(out[d] for d in fixed_dims) | frozenset(
+        l for lab in ins for l in lab if l.startswith("b"))
+    return OpSpec(ins=ins, out=out, fixed=fixed)
+
+
+def op_spec(node: fx.Node) -> OpSpec | None:
+    """The einsum-like description of ``node``'s op, or None if stpc has no rule for it."""
+    t = node.target
+    ops = tensor_operands(node)
+    out_shape = _shape(node) if isinstance(node.meta.get("val"), torch.Tensor) else ()
+    if t in (aten.linear.default,):
+        x = _labels("m", len(_shape(ops[0])) - 1) + ("n",)
+        ins = [x, ("k", "n")] + ([("k",)] if len(ops) == 3 else [])
+        return OpSpec(ins=ins, out=x[:-1] + ("k",), contract=frozenset("n"), kind="linear")
+    if t in (aten.mm.default, aten.bmm.default, aten.matmul.default):
+        a, b = _shape(ops[0]), _shape(ops[1])
+        if len(a) < 2 or len(b) != 2 and len(b) != len(a):
+            return None
+        batch = _labels("m", len(a) - 2)
+        ins = [batch + ("i", "n"), (batch if len(b) == len(a) else ()) + ("n", "k")]
+        return OpSpec(ins=ins, out=batch + ("i", "k"), contract=frozenset("n"))
+    if t is aten.scaled_dot_product_attention.default:
+        q, k, v = (_shape(o) for o in ops[:3])
+        lead = _labels("z", len(q) - 3)
+        ins = [lead + ("h", "s", "e"), lead + ("h", "t", "e"), lead + ("h", "t", "f")]
+        if len(ops) > 3:  # attention mask/bias, broadcast against [.., h, s, t]
+            m = _shape(ops[3])
+            full = lead + ("h", "s", "t")
+            lab = list(full[len(full) - len(m):])
+            for j, s in enumerate(m):
+                if s == 1:
+                    lab[j] = f"bm{j}"
+            ins.append(tuple(lab))
+        # Only batch and head dims split: a split sequence needs ring attention.
+        return OpSpec(ins=ins, out=lead + ("h", "s", "f"), fixed=frozenset({"s", "t", "e", "f"}))
+    if t is aten.layer_norm.default:
+        nd = len(node.args[1])
+        x = _labels("d", len(_shape(ops[0])))
+        norm = frozenset(x[-nd:])
+        ins = [x] + [x[-nd:]] * (len(ops) - 1)
+        return OpSpec(ins=ins, out=x, fixed=norm)
+    if t is aten.embedding.default:
+        idx = _labels("i", len(_shape(ops[1])))
+        # Splitting the vocabulary is Megatron's vocab-parallel embedding: a masked
+        # local lookup whose sum over ranks is the result (Partial).
+        return OpSpec(ins=[("v", "e"), idx], out=idx + ("e",), contract=frozenset("v"))
+    if t is aten.cross_entropy_loss.default:
+        lg = _shape(ops[0])
+        rows = _labels("t", len(lg) - 1)
+        # Row-split: each rank's mean over its rows; the pass rescales (mean of means).
+        return OpSpec(ins=[rows + ("v",), rows][: len(ops)], out=(), contract=frozenset(rows),
+                      fixed=frozenset({"v"}))
+    if t in (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default):
+        x = _labels("d", len(_shape(ops[0])))
+        dims = [d % len(x) for d in (node.args[1] if len(node.args) > 1 else range(len(x)))]
+        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        out = tuple(f"r{d}" if d in dims else l for d, l in enumerate(x)) if keep else \
+            tuple(l for d, l in enumerate(x) if d not in dims)
+        reduced = frozenset(x[d] for d in dims)
+        return OpSpec(ins=[x], out=out, contract=reduced if t is not aten.amax.default else frozenset(),
+                      fixed=frozenset(f"r{d}" for d in dims) | (reduced if t is aten.amax.default
+                                                                else frozenset()))
+    if t in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default):
+        x = _labels("d", len(_shape(ops[0])))
+        return OpSpec(ins=[x], out=x, fixed=frozenset({x[node.args[1] % len(x)]}))
+    if t is aten.cat.default:
+        dim = node.args[1] if len(node.args) > 1 else 0
+        spec = _broadcast_spec(ops, out_shape, fixed_dims=(dim % len(out_shape),))
+        return spec
+    if t in _BINARY:
+        spec = _broadcast_spec(ops, out_shape)
+        if t in _BINARY_ADD:
+            spec.partial = "all"
+        elif t in _BINARY_MUL:
+            spec.partial = "first"
+        spec.grid = t in _BINARY_ADD or t in _BINARY_MUL
+        return spec
+    if t in _UNARY or t in _SCALAR_LINEAR:
+        spec = _broadcast_spec(ops, out_shape)
+        spec.partial = "all" if (t in _UNARY_LINEAR or t in _SCALAR_LINEAR) else ""
+        spec.grid = True
+        return spec
+    return None
+
+
+def is_constant_op(node: fx.Node) -> bool:
+    return node.target in _CONSTANT
+
+
+def is_view_like(node: fx.Node) -> bool:
+    return node.target in _VIEWS
+
+
+def is_follower(node: fx.Node) -> bool:
+    """One tensor operand and a placement that follows from it: views and unary ops."""
+    if node.op != "call_function":
+        return False
+    ops = tensor_operands(node)
+    if len(ops) != 1:
+        return False
+    return node.target in _VIEWS or node.target in _UNARY or node.target in _SCALAR_LINEAR
+
+
+# --------------------------------------------------------------------- enumeration
+
+
+def _axis_options(spec: OpSpec, shapes_in, out_shape, axis_size: int):
+    """Per-axis options: (out token, tuple of operand tokens)."""
+    opts = [(REPLICATE, tuple(REPLICATE for _ in spec.ins))]
+    if axis_size == 1:
+        return opts
+    for lab in dict.fromkeys(spec.out):
+        if lab in spec.fixed:
+            continue
+        ins = tuple(shard(l.index(lab)) if lab in l else REPLICATE for l in spec.ins)
+        opts.append((shard(spec.out.index(lab)), ins))
+    for lab in sorted(spec.contract):
+        if lab in spec.fixed or not any(lab in l for l in spec.ins):
+            continue
+        ins = tuple(shard(l.index(lab)) if lab in l else REPLICATE for l in spec.ins)
+        opts.append((PARTIAL, ins))
+    if spec.partial == "all":
+        opts.append((PARTIAL, tuple(PARTIAL for _ in spec.ins)))
+    elif spec.partial == "first" and spec.ins:
+        opts.append((PARTIAL, (PARTIAL,) + tuple(REPLICATE for _ in spec.ins[1:])))
+    g = math.isqrt(axis_size)
+    if spec.grid and g * g == axis_size and len(spec.out) >= 2:
+        i, j = len(spec.out) - 2, len(spec.out) - 1
+        li, lj = spec.out[i], spec.out[j]
+        if li not in spec.fixed and lj not in spec.fixed:
+            ins = []
+            for l in spec.ins:
+                if li in l and lj in l:
+                    ins.append(block("B", l.index(li), l.index(lj)))
+                elif li not in l and lj not in l:
+                    ins.append(REPLICATE)
+                else:
+                    ins = None
+                    break
+            if ins is not None:
+                opts.append((block("B", i, j), tuple(ins)))
+    return opts
+
+
+def enumerate_spatial(spec: OpSpec, shapes_in, out_shape, mesh: tuple[int, ...]) -> list[Strategy]:
+    per_axis = [_axis_options(spec, shapes_in, out_shape, n) for n in mesh]
+    out = []
+    for combo in itertools.product(*per_axis):
+        o = tuple(c[0] for c in combo)
+        ins = tuple(tuple(c[1][i] for c in combo) for i in range(len(spec.ins)))
+        if o.count(PARTIAL) and any(t[0] in "BXW" for t in o):
+            continue
+        if not fits(out_shape, o, mesh) or not all(fits(s, p, mesh) for s, p in zip(shapes_in, ins)):
+            continue
+        out.append(Strategy(out=o, ins=ins))
+    return out
+
+
+def _linear_temporal(node: fx.Node, spatial: list[Strategy], mesh, shapes_in, out_shape) -> list[Strategy]:
+    """AG-ring, RS-ring and P2x2 variants of aten.linear, composed with the spatial
+    choices of the other axes."""
+    x_nd = len(shapes_in[0])
+    m_dim = x_nd - 2 if x_nd >= 2 else None  # the sequence (row) dim of the activation
+    if m_dim is None:
+        return []
+    k_dim = len(out_shape) - 1
+    has_bias = len(shapes_in) == 3
+    res = []
+    for a, n in enumerate(mesh):
+        if n == 1:
+            continue
+        # Start from spatial strategies that replicate this axis: the family owns it.
+        base = [s for s in spatial if s.out[a] == REPLICATE and all(p[a] == REPLICATE for p in s.ins)]
+        fams = [
+            # AG-ring: x rows sharded, W sharded on K -> out sharded on K.
+            ("ag_ring", shard(k_dim), (shard(m_dim), "S0") + (("S0",) if has_bias else ())),
+            # RS-ring: contraction sharded -> out rows sharded (bias added once: Partial).
+            ("rs_ring", shard(m_dim), (shard(x_nd - 1), "S1") + ((PARTIAL,) if has_bias else ())),
+        ]
+        g = math.isqrt(n)
+        if g * g == n and g > 1:
+            fams.append(("p2x2", block("B", m_dim, k_dim),
+                         (block("X", m_dim, x_nd - 1), block("W", 0, 1)) + (("S0",) if has_bias else ())))
+        for kind, otok, itoks in fams:
+            if kind == "p2x2" and has_bias:
+                continue  # the P2x2 op has no bias term; a biased linear keeps the other families
+            for s in base:
+                o = s.out[:a] + (otok,) + s.out[a + 1:]
+                ins = tuple(p[:a] + (itoks[i],) + p[a + 1:] for i, p in enumerate(s.ins))
+                if fits(out_shape, o, mesh) and all(fits(sh, p, mesh) for sh, p in zip(shapes_in, ins)):
+                    res.append(Strategy(out=o, ins=ins, kind=kind, axis=a))
+    return res
+
+
+def enumerate_strategies(node: fx.Node, mesh: tuple[int, ...], temporal: bool = True) -> tuple[list[Strategy], bool]:
+    """All strategies of a decision node; the bool says the op had no rule (fallback)."""
+    ops = tensor_operands(node)
+    shapes_in = [_shape(o) for o in ops]
+    val = node.meta.get("val")
+    out_shape = _shape(node) if isinstance(val, torch.Tensor) else ()
+    rep = Strategy(out=tuple(REPLICATE for _ in mesh), ins=tuple(tuple(REPLICATE for _ in mesh) for _ in ops))
+    spec = op_spec(node) if isinstance(val, torch.Tensor) else None
+    if spec is None or len(spec.ins) != len(ops):
+        return [Strategy(out=rep.out, ins=rep.ins, kind="replicate-fallback")], True
+    strategies = enumerate_spatial(spec, shapes_in, out_shape, mesh)
+    if temporal and spec.kind == "linear":
+        strategies += _linear_temporal(node, strategies, mesh, shapes_in, out_shape)
+    return strategies, False
+
+
+def placement_choices(shape: tuple[int, ...], mesh: tuple[int, ...], grid_weight: bool = True) -> list[tuple[str, ...]]:
+    """Every placement a parameter may be stored in: per axis R or S(d); on a 4^k axis
+    also PrimePar's weight layout for 2-D weights."""
+    per_axis = []
+    for n in mesh:
+        opts = [REPLICATE] + ([shard(d) for d in range(len(shape))] if n > 1 else [])
+        g = math.isqrt(n)
+        if grid_weight and g * g == n and g > 1 and len(shape) == 2:
+            opts.append(block("W", 0, 1))
+        per_axis.append(opts)
+    return [p for p in itertools.product(*per_axis) if fits(shape, p, mesh)]
+
+
+# --------------------------------------------------------------------- followers
+
+
+def _view_dim_map(in_shape, out_shape) -> dict[int, int] | None:
+    """For view/reshape: input dim -> output dim whose *leading* part it becomes.
+
+    Dims are matched in groups of equal products; a split input dim maps to the
+    first output dim of its group (so a Shard survives when that dim divides),
+    merged input dims map only the first one.
+    """
+    m, i, j = {}, 0, 0
+    while i < len(in_shape) and j < len(out_shape):
+        gi, go = [i], [j]
+        pi, po = in_shape[i], out_shape[j]
+        while pi != po:
+            if pi < po:
+                i += 1
+                if i >= len(in_shape):
+                    return None
+                gi.append(i)
+                pi *= in_shape[i]
+            else:
+                j += 1
+                if j >= len(out_shape):
+                    return None
+                go.append(j)
+                po *= out_shape[j]
+        m[gi[0]] = go[0]
+        i, j = i + 1, j + 1
+    return m
+
+
+def follow(node: fx.Node, p: tuple[str, ...], mesh: tuple[int, ...]) -> tuple[str, ...] | None:
+    """The output placement of follower ``node`` given its input placement ``p``,
+    or None when it cannot be kept (the input must be made Replicate first)."""
+    t = node.target
+    (src,) = tensor_operands(node)
+    in_shape, out_shape = _shape(src), _shape(node)
+    if t in _UNARY or t in _SCALAR_LINEAR:
+        if PARTIAL in p and not (t in _UNARY_LINEAR or t in _SCALAR_LINEAR):
+            return None
+        return p
+    if PARTIAL in p and t is aten.expand.default:
+        return None
+    if t in (aten.transpose.int, aten.permute.default, aten.t.default):
+        nd = len(in_shape)
+        if t is aten.t.default:
+            perm = list(range(nd))[::-1]
+        elif t is aten.transpose.int:
+            d0, d1 = node.args[1] % nd, node.args[2] % nd
+            perm = list(range(nd))
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+        else:
+            perm = [d % nd for d in node.args[1]]
+        dmap = {src_d: out_d for out_d, src_d in enumerate(perm)}
+    elif t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints):
+        dmap = _view_dim_map(in_shape, out_shape)
+        if dmap is None:
+            return None
+    elif t is aten.unsqueeze.default:
+        d = node.args[1] % (len(in_shape) + 1)
+        dmap = {i: (i if i < d else i + 1) for i in range(len(in_shape))}
+    elif t is aten.squeeze.dim:
+        d = node.args[1] % len(in_shape)
+        dmap = {i: (i if i < d else i - 1) for i in range(len(in_shape)) if i != d}
+    elif t is aten.expand.default:
+        off = len(out_shape) - len(in_shape)
+        dmap = {i: i + off for i in range(len(in_shape)) if in_shape[i] == out_shape[i + off]}
+    elif t is aten.slice.Tensor:
+        d = node.args[1] % len(in_shape) if len(node.args) > 1 else 0
+        dmap = {i: i for i in range(len(in_shape)) if i != d or in_shape[i] == out_shape[i]}
+    elif t is aten.select.int:
+        d = node.args[1] % len(in_shape)
+        dmap = {i: (i if i < d else i - 1) for i in range(len(in_shape)) if i != d}
+    elif t is aten.repeat_interleave.self_int:
+        # Each source slice's repeats stay together, so a split of the repeated dim survives.
+        dmap = {i: i for i in range(len(in_shape))}
+    else:
+        return None
+    out = []
+    for tok in p:
+        kind, dims = parse(tok)
+        if kind in "RP":
+            out.append(tok)
+        elif all(d in dmap for d in dims):
+            out.append(kind + ".".join(str(dmap[d]) for d in dims))
+        else:
+            return None
+    out = tuple(out)
+    return out if fits(out_shape, out, mesh) else None

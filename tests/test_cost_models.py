@@ -1,0 +1,247 @@
+"""Unit tests of stpc.cost_models: formulas, mesh/link mapping, profiles, memory."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stpc import models
+from stpc.cost_models import (CLUSTERS, Cluster, CostModel, DeviceSpec, Link, closed_form_memory,
+                              fit_alpha_beta, get_cluster, get_device, load_profile,
+                              matmul_phase_cost, optimizer_state_bytes, roofline, save_profile)
+from stpc.cost_models.memory import adamw_step_transient_bytes, node_memory, training_step_peak
+from stpc.cost_models.profile import fit_bands, predict
+
+
+def _cluster(nodes=4, dpn=8, a_i=2e-6, bw_i=100e9, a_o=10e-6, bw_o=10e9):
+    return Cluster("t", get_device("H100-SXM"), nodes, dpn, Link(a_i, bw_i), Link(a_o, bw_o))
+
+
+# ----------------------------------------------------------------------------- ring formulas
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ring_volumes_reduce_to_known_fractions(n):
+    bw, N = 50e9, 3e8
+    cm = CostModel(Cluster("t", get_device("A100"), 1, 8, Link(0.0, bw), Link(0.0, bw)), (n,))
+    # With alpha = 0 the time is bytes moved per rank / bandwidth (nccl-tests busbw factors).
+    assert cm.all_gather(N, 0) == pytest.approx((n - 1) / n * N / bw)
+    assert cm.reduce_scatter(N, 0) == pytest.approx((n - 1) / n * N / bw)
+    assert cm.all_reduce(N, 0) == pytest.approx(2 * (n - 1) / n * N / bw)
+    assert cm.all_to_all(N, 0) == pytest.approx((n - 1) / n * (N / n) / bw)
+    assert cm.p2p(N, 0) == pytest.approx(N / bw)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_latency_terms(n):
+    a = 7e-6
+    cm = CostModel(Cluster("t", get_device("A100"), 1, 8, Link(a, 1e9), Link(a, 1e9)), (n,))
+    assert cm.all_gather(0, 0) == pytest.approx((n - 1) * a)
+    assert cm.all_reduce(0, 0) == pytest.approx(2 * (n - 1) * a)
+    assert cm.p2p(0, 0) == pytest.approx(a)
+
+
+def test_size_one_axis_is_free():
+    cm = CostModel(get_cluster("dgx-h100"), (1, 8))
+    for fn in (cm.all_gather, cm.reduce_scatter, cm.all_reduce, cm.all_to_all, cm.p2p):
+        assert fn(1e9, 0) == 0.0
+        assert fn(1e9, 1) > 0.0
+
+
+def test_mesh_axes_map_to_links():
+    cl = get_cluster("dgx-h100")  # 8 devices per node
+    cm = CostModel(cl, (2, 4, 8))
+    assert not cm.crosses_nodes(2)  # stride 1, size 8: one node
+    assert cm.crosses_nodes(1) and cm.crosses_nodes(0)
+    assert cm.axis_link(2) == cl.intra
+    # stride 8 >= devices per node: every member on its own node, a plain inter-node ring
+    assert cm.axis_link(1).bw_bytes_per_s == pytest.approx(cl.inter.bw_bytes_per_s)
+    cm2 = CostModel(cl, (4, 2))  # axis 1 stride 1 size 2, axis 0 stride 2 size 4: 8 ranks in a node
+    assert not cm2.crosses_nodes(0) and not cm2.crosses_nodes(1)
+    # 3 ranks of stride 1 in 8-device nodes: groups {0,1,2},{3,4,5},{6,7,8} straddle nodes
+    assert CostModel(cl, (3, 3)).crosses_nodes(1)
+
+
+def test_hierarchical_formula():
+    cl = _cluster()  # 8 per node
+    cm = CostModel(cl, (4, 4))  # axis 0: stride 4, size 4 -> 2 per node on 2 nodes
+    N = 1e8
+    n_in, n_out = 2, 2
+    expect = ((n_in - 1) * 2e-6 + (n_in - 1) / n_in * N / 100e9
+              + (n_out - 1) * 10e-6 + (n_out - 1) / n_out * (N / n_in) / 10e9)
+    assert cm.all_gather(N, 0) == pytest.approx(expect)
+    assert cm.reduce_scatter(N, 0) == pytest.approx(expect)
+    assert cm.all_reduce(N, 0) == pytest.approx(2 * expect)
+    # Crossing ring P2P pays the slow link.
+    assert cm.p2p(N, 0) == pytest.approx(10e-6 + N / 10e9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_log=st.integers(1, 3), in_log=st.integers(0, 3), N=st.floats(0, 1e10),
+       a_i=st.floats(0, 1e-4), bw_i=st.floats(1e9, 1e12), slow_a=st.floats(1, 100),
+       slow_bw=st.floats(1, 100))
+def test_cross_node_never_cheaper_than_intra(n_log, in_log, N, a_i, bw_i, slow_a, slow_bw):
+    n = 2 ** n_log
+    n_in = min(2 ** in_log, n)
+    D = 8
+    cl = Cluster("t", get_device("V100"), nodes=8, devices_per_node=D, intra=Link(a_i, bw_i),
+                 inter=Link(a_i * slow_a, bw_i / slow_bw))
+    inside = CostModel(cl, (n,))  # n <= 8 contiguous ranks: one node
+    # axis 0 of (n, D // n_in) has stride D // n_in: n_in members per node
+    across = CostModel(cl, (n, D // n_in))
+    if n_in == n:  # the group fits in a node: nothing to compare
+        assert not across.crosses_nodes(0)
+        return
+    assert across.crosses_nodes(0) and not inside.crosses_nodes(0)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"):
+        assert getattr(across, kind)(N, 0) >= getattr(inside, kind)(N, 0) * (1 - 1e-12), kind
+
+
+def test_ring_step_overlaps():
+    assert CostModel.ring_step(2.0, 3.0) == 3.0
+    assert CostModel.ring_step(5.0, 3.0) == 5.0
+
+
+def test_mesh_larger_than_cluster_is_an_error():
+    with pytest.raises(ValueError, match="needs 64 devices"):
+        CostModel(get_cluster("cpu-local"), (8, 8))
+    with pytest.raises(IndexError, match="axis 2"):
+        CostModel(get_cluster("cpu-local"), (2, 2)).all_gather(1, 2)
+
+
+# ----------------------------------------------------------------------------- compute, devices
+
+
+def test_roofline_bounds():
+    d = get_device("H100-SXM")
+    # compute bound: huge flops, no bytes
+    assert roofline(d, 1e15, 0, "bf16") == pytest.approx(1e15 / (989.4e12 * d.efficiency))
+    # memory bound
+    assert roofline(d, 1.0, 3.35e12, "bf16") == pytest.approx(1.0)
+    assert roofline(d, 1e12, 0, "torch.float32") == roofline(d, 1e12, 0, "fp32")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        roofline(d, 1, 1, "int8")
+
+
+def test_matmul_phases():
+    d = get_device("A100-80GB")
+    pc = matmul_phase_cost(d, 8192, 4096, 4096, "bf16")
+    t = 2 * 8192 * 4096 * 4096 / (312e12 * d.efficiency)
+    assert pc.fwd == pytest.approx(t) and pc.bwd == pytest.approx(t) and pc.grad == pytest.approx(t)
+    assert pc.total == pytest.approx(3 * t)
+    skinny = matmul_phase_cost(d, 1, 4096, 4096, "bf16")  # a GEMV is bandwidth bound
+    assert skinny.fwd == pytest.approx(2 * (4096 + 4096 * 4096 + 4096) / 2.039e12)
+
+
+def test_devices_and_clusters():
+    assert set(CLUSTERS) >= {"primepar-v100", "dgx-h100", "cpu-local"}
+    assert get_cluster("primepar-v100").num_devices == 32
+    assert get_device("v100").peak_flops["fp16"] > get_device("v100").peak_flops["fp32"]
+    assert get_device("H200").mem_bytes > get_device("H100-SXM").mem_bytes
+    with pytest.raises(KeyError, match="unknown device"):
+        get_device("tpu")
+    with pytest.raises(KeyError, match="not a preset"):
+        get_cluster("nope")
+    with pytest.raises(ValueError, match="lacks"):
+        DeviceSpec("x", {"fp32": 1.0}, 1.0, 1.0)
+    cm = CostModel(get_cluster("primepar-v100"), (8, 4))
+    assert cm.device_memory_bytes == 32e9
+
+
+# ----------------------------------------------------------------------------- profiles
+
+
+def test_fit_recovers_alpha_beta_and_roundtrips(tmp_path):
+    n, alpha, bw = 4, 30e-6, 2e9
+    sizes = [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
+    samples = [(k, s, predict(k, n, s, alpha, bw)) for k in ("all_gather", "p2p", "all_reduce") for s in sizes]
+    a, b, err = fit_alpha_beta(samples, n)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(bw, rel=1e-6) and err < 1e-9
+
+    # A transport that gets slower per byte as messages grow (gloo over loopback past the
+    # CPU caches): the bands follow it, one straight line cannot.
+    sizes6 = sizes + [1 << 26]
+    ag = [("all_gather", s, predict("all_gather", n, s, 1e-4, 2e9) * (1 + 0.3 * (s / (1 << 20)) ** 0.5))
+          for s in sizes6]
+    bands = fit_bands(ag, n)
+    assert [u for u, _, _ in bands] == sizes6[1:]
+    la, lbw, _ = fit_alpha_beta(ag, n)
+    line_err = max(abs(predict("all_gather", n, s, la, lbw) / t - 1) for _, s, t in ag)
+    prof = {"version": 1, "name": "synthetic", "ranks": n, "backend": "gloo",
+            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
+                       "mem_bw": 1e10, "mem_bytes": 1e10, "efficiency": 1.0},
+            "link": {"alpha_s": alpha, "bw_bytes_per_s": bw},
+            "collectives": {"all_gather": {"alpha_s": 1e-4, "bw_bytes_per_s": 2e9, "bands": bands},
+                            "p2p": {"alpha_s": alpha, "bw_bytes_per_s": bw}}}
+    path = str(tmp_path / "p.json")
+    save_profile(prof, path)
+    cl = get_cluster(path)
+    assert cl.num_devices == n and cl.device.peak_flops["bf16"] == 1e11
+    cm = CostModel(cl, (n,))
+    band_err = max(abs(cm.all_gather(s, 0) / t - 1) for _, s, t in ag)
+    assert band_err < 0.2 < 0.3 < line_err
+    assert cm.p2p(1e6, 0) == pytest.approx(alpha + 1e6 / bw)
+    assert cm.reduce_scatter(1e6, 0) == pytest.approx(3 * alpha + 0.75e6 / bw)  # falls back to the joint link
+    with pytest.raises(FileNotFoundError, match="stpc calibrate"):
+        load_profile(str(tmp_path / "missing.json"))
+
+
+# ----------------------------------------------------------------------------- memory formulas
+
+
+def test_optimizer_layouts():
+    n = 1000
+    assert optimizer_state_bytes(n, "fp32-adam").total == 16 * n
+    mp = optimizer_state_bytes(n, "mixed-adam")
+    assert (mp.weight, mp.grad, mp.optimizer, mp.total) == (2 * n, 4 * n, 12 * n, 18 * n)
+    assert optimizer_state_bytes(n, "mixed-adam", fp32_grad_accum=False).total == 16 * n
+    # Megatron distributed optimizer (ZeRO-1): 6 + 12/dp bytes per parameter
+    assert optimizer_state_bytes(n, "mixed-adam", zero_shards=8, zero_stage=1).total == pytest.approx((6 + 12 / 8) * n)
+    z2 = optimizer_state_bytes(n, "fp32-adam", zero_shards=4)
+    assert (z2.weight, z2.grad, z2.optimizer) == (4 * n, n, 2 * n)
+    assert optimizer_state_bytes(n, "fp32-adam", zero_shards=4, zero_stage=3).weight == n
+    with pytest.raises(ValueError, match="unknown optimizer layout"):
+        optimizer_state_bytes(n, "sgd")
+
+
+def test_node_and_step_memory():
+    nm = node_memory(input_bytes=100, output_bytes=50, saved_bytes=80, shards=2, scratch_bytes=5)
+    assert (nm.saved, nm.fwd_transient, nm.bwd_transient) == (40, 80, 80)
+    assert adamw_step_transient_bytes([10, 30, 20]) == 60
+    assert adamw_step_transient_bytes([10, 30, 20], "foreach") == 60
+    assert training_step_peak(100, 10, 20, 15, 3) == 120
+    assert training_step_peak(100, 10, 20, 15, 8) == 123
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "gpt-50m", "opt-6.7b", "bloom-7b1", "llama3-8b"])
+def test_closed_form_param_count_matches_model(name):
+    from stpc.cost_models.estimator import param_count_expr, h, V, L, a, k, f, P
+    cfg = models.CONFIGS[name]
+    with torch.device("meta"):
+        n_real = models.num_params(models.build(name))
+    subs = {V: cfg.vocab, h: cfg.d_model, L: cfg.n_layers, a: cfg.n_heads,
+            k: getattr(cfg, "n_kv_heads", cfg.n_heads), f: cfg.ffn, P: cfg.max_seq}
+    assert int(param_count_expr(cfg).subs(subs)) == n_real
+
+
+def test_closed_form_llama_matches_paper_formula():
+    cfg = models.CONFIGS["llama2-70b"]
+    s_, b_, tp_, dp_ = 4096, 16, 8, 4
+    r = closed_form_memory(cfg, seq=s_, batch=b_, dp=dp_, tp=tp_, sp=1, dtype="bf16")
+    hh, aa, kk, ff = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.ffn
+    b_local = b_ // dp_
+    paper = cfg.n_layers * s_ * b_local * hh * (12 + 4 * kk / aa + 8 * ff / hh) / tp_  # bytes, bf16
+    logits = 4 * s_ * b_local * cfg.vocab / tp_
+    assert r.values["activations"] == pytest.approx(paper + logits)
+    with torch.device("meta"):
+        n = models.num_params(models.build("llama2-70b"))
+    assert r.values["params"] + r.values["grads"] + r.values["optimizer"] == pytest.approx(18 * n / tp_)
+    assert r.value == pytest.approx(sum(r.values.values()))
+    names = {str(x) for x in r.expr.free_symbols}
+    assert {"s", "b", "tp", "sp", "h", "L"} <= names  # symbolic, for notebooks
+    z = closed_form_memory(cfg, seq=s_, batch=b_, dp=dp_, tp=tp_, zero=True)
+    assert z.values["optimizer"] == pytest.approx(r.values["optimizer"] / dp_)
+    with pytest.raises(ValueError, match="divisible"):
+        closed_form_memory(cfg, seq=s_, batch=3, dp=2)

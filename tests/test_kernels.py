@@ -1,0 +1,84 @@
+"""The ring-step partial matmul: the torch path in-process, the Triton kernel
+under the interpreter in a subprocess.
+
+TRITON_INTERPRET is read when ``@triton.jit`` decorates the kernel, i.e. when
+stpc.ops.kernels is first imported; other tests in this process may already
+have imported it, so the only reliable way is a fresh interpreter with the
+variable set in its environment.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from stpc.ops.kernels import HAS_TRITON, ring_step_matmul
+
+RTOL = ATOL = 1e-5
+
+
+def _cases():
+    """(a, b, out, out_slice, accumulate) covering 2-D/3-D, strided a and out,
+    and sizes that are not multiples of the kernel's 64/64/32 blocks."""
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    cases = []
+    for m, n, k in [(1, 1, 1), (70, 45, 33), (64, 32, 64), (130, 97, 65), (5, 200, 3)]:
+        out = rnd(m + 20, k)
+        cases.append((rnd(m, n), rnd(n, k), out, (slice(10, 10 + m),), False))
+        cases.append((rnd(m, n), rnd(n, k), out.clone(), (slice(10, 10 + m),), True))
+    # transposed (non-contiguous) a, as the dW steps use it
+    cases.append((rnd(40, 70).t(), rnd(40, 19), rnd(70, 19), (slice(None),), True))
+    # batched: a [B, m, n] into a strided row-slice of out [B, M, k]
+    out3 = rnd(3, 50, 17)
+    cases.append((rnd(3, 20, 45), rnd(45, 17), out3, (slice(None), slice(7, 27)), False))
+    cases.append((rnd(3, 20, 45), rnd(45, 17), out3.clone(), (slice(None), slice(7, 27)), True))
+    return cases
+
+
+def _check(fn):
+    for a, b, out, sl, acc in _cases():
+        before = out.clone()
+        expected = before.double()
+        prod = a.double() @ b.double()
+        expected[sl] = prod + (expected[sl] if acc else 0)
+        ret = fn(a, b, out[sl], acc)
+        assert ret.data_ptr() == out[sl].data_ptr(), "must write in place into the given slice"
+        # the whole out, so writes outside the slice are caught too
+        torch.testing.assert_close(out.double(), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_torch_path_matches_matmul():
+    _check(ring_step_matmul)
+
+
+def test_shape_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match="do not line up"):
+        ring_step_matmul(torch.zeros(3, 4), torch.zeros(5, 2), torch.zeros(3, 2), False)
+    with pytest.raises(ValueError, match="b must be 2-D"):
+        ring_step_matmul(torch.zeros(3, 4), torch.zeros(1, 4, 2), torch.zeros(3, 2), False)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_triton_kernel_under_interpreter():
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, {tests!r})
+        import torch
+        import triton
+        from stpc.ops import kernels
+        from test_kernels import _check
+        # the env var took effect: the kernel is the interpreter's, not a GPU JIT
+        assert type(kernels._ring_step_mm_kernel).__name__ == "InterpretedFunction", type(kernels._ring_step_mm_kernel)
+        _check(kernels.triton_ring_step_matmul)
+        # small blocks: many programs per dim and several K iterations, with edges
+        _check(lambda a, b, o, acc: kernels.triton_ring_step_matmul(a, b, o, acc, 16, 16, 16))
+        print("KERNEL-OK")
+        """
+    ).format(tests=os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "KERNEL-OK" in proc.stdout, proc.stdout + proc.stderr

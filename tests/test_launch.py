@@ -1,0 +1,105 @@
+"""stpc.launch.spawn: results in rank order, failures named, never a hang or an orphan."""
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+
+from stpc.launch import SpawnError, SpawnTimeout, free_port, spawn
+
+pytestmark = pytest.mark.multirank
+
+
+def _allreduce_rank(rank, world_size, offset):
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank + offset)])
+    dist.all_reduce(t)
+    return {
+        "rank": rank,
+        "world": world_size,
+        "sum": t.item(),
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+        "payload": torch.full((3,), float(rank)),  # tensors must come back intact
+    }
+
+
+def _rank1_raises(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("boom from rank one")
+    dist.barrier()  # the others block here until killed
+    return rank
+
+
+def _rank0_hangs(rank, world_size):
+    if rank == 0:
+        time.sleep(3600)
+    return rank
+
+
+def _rank1_dies(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(7)  # no traceback, no report: like a segfault or an OOM kill
+    dist.barrier()  # fails (reported) when rank 1 vanishes: rank 1 must still be blamed
+    return rank
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_spawn_returns_results_in_rank_order():
+    t0 = time.monotonic()
+    out = spawn(_allreduce_rank, 4, 10, timeout_s=60)
+    elapsed = time.monotonic() - t0
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    assert all(o["world"] == 4 for o in out)
+    assert all(o["sum"] == 10 + 11 + 12 + 13 for o in out)
+    assert all(o["threads"] == "1" for o in out)
+    assert all(torch.equal(o["payload"], torch.full((3,), float(r))) for r, o in enumerate(out))
+    assert elapsed < 30, f"4 ranks took {elapsed:.1f}s to start and finish"
+    assert multiprocessing.active_children() == []
+
+
+def test_failing_rank_is_named_with_traceback_and_others_killed():
+    t0 = time.monotonic()
+    with pytest.raises(SpawnError) as ei:
+        spawn(_rank1_raises, 2, timeout_s=60)
+    assert ei.value.rank == 1
+    assert "rank 1" in str(ei.value)
+    assert "boom from rank one" in ei.value.remote_traceback
+    assert "ValueError" in ei.value.remote_traceback
+    # rank 0 was stuck in a barrier: it must have been killed, not waited for
+    assert time.monotonic() - t0 < 30
+    assert multiprocessing.active_children() == []
+
+
+def test_timeout_kills_everything():
+    t0 = time.monotonic()
+    with pytest.raises(SpawnTimeout, match=r"ranks \[0\]"):
+        spawn(_rank0_hangs, 2, timeout_s=6)
+    assert time.monotonic() - t0 < 20
+    assert multiprocessing.active_children() == []
+
+
+def test_rank_dying_without_report_is_detected_quickly():
+    t0 = time.monotonic()
+    with pytest.raises(SpawnError, match="exited with code 7") as ei:
+        spawn(_rank1_dies, 2, timeout_s=60)
+    assert ei.value.rank == 1
+    assert time.monotonic() - t0 < 30  # well before the 60 s deadline
+    assert multiprocessing.active_children() == []
+
+
+def test_bad_world_size():
+    with pytest.raises(ValueError, match="world_size"):
+        spawn(_allreduce_rank, 0, 0)

@@ -1,0 +1,52 @@
+"""The CP-SAT model against exhaustive enumeration on random problems."""
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stpc.solver import Edge, InfeasibleBudget, Problem, brute_force, solve
+
+
+@st.composite
+def problems(draw, with_budget=False):
+    n = draw(st.integers(1, 5))
+    k = [draw(st.integers(1, 4)) for _ in range(n)]
+    cost = [[draw(st.integers(0, 50)) for _ in range(c)] for c in k]
+    mem = [[draw(st.integers(0, 20)) for _ in range(c)] for c in k]
+    tr = [[draw(st.integers(0, 20)) for _ in range(c)] for c in k]
+    edges = []
+    for _ in range(draw(st.integers(0, 6))):
+        u = draw(st.integers(0, n - 1))
+        v = draw(st.integers(0, n - 1))
+        nu, nv = draw(st.integers(1, k[u])), draw(st.integers(1, k[v]))
+        ucls = tuple(draw(st.integers(0, nu - 1)) for _ in range(k[u]))
+        vcls = tuple(draw(st.integers(0, nv - 1)) for _ in range(k[v]))
+        table = {(p, q): draw(st.integers(0, 40)) for p in range(nu) for q in range(nv)}
+        edges.append(Edge(u, v, ucls, vcls, table))
+    budget = draw(st.integers(0, 100)) if with_budget else None
+    return Problem(cost=cost, mem=mem, transient=tr, edges=edges, budget=budget)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_cpsat_equals_brute_force(p):
+    sol = solve(p)
+    best, _ = brute_force(p)
+    assert sol.objective_ns == best
+    assert p.evaluate(sol.choice)[0] == best
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(with_budget=True))
+def test_cpsat_equals_brute_force_under_budget(p):
+    best = brute_force(p)
+    if best is None:
+        with pytest.raises(InfeasibleBudget) as err:
+            solve(p)
+        # The reported minimum is exactly the smallest peak of any assignment.
+        assert err.value.min_budget == min(
+            p.evaluate(list(c))[1] for c in __import__("itertools").product(*(range(len(c)) for c in p.cost)))
+        assert err.value.min_budget > p.budget
+    else:
+        sol = solve(p)
+        assert sol.objective_ns == best[0]
+        assert sol.peak_bytes <= p.budget
