@@ -25,8 +25,8 @@ import torch
 import torch.fx as fx
 
 from stpc.cost_models import CostModel, bytes_per_param
-from stpc.costs import local_bytes, node_time, reshard_cost, transient_bytes
-from stpc.placement import REPLICATE, fits
+from stpc.costs import axis_reshard, local_bytes, node_time, reshard_cost, transient_bytes
+from stpc.placement import REPLICATE, shard_factor
 from stpc.plan import NodePlan, Plan
 from stpc.solver import Edge, Problem, solve
 from stpc.strategies import (SAVES_INPUTS, SAVES_OUTPUT, Strategy, enumerate_strategies, follow,
@@ -258,7 +258,14 @@ class Builder:
 
     # ---------------------------------------------------------------- edges
     def _edges_into(self, node):
-        """Resharding costs on the tensor inputs of a decision node, by class."""
+        """Resharding costs on the tensor inputs of a decision node.
+
+        The cost of an edge is a sum over mesh axes of a term that depends on the
+        producer's whole placement (it sets the bytes) and on the consumer's token
+        and split flag on that axis only. So each input edge becomes one solver
+        edge per mesh axis, with consumer classes per axis: the class pairs grow
+        with the sum, not the product, of the per-axis options.
+        """
         v = self.group_of[node]
         rep = self.tie.get(node, node)
         strategies = self.groups[v].strategies
@@ -267,31 +274,38 @@ class Builder:
                 continue
             u = self.group_of[src]
             srep = self.tie.get(src, src)
-            key = (srep, rep, i, u, v)
-            if key not in self._edge_cache:
-                uplace = self.place[src]
-                ucls_map: dict = {}
-                ucls = tuple(ucls_map.setdefault(p, len(ucls_map)) for p in uplace)
-                vcls_map: dict = {}
-                vcls = tuple(vcls_map.setdefault((s.ins[i], s.split_axes()), len(vcls_map)) for s in strategies)
-                val = src.meta["val"]
-                nbytes = val.numel() * val.element_size()
-                rg = src in self.rg
-                table = {}
-                for p, pc in ucls_map.items():
-                    for (q, split), qc in vcls_map.items():
-                        c = reshard_cost(self.cm, p, q, nbytes, split, rg)
-                        if c:
-                            table[(pc, qc)] = c
-                self._edge_cache[key] = _merge_classes(ucls, vcls, table)
-            ucls, vcls, table = self._edge_cache[key]
-            ekey = (u, v, ucls, vcls)
-            if ekey in self.edges:
-                e = self.edges[ekey]
-                for k, c in table.items():
-                    e.table[k] = e.table.get(k, 0.0) + c
-            else:
-                self.edges[ekey] = Edge(u, v, ucls, vcls, dict(table))
+            for a in range(len(self.mesh)):
+                key = (srep, rep, i, u, v, a)
+                if key not in self._edge_cache:
+                    self._edge_cache[key] = self._axis_edge(src, strategies, i, a)
+                ucls, vcls, table = self._edge_cache[key]
+                if not table:
+                    continue
+                ekey = (u, v, ucls, vcls)
+                if ekey in self.edges:
+                    e = self.edges[ekey]
+                    for k, c in table.items():
+                        e.table[k] = e.table.get(k, 0.0) + c
+                else:
+                    self.edges[ekey] = Edge(u, v, ucls, vcls, dict(table))
+
+    def _axis_edge(self, src, strategies, i, a):
+        uplace = self.place[src]
+        ucls_map: dict = {}
+        ucls = tuple(ucls_map.setdefault(p, len(ucls_map)) for p in uplace)
+        vcls_map: dict = {}
+        vcls = tuple(vcls_map.setdefault((s.ins[i][a], s.split_axes()[a]), len(vcls_map)) for s in strategies)
+        val = src.meta["val"]
+        nbytes = val.numel() * val.element_size()
+        rg = src in self.rg
+        table = {}
+        for p, pc in ucls_map.items():
+            nb = nbytes / shard_factor(p, self.mesh, skip_axis=a)
+            for (q, split), qc in vcls_map.items():
+                c = axis_reshard(self.cm, a, p[a], q, nb, split, rg)
+                if c:
+                    table[(pc, qc)] = c
+        return _merge_classes(ucls, vcls, table)
 
     def _saved_memory(self):
         """Activations kept for backward, charged to the producer of the (base) tensor."""
@@ -349,7 +363,7 @@ class Builder:
                 g = self.group_of[node]
                 p = self.place[node][choice[g]]
                 val = node.meta["val"]
-                mem = problem.mem[g][choice[g]] if self.tie.get(node) is None else 0
+                mem = self.groups[g].own_mem[choice[g]]
                 nodes[node.name] = NodePlan(role=self.role[node], op="placeholder", kind="spatial",
                                             out=list(p), mem_bytes=float(mem))
             elif node.op == "call_function" and node in self.role:
@@ -383,7 +397,7 @@ class Builder:
     def _edge_seconds(self, choice) -> dict:
         """Per representative consumer: modelled seconds of its input edges (one layer's worth)."""
         out = defaultdict(float)
-        for (srep, rep, i, u, v), (ucls, vcls, table) in self._edge_cache.items():
+        for (srep, rep, i, u, v, a), (ucls, vcls, table) in self._edge_cache.items():
             out[rep] += table.get((ucls[choice[u]], vcls[choice[v]]), 0.0)
         return out
 
@@ -392,7 +406,7 @@ class Builder:
         input-edge cost with every neighbour as planned (one copy of the node)."""
         res = {}
         by_consumer = defaultdict(list)
-        for (srep, rep, i, u, v), val in self._edge_cache.items():
+        for (srep, rep, i, u, v, a), val in self._edge_cache.items():
             by_consumer[rep].append((u, v, val))
         for g, grp in enumerate(self.groups):
             if grp.rep not in self.role or self.role[grp.rep] != "decision" or len(grp.strategies) < 2:

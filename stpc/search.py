@@ -1,9 +1,12 @@
 """search: plan on every logical mesh shape of N devices and keep the best.
 
 A shape views the N devices as up to three axes (row-major, the last axis
-innermost, so inner axes stay inside a node); every ordered factorisation
-with axes >= 2 is tried, each solved exactly, and the plan with the lowest
-modelled step time wins (ties: the fewer axes, then the earlier shape).
+innermost). Every factorisation of N into at most three factors >= 2 is tried,
+each ordered largest-first so the smallest axes are innermost and stay inside
+a node (a permutation of the same factors only moves which groups cross node
+boundaries; pass an explicit shape such as ``4x8`` to choose it yourself).
+Each shape is solved exactly; the lowest modelled step time wins (ties: the
+fewer axes, then the earlier shape).
 """
 from __future__ import annotations
 
@@ -18,21 +21,21 @@ from stpc.trace import TracedGraph
 
 
 def mesh_shapes(n: int, max_axes: int = 3) -> list[tuple[int, ...]]:
-    """Every ordered factorisation of ``n`` into at most ``max_axes`` factors >= 2."""
+    """Every factorisation of ``n`` into at most ``max_axes`` factors >= 2, largest first."""
     out = []
 
-    def rec(rest, prefix):
+    def rec(rest, prefix, hi):
         if rest == 1:
             if prefix:
                 out.append(tuple(prefix))
             return
         if len(prefix) == max_axes:
             return
-        for f in range(2, rest + 1):
+        for f in range(min(hi, rest), 1, -1):
             if rest % f == 0:
-                rec(rest // f, prefix + [f])
+                rec(rest // f, prefix + [f], f)
 
-    rec(n, [])
+    rec(n, [], n)
     return sorted(out, key=lambda s: (len(s), s)) or [(1,)]
 
 

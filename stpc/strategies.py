@@ -313,8 +313,9 @@ def _linear_temporal(node: fx.Node, spatial: list[Strategy], mesh, shapes_in, ou
         fams = [
             # AG-ring: x rows sharded, W sharded on K -> out sharded on K.
             ("ag_ring", shard(k_dim), (shard(m_dim), "S0") + (("S0",) if has_bias else ())),
-            # RS-ring: contraction sharded -> out rows sharded (bias added once: Partial).
-            ("rs_ring", shard(m_dim), (shard(x_nd - 1), "S1") + ((PARTIAL,) if has_bias else ())),
+            # RS-ring: contraction sharded -> out rows sharded; the bias is added to the
+            # reduced block, so it stays replicated.
+            ("rs_ring", shard(m_dim), (shard(x_nd - 1), "S1") + ((REPLICATE,) if has_bias else ())),
         ]
         g = math.isqrt(n)
         if g * g == n and g > 1:

@@ -1,0 +1,101 @@
+"""``python -m stpc plan``: plan one training step of a zoo model on meta tensors.
+
+Defaults (the same for every model unless given): global batch 8, sequence
+2048 (capped at the model's position table), fp32 with AdamW (16 B/param);
+``--dtype bf16`` / ``fp16`` plan mixed precision (16-bit weights/activations,
+fp32 master weights and Adam state: 18 B/param; V100 has no bf16 units, so
+PrimePar-style V100 comparisons use fp16). The budget is the device memory of the
+cluster preset unless ``--budget-gib`` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int | None = None,
+               seq: int | None = None, dtype: str = "fp32", budget_gib: float | None = None,
+               hints: str | None = None, temporal: bool = True, use_budget: bool = True):
+    """Trace ``model`` on meta tensors and search; returns (plan, trace seconds, search seconds)."""
+    import torch
+
+    from stpc import models, trace
+    from stpc.__main__ import DEFAULT_BATCH, DEFAULT_SEQ
+    from stpc.cost_models import get_cluster
+    from stpc.search import search
+
+    cfg = models.get_config(model)
+    batch = batch or DEFAULT_BATCH
+    seq = min(seq or DEFAULT_SEQ, cfg.max_seq)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        m = models.build(cfg).to(torch_dtype)
+    tg = trace(m, models.example_inputs(cfg, batch, seq, device="meta"), name=model)
+    t1 = time.perf_counter()
+    cl = get_cluster(cluster)
+    budget = None
+    if use_budget:
+        budget = budget_gib * 2**30 if budget_gib is not None else cl.device.mem_bytes
+    plan = search(tg, mesh, cl, budget_bytes=budget, hints=hints, temporal=temporal, dtype=dtype,
+                  optimizer_layout="fp32-adam" if dtype == "fp32" else "mixed-adam")
+    t2 = time.perf_counter()
+    plan.stats.update(trace_time_s=t1 - t0, total_time_s=t2 - t0, batch=batch, seq=seq)
+    return plan, tg
+
+
+def summary(plan) -> dict:
+    s = plan.stats
+    return {"plan_hash": plan.hash(), "model": plan.model, "mesh_shape": plan.mesh_shape,
+            "cluster": plan.cluster, "modelled_step_time_s": plan.modelled_step_time_s,
+            "peak_memory_bytes": plan.peak_memory_bytes, "budget_bytes": plan.budget_bytes,
+            "search_time_s": s["search_time_s"], "solve_time_s": s["solve_time_s"],
+            "trace_time_s": s.get("trace_time_s"), "total_time_s": s.get("total_time_s"),
+            "num_nodes": s["num_nodes"], "num_groups": s["num_groups"], "num_variables": s["num_variables"],
+            "strategy_counts": plan.strategy_counts(), "fallback_ops": s["fallback_ops"],
+            "mesh_shapes_tried": s["mesh_shapes_tried"], "batch": s.get("batch"), "seq": s.get("seq")}
+
+
+def main_plan(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m stpc plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--mesh", required=True, help="N (the planner picks the shape) or a shape like 4x8")
+    p.add_argument("--cluster", default="primepar-v100", help="preset name or a calibrate profile .json")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--budget-gib", type=float, default=None, help="per-device memory budget")
+    p.add_argument("--no-budget", action="store_true", help="plan without a memory limit")
+    p.add_argument("--hints", default=None, help="a preset: megatron, dp")
+    p.add_argument("--no-temporal", action="store_true", help="spatial strategies only (Alpa-like)")
+    p.add_argument("--json", default=None, help="write the summary (and the plan beside it) here")
+    p.add_argument("--dump", default=None, help="write the per-node plan table here (+ .dot)")
+    a = p.parse_args(argv)
+    from stpc.solver import InfeasibleBudget
+    try:
+        plan, tg = plan_model(a.model, a.mesh, a.cluster, a.batch, a.seq, a.dtype, a.budget_gib, a.hints,
+                              not a.no_temporal, use_budget=not a.no_budget)
+    except InfeasibleBudget as e:
+        print(f"error: {e}")
+        return 3
+    s = summary(plan)
+    print(f"model {a.model}  mesh {'x'.join(map(str, plan.mesh_shape))}  cluster {plan.cluster}  "
+          f"batch {s['batch']} seq {s['seq']} {a.dtype}")
+    print(f"modelled step {plan.modelled_step_time_s * 1e3:.2f} ms  peak {plan.peak_memory_bytes / 2**30:.2f} "
+          f"GiB/device  search {s['search_time_s']:.3f} s  total {s['total_time_s']:.2f} s  "
+          f"nodes {s['num_nodes']}  variables {s['num_variables']}")
+    print("strategies: " + ", ".join(f"{k} {v}" for k, v in s["strategy_counts"].items()))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(s, f, indent=1, sort_keys=True)
+        plan.save(a.json.removesuffix(".json") + ".plan.json")
+        print(f"wrote {a.json}")
+    if a.dump:
+        from stpc import dump
+        with open(a.dump, "w") as f:
+            f.write(plan.table())
+        dump(tg, a.dump.removesuffix(".txt") + ".graph.txt", plan=plan)
+        print(f"wrote {a.dump}")
+    return 0
