@@ -29,12 +29,17 @@ from stpc.costs import axis_reshard, local_bytes, node_time, reshard_cost, trans
 from stpc.placement import REPLICATE, shard_factor
 from stpc.plan import NodePlan, Plan
 from stpc.solver import Edge, Problem, solve
-from stpc.strategies import (SAVES_INPUTS, SAVES_OUTPUT, Strategy, enumerate_strategies, follow,
-                             is_constant_op, is_follower, is_view_like, placement_choices,
+from stpc.strategies import (SAVES_INPUTS, SAVES_OUTPUT, Strategy, aten, derive, enumerate_strategies,
+                             follow, is_follower, is_view_like, op_spec, placement_choices,
                              tensor_operands)
 from stpc.trace import TracedGraph
 
 NS = 1e9  # integer costs are nanoseconds
+
+# Ops whose choices are real even with one live operand (the solver keeps them).
+_NOT_DERIVED = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
+                aten.scaled_dot_product_attention.default, aten.embedding.default,
+                aten.cross_entropy_loss.default}
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 
@@ -142,6 +147,8 @@ class Builder:
         self.edges: dict[tuple, Edge] = {}
         self._edge_cache: dict = {}
         self._follow_extra: dict[fx.Node, list[float]] = {}
+        self.derived: dict[fx.Node, list[Strategy]] = {}  # node -> strategy per group choice
+        self._derive_cache: dict = {}
 
     # ---------------------------------------------------------------- per node
     def _new_group(self, rep, strategies, cost, mem, transient) -> int:
@@ -219,6 +226,49 @@ class Builder:
         self._add(g, cost=cost)
         self.group_of[node] = g
         self.place[node] = [s.out for s in strategies]
+
+    def _derived(self, node, live):
+        """A node whose live (non-constant) operands all come from one group — elementwise
+        ops with constants, reductions, and ops joining values of one group (RMSNorm's
+        x * rsqrt(mean(x^2)), RoPE's halves): its strategy follows from that group's
+        choice (``strategies.derive``); where no strategy keeps the operands where they
+        are, they are gathered to Replicate first. A modelling restriction, like
+        followers: such a node never reshards on its own to please its consumers."""
+        ops = tensor_operands(node)
+        g = self.group_of[ops[live[0]]]
+        rep = self.tie.get(node)
+        if rep is not None and rep in self.derived and self.group_of.get(rep) == g:
+            self.group_of[node] = g
+            self.place[node] = self.place[rep]
+            self.derived[node] = self.derived[rep]
+            self._add(g, cost=self._follow_extra[rep])
+            self._follow_extra[node] = self._follow_extra[rep]
+            return
+        grads = [o in self.rg for o in ops]
+        is_param = [o.name in self.params for o in ops]
+        rep_p = tuple(REPLICATE for _ in self.mesh)
+        strategies, extra = [], []
+        cache = {}
+        for c in range(len(self.groups[g].cost)):
+            key = tuple(self.place[ops[i]][c] for i in live)
+            if key not in cache:
+                s = derive(node, dict(zip(live, key)), self.mesh, self._derive_cache)
+                cost = 0.0
+                if s is None:
+                    for i, p in zip(live, key):
+                        v = ops[i].meta["val"]
+                        cost += reshard_cost(self.cm, p, rep_p, v.numel() * v.element_size(),
+                                             (False,) * len(self.mesh), ops[i] in self.rg)
+                    s = Strategy(out=rep_p, ins=tuple(rep_p for _ in ops))
+                cache[key] = (s, cost + node_time(node, s, self.cm, grads, is_param))
+            s, cost = cache[key]
+            strategies.append(s)
+            extra.append(cost)
+        self.group_of[node] = g
+        self.place[node] = [s.out for s in strategies]
+        self.derived[node] = strategies
+        self._follow_extra[node] = extra
+        self._add(g, cost=extra)
 
     def _node_cost(self, node, g):
         return getattr(self.groups[g], "own_cost", None)
@@ -307,6 +357,19 @@ class Builder:
                     table[(pc, qc)] = c
         return _merge_classes(ucls, vcls, table)
 
+    def _live_operands_of_one_group(self, node):
+        """Indices of the non-constant tensor operands, if they all belong to one group
+        (and the op is elementwise-like: its choices would be no real choice)."""
+        if node.target in _NOT_DERIVED or op_spec(node) is None:
+            return None
+        ops = tensor_operands(node)
+        live = [i for i, o in enumerate(ops) if o not in self.const]
+        if not live or any(ops[i] not in self.group_of for i in live):
+            return None
+        if len({self.group_of[ops[i]] for i in live}) != 1:
+            return None
+        return live
+
     def _saved_memory(self):
         """Activations kept for backward, charged to the producer of the (base) tensor."""
         saved = set()
@@ -342,6 +405,9 @@ class Builder:
             elif is_follower(node) and tensor_operands(node)[0] in self.group_of:
                 self.role[node] = "follower"
                 self._follower(node)
+            elif (live := self._live_operands_of_one_group(node)) is not None:
+                self.role[node] = "derived"
+                self._derived(node, live)
             else:
                 self.role[node] = "decision"
                 self._decision(node)
@@ -376,7 +442,13 @@ class Builder:
                     continue
                 g = self.group_of[node]
                 c = choice[g]
-                if role == "decision":
+                if role == "derived":
+                    # Planned through its operand; to the passes it is a decision like any other.
+                    s = self.derived[node][c]
+                    nodes[node.name] = NodePlan(role="decision", op=op, kind=s.kind, out=list(s.out),
+                                                ins=[list(p) for p in s.ins], time_s=self._follow_extra[node][c],
+                                                tied_to=tied.name if tied else "")
+                elif role == "decision":
                     s: Strategy = self.groups[g].strategies[c]
                     own = self.groups[g].own_cost[c]
                     nodes[node.name] = NodePlan(role=role, op=op, kind=s.kind, out=list(s.out),
@@ -448,11 +520,15 @@ def _merge_classes(ucls, vcls, table):
 
 
 def plan_graph(tg: TracedGraph, cm: CostModel, budget: float | None = None, hints: Hints | None = None,
-               optimizer_layout: str = "fp32-adam", dtype: str = "fp32") -> Plan:
-    """Plan one traced graph on one mesh shape (``cm.mesh_shape``)."""
+               optimizer_layout: str = "fp32-adam", dtype: str = "fp32", cap_s: float | None = None) -> Plan:
+    """Plan one traced graph on one mesh shape (``cm.mesh_shape``). With ``cap_s``,
+    raise ``solver.NoBetterPlan`` unless a plan of at most that modelled time exists
+    (lets the mesh-shape search discard a shape without solving it to the end)."""
     t0 = time.perf_counter()
     b = Builder(tg, cm, hints, optimizer_layout)
     problem = b.build(budget)
+    if cap_s is not None:
+        problem.cap = int(cap_s * NS)
     t1 = time.perf_counter()
     sol = solve(problem)
     t2 = time.perf_counter()

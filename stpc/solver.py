@@ -45,6 +45,7 @@ class Problem:
     transient: list[list[int]] = None  # per group, per choice: working-set bytes
     edges: list[Edge] = field(default_factory=list)
     budget: int | None = None        # bytes per device
+    cap: int | None = None           # only solutions with objective <= cap are wanted
 
     def __post_init__(self):
         n = [len(c) for c in self.cost]
@@ -72,6 +73,10 @@ class Solution:
     solve_time_s: float
     num_variables: int
     num_constraints: int
+
+
+class NoBetterPlan(Exception):
+    """No solution reaches the problem's objective cap (another mesh shape is better)."""
 
 
 class InfeasibleBudget(ValueError):
@@ -147,6 +152,8 @@ def _build(p: Problem, minimise_memory: bool):
             mem_terms += [mems[c] * x[g][c] for c in range(len(mems)) if mems[c]]
     t_max = max((max(t) for t in p.transient), default=0)
     T = m.NewIntVar(0, max(t_max, 0), "transient")
+    if p.cap is not None and not minimise_memory:
+        m.Add(sum(obj) + const <= p.cap)
     if p.budget is None and not minimise_memory:  # memory does not constrain: skip its rows
         m.Minimize(sum(obj) + const)
         return m, x, n_edge_vars
@@ -165,6 +172,66 @@ def _build(p: Problem, minimise_memory: bool):
     return m, x, n_edge_vars
 
 
+def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int]]]:
+    """Drop choices another choice of the same group dominates: no more costly,
+    memory-hungry or transient-heavy, and no worse on every incident edge whatever
+    the neighbour picks. Any solution using a dominated choice stays as good (and
+    as feasible) with its dominator, so the optimum is unchanged: exact.
+    Returns the reduced problem and, per group, the kept original choice indices."""
+    import numpy as np
+
+    keep = [list(range(len(c))) for c in p.cost]
+    for _ in range(rounds):
+        incident = [[] for _ in p.cost]
+        for e in p.edges:
+            incident[e.u].append(e)
+            if e.v != e.u:
+                incident[e.v].append(e)
+        changed = False
+        for g in range(len(p.cost)):
+            k = keep[g]
+            if len(k) < 2:
+                continue
+            cols = [[p.cost[g][c] for c in k], [p.mem[g][c] for c in k], [p.transient[g][c] for c in k]]
+            self_edge = False
+            for e in incident[g]:
+                if e.u == e.v:
+                    self_edge = True
+                    break
+                if e.u == g:
+                    others = sorted({e.vcls[c] for c in keep[e.v]})
+                    for q in others:
+                        cols.append([e.table.get((e.ucls[c], q), 0) for c in k])
+                else:
+                    others = sorted({e.ucls[c] for c in keep[e.u]})
+                    for pc in others:
+                        cols.append([e.table.get((pc, e.vcls[c]), 0) for c in k])
+            if self_edge:
+                continue
+            v = np.array(cols, dtype=np.int64).T  # choices x features
+            le = (v[:, None, :] <= v[None, :, :]).all(-1)   # le[a, b]: a no worse than b
+            dominated = set()
+            for b in range(len(k)):
+                for a in range(len(k)):
+                    # strictly dominated, or equal and a comes first (keep one of equals)
+                    if a != b and a not in dominated and le[a, b] and (not le[b, a] or a < b):
+                        dominated.add(b)
+                        break
+            if dominated:
+                keep[g] = [c for i, c in enumerate(k) if i not in dominated]
+                changed = True
+        if not changed:
+            break
+    pos = [{c: i for i, c in enumerate(k)} for k in keep]
+    q = Problem(cost=[[p.cost[g][c] for c in k] for g, k in enumerate(keep)],
+                mem=[[p.mem[g][c] for c in k] for g, k in enumerate(keep)],
+                transient=[[p.transient[g][c] for c in k] for g, k in enumerate(keep)],
+                edges=[Edge(e.u, e.v, tuple(e.ucls[c] for c in keep[e.u]), tuple(e.vcls[c] for c in keep[e.v]),
+                            e.table) for e in p.edges],
+                budget=p.budget, cap=p.cap)
+    return q, keep
+
+
 def _solver(time_limit_s: float) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1      # one worker: bit-identical results in every process
@@ -176,18 +243,26 @@ def _solver(time_limit_s: float) -> cp_model.CpSolver:
     return solver
 
 
-def solve(p: Problem, time_limit_s: float = 120.0) -> Solution:
-    """Exact CP-SAT solve; deterministic (one worker, fixed seed)."""
+def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True) -> Solution:
+    """Exact CP-SAT solve; deterministic (one worker, fixed seed). Dominated choices
+    are pruned first (exact, see :func:`prune_dominated`)."""
     t0 = time.perf_counter()
+    full = p
+    if prune:
+        p, keep = prune_dominated(p)
     m, x, n_edge_vars = _build(p, minimise_memory=False)
     solver = _solver(time_limit_s)
     status = solver.Solve(m)
     if status == cp_model.INFEASIBLE:
-        raise InfeasibleBudget(p.budget, min_memory(p))
+        if p.cap is not None:
+            raise NoBetterPlan()
+        raise InfeasibleBudget(p.budget, min_memory(full))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"CP-SAT returned {solver.StatusName(status)} within {time_limit_s}s")
     choice = [0 if xs is None else next(c for c, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x]
-    obj, peak = p.evaluate(choice)
+    if prune:
+        choice = [keep[g][c] for g, c in enumerate(choice)]
+    obj, peak = full.evaluate(choice)
     proto = m.Proto()
     return Solution(choice=choice, objective_ns=obj, peak_bytes=peak, status=solver.StatusName(status),
                     solve_time_s=time.perf_counter() - t0, num_variables=len(proto.variables),

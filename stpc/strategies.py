@@ -295,6 +295,55 @@ def enumerate_spatial(spec: OpSpec, shapes_in, out_shape, mesh: tuple[int, ...])
     return out
 
 
+def derive(node: fx.Node, live: dict[int, tuple[str, ...]], mesh: tuple[int, ...],
+           cache: dict | None = None) -> Strategy | None:
+    """The strategy of a node whose live (non-constant) operands arrive in the given
+    placements (operand index -> placement) and are not moved: per axis, the spatial
+    option whose tokens for those operands are theirs. None when no option keeps them
+    (they must be gathered to Replicate first). Constant operands take whatever the
+    option asks: they are computed replicated, so slicing them (or R -> P) is free."""
+    table = _derive_table(node, tuple(sorted(live)), mesh, {} if cache is None else cache)
+    if table is None:
+        return None
+    picks = []
+    for a in range(len(mesh)):
+        pick = table[0][a].get(tuple(live[k][a] for k in sorted(live)))
+        if pick is None:
+            return None
+        picks.append(pick)
+    s = Strategy(out=tuple(o for o, _ in picks),
+                 ins=tuple(tuple(i[k] for _, i in picks) for k in range(table[1])))
+    shapes_in, out_shape = table[2], table[3]
+    if not fits(out_shape, s.out, mesh) or not all(fits(sh, q, mesh) for sh, q in zip(shapes_in, s.ins)):
+        return None
+    return s
+
+
+def _derive_table(node, live: tuple[int, ...], mesh, cache: dict):
+    """Per axis: the live operands' tokens -> the (out, ins) option keeping them
+    (preferring a replicated output). Cached in ``cache`` per node, operands and mesh."""
+    key = (node, live, mesh)
+    if key in cache:
+        return cache[key]
+    spec = op_spec(node)
+    ops = tensor_operands(node)
+    if spec is None or len(spec.ins) != len(ops):
+        cache[key] = None
+        return None
+    shapes_in = [_shape(o) for o in ops]
+    out_shape = _shape(node)
+    per_axis = []
+    for n in mesh:
+        d = {}
+        for o, i in _axis_options(spec, shapes_in, out_shape, n):
+            k = tuple(i[j] for j in live)
+            if k not in d or o == REPLICATE:
+                d[k] = (o, i)
+        per_axis.append(d)
+    cache[key] = (per_axis, len(spec.ins), shapes_in, out_shape)
+    return cache[key]
+
+
 def _linear_temporal(node: fx.Node, spatial: list[Strategy], mesh, shapes_in, out_shape) -> list[Strategy]:
     """AG-ring, RS-ring and P2x2 variants of aten.linear, composed with the spatial
     choices of the other axes."""

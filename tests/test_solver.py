@@ -50,3 +50,27 @@ def test_cpsat_equals_brute_force_under_budget(p):
         sol = solve(p)
         assert sol.objective_ns == best[0]
         assert sol.peak_bytes <= p.budget
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_objective_cap_prunes_exactly(p):
+    from stpc.solver import NoBetterPlan
+    best, _ = brute_force(p)
+    p.cap = best - 1
+    with pytest.raises(NoBetterPlan):
+        solve(p)
+    p.cap = best
+    assert solve(p).objective_ns == best
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(with_budget=True))
+def test_pruning_keeps_the_optimum(p):
+    from stpc.solver import prune_dominated
+    q, keep = prune_dominated(p)
+    assert all(len(k) >= 1 for k in keep)
+    a, b = brute_force(p), brute_force(q)
+    assert (a is None) == (b is None)
+    if a is not None:
+        assert a[0] == b[0]

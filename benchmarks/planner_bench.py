@@ -1,0 +1,91 @@
+"""Planner search time on the PrimePar models and device counts, measured on this machine.
+
+    .venv/bin/python benchmarks/planner_bench.py [--models ...] [--sizes 4 8 16 32] [--megatron]
+
+For each model: trace once on meta tensors (timed), then for each device count
+search every logical mesh shape (``stpc.search``) on the ``primepar-v100``
+cluster (8 nodes x 4 V100, NVLink / InfiniBand), fp16 mixed precision, global
+batch 8 x sequence 2048, budget 32 GB per device. "search" is strategy
+enumeration + costing + CP-SAT over all mesh shapes, after tracing; "total" adds
+the trace. A cell whose budget is infeasible reports the time to prove it.
+With --megatron it also plans the Megatron TP+SP baseline (best DP x TP) on the
+same cost model and prints the modelled speedup. Prints markdown.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import torch
+
+from stpc import models, trace
+from stpc.cost_models import get_cluster
+from stpc.search import search
+from stpc.solver import InfeasibleBudget
+
+PRIMEPAR_MS = {  # published search time (ms, one Xeon thread), REFERENCES.md
+    "opt": {4: 85, 8: 87, 16: 171, 32: 5357},
+    "llama2": {4: 87, 8: 89, 16: 186, 32: 6070},
+    "bloom": {4: 85, 8: 80, 16: 166, 32: 4153},
+}
+
+
+def family(name):
+    return next(k for k in PRIMEPAR_MS if name.startswith(k))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", nargs="+", default=["llama2-7b", "llama2-70b", "opt-6.7b", "opt-175b",
+                                                    "bloom-7b1", "bloom-176b"])
+    p.add_argument("--sizes", nargs="+", type=int, default=[4, 8, 16, 32])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--megatron", action="store_true")
+    a = p.parse_args(argv)
+    cl = get_cluster("primepar-v100")
+    budget = cl.device.mem_bytes
+    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"python {sys.version.split()[0]}\n")
+    print("| model | devices | trace s | search s | total s | PrimePar search s | mesh | modelled step s "
+          "| peak GiB | families |" + (" Megatron modelled s | speedup (modelled) |" if a.megatron else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if a.megatron else ""))
+    for name in a.models:
+        cfg = models.get_config(name)
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            m = models.build(cfg).to(torch.float16)
+        tg = trace(m, models.example_inputs(cfg, a.batch, min(a.seq, cfg.max_seq)), name=name)
+        t_trace = time.perf_counter() - t0
+        for n in a.sizes:
+            t1 = time.perf_counter()
+            try:
+                plan = search(tg, n, cl, budget_bytes=budget, dtype="fp16", optimizer_layout="mixed-adam")
+                err = None
+            except InfeasibleBudget as e:
+                plan, err = None, e
+            t_search = time.perf_counter() - t1
+            ref = PRIMEPAR_MS[family(name)][n] / 1e3 if n in PRIMEPAR_MS[family(name)] else float("nan")
+            if plan is None:
+                row = (f"| {name} | {n} | {t_trace:.2f} | {t_search:.3f} | {t_trace + t_search:.2f} | {ref:.3f} "
+                       f"| infeasible | - | needs {err.min_budget / 2**30:.1f} | - |")
+                print(row + (" - | - |" if a.megatron else ""), flush=True)
+                continue
+            fams = ", ".join(f"{k} {v}" for k, v in plan.strategy_counts().items())
+            row = (f"| {name} | {n} | {t_trace:.2f} | {t_search:.3f} | {t_trace + t_search:.2f} | {ref:.3f} | "
+                   f"{'x'.join(map(str, plan.mesh_shape))} | {plan.modelled_step_time_s:.3f} | "
+                   f"{plan.peak_memory_bytes / 2**30:.1f} | {fams} |")
+            if a.megatron:
+                try:
+                    mg = search(tg, n, cl, budget_bytes=budget, hints="megatron", dtype="fp16",
+                                optimizer_layout="mixed-adam")
+                    row += f" {mg.modelled_step_time_s:.3f} | {mg.modelled_step_time_s / plan.modelled_step_time_s:.2f}x |"
+                except InfeasibleBudget:
+                    row += " infeasible | - |"
+            print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
