@@ -324,11 +324,10 @@ class Builder:
                 continue
             u = self.group_of[src]
             srep = self.tie.get(src, src)
-            for a in range(len(self.mesh)):
-                key = (srep, rep, i, u, v, a)
-                if key not in self._edge_cache:
-                    self._edge_cache[key] = self._axis_edge(src, strategies, i, a)
-                ucls, vcls, table = self._edge_cache[key]
+            key = (srep, rep, i, u, v)
+            if key not in self._edge_cache:
+                self._edge_cache[key] = self._operand_edges(src, strategies, i)
+            for ucls, vcls, table in self._edge_cache[key]:
                 if not table:
                     continue
                 ekey = (u, v, ucls, vcls)
@@ -338,6 +337,11 @@ class Builder:
                         e.table[k] = e.table.get(k, 0.0) + c
                 else:
                     self.edges[ekey] = Edge(u, v, ucls, vcls, dict(table))
+
+    def _operand_edges(self, src, strategies, i):
+        # (Combining the per-axis edges into one transport edge was measured: its tighter
+        # LP did not pay for its extra variables on any zoo model.)
+        return [e for e in (self._axis_edge(src, strategies, i, a) for a in range(len(self.mesh))) if e[2]]
 
     def _axis_edge(self, src, strategies, i, a):
         uplace = self.place[src]
@@ -469,8 +473,9 @@ class Builder:
     def _edge_seconds(self, choice) -> dict:
         """Per representative consumer: modelled seconds of its input edges (one layer's worth)."""
         out = defaultdict(float)
-        for (srep, rep, i, u, v, a), (ucls, vcls, table) in self._edge_cache.items():
-            out[rep] += table.get((ucls[choice[u]], vcls[choice[v]]), 0.0)
+        for (srep, rep, i, u, v), edges in self._edge_cache.items():
+            for ucls, vcls, table in edges:
+                out[rep] += table.get((ucls[choice[u]], vcls[choice[v]]), 0.0)
         return out
 
     def _alternatives(self, choice, top: int = 6) -> dict:
@@ -478,8 +483,9 @@ class Builder:
         input-edge cost with every neighbour as planned (one copy of the node)."""
         res = {}
         by_consumer = defaultdict(list)
-        for (srep, rep, i, u, v, a), val in self._edge_cache.items():
-            by_consumer[rep].append((u, v, val))
+        for (srep, rep, i, u, v), edges in self._edge_cache.items():
+            for val in edges:
+                by_consumer[rep].append((u, v, val))
         for g, grp in enumerate(self.groups):
             if grp.rep not in self.role or self.role[grp.rep] != "decision" or len(grp.strategies) < 2:
                 continue
