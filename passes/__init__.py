@@ -1,0 +1,19 @@
+"""Graph passes: each a documented ``GraphModule -> GraphModule`` function, run in this order
+by ``stpc.compile``:
+
+  shard_params       placeholders become the local shards of their plan placement
+  insert_collectives functional collectives wherever placements change; local rewrites
+  ring_decompose     AG->matmul / matmul->RS / P2x2 become P2P ring schedules
+  cleanup            drop asserts, merge duplicate reshards, cancel gather/slice pairs, DCE
+  verify             static check: all ranks issue matching collectives and P2P transfers
+"""
+from .cleanup import cleanup
+from .insert_collectives import insert_collectives, reshard_steps
+from .ring_decompose import ring_decompose
+from .shard_params import shard_params
+from .verify import VerifyError, comm_schedule, verify
+
+PIPELINE = ("shard_params", "insert_collectives", "ring_decompose", "cleanup", "verify")
+
+__all__ = ["shard_params", "insert_collectives", "ring_decompose", "cleanup", "verify", "VerifyError",
+           "comm_schedule", "reshard_steps", "PIPELINE"]

@@ -4,6 +4,7 @@ Pipeline (one stage a module): trace -> annotate -> strategies -> solve -> passe
 """
 from stpc.dump import dump
 from stpc.trace import TracedGraph, trace
+from stpc.compile import DistributedModel, compile  # noqa: A004 (stpc.compile is the entry point)
 
-__all__ = ["trace", "TracedGraph", "dump"]
+__all__ = ["trace", "TracedGraph", "dump", "compile", "DistributedModel"]
 __version__ = "0.1.0"

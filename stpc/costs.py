@@ -15,7 +15,7 @@ in backward (only when the tensor needs a gradient):
   R -> P            local (rank 0)     -
   S -> R            all-gather         reduce-scatter if the consumer splits, else slice
   S -> S', grid     all-to-all         all-to-all
-  P -> R            all-reduce         -
+  P -> R            all-reduce         all-reduce if the consumer splits its work
   P -> S/grid       reduce-scatter     all-gather
   B -> X (same dims) one P2P skew      one P2P skew   (PrimePar: next layer's input)
   S/grid -> P       via R: all-gather  as S -> R
@@ -49,7 +49,8 @@ def axis_reshard(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consum
         return cm.all_gather(nbytes, axis) if (qk != "P" and needs_grad) else 0.0
     if pk == "P":
         if qk == "R":
-            return cm.all_reduce(nbytes, axis)
+            # A consumer that splits its work hands back a Partial gradient: reduce it too.
+            return cm.all_reduce(nbytes, axis) * (2 if (consumer_split and needs_grad) else 1)
         return cm.reduce_scatter(nbytes, axis) + (cm.all_gather(nbytes, axis) if needs_grad else 0.0)
     # p is a split (S or a grid token)
     if qk in "RP":

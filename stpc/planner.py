@@ -44,6 +44,10 @@ _NOT_DERIVED = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.mat
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 
 
+class HintUnsatisfiable(ValueError):
+    """A hint leaves some node without a strategy on this mesh."""
+
+
 @dataclass
 class Hints:
     """Constraints on the search.
@@ -168,7 +172,7 @@ class Builder:
             if any(re.search(pattern, k) for k in keys):
                 kept = [s for s in strategies if pred(s)]
                 if not kept:
-                    raise ValueError(
+                    raise HintUnsatisfiable(
                         f"hint {pattern!r} leaves node {node.name} ({node.meta.get('source', '')}) with no "
                         f"strategy on mesh {self.mesh}; fix the hint or the mesh shape")
                 strategies = kept
@@ -432,7 +436,6 @@ class Builder:
             if node.op == "placeholder" and node in self.group_of:
                 g = self.group_of[node]
                 p = self.place[node][choice[g]]
-                val = node.meta["val"]
                 mem = self.groups[g].own_mem[choice[g]]
                 nodes[node.name] = NodePlan(role=self.role[node], op="placeholder", kind="spatial",
                                             out=list(p), mem_bytes=float(mem))

@@ -17,7 +17,7 @@ import time
 from stpc.cost_models import CostModel, get_cluster
 from stpc.hints import preset
 from stpc.plan import Plan
-from stpc.planner import Hints, plan_graph
+from stpc.planner import HintUnsatisfiable, Hints, plan_graph
 from stpc.solver import InfeasibleBudget, NoBetterPlan
 from stpc.trace import TracedGraph
 
@@ -84,6 +84,10 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
         except InfeasibleBudget as e:
             infeasible.append(e)
             continue
+        except HintUnsatisfiable as e:  # e.g. a forced family this shape cannot run
+            tried.append({"mesh": list(s), "modelled_step_time_s": None, "skipped": str(e),
+                          "solve_time_s": 0.0})
+            continue
         except NoBetterPlan:
             tried.append({"mesh": list(s), "modelled_step_time_s": None, "pruned": True,
                           "solve_time_s": time.perf_counter() - t_shape})
@@ -91,8 +95,11 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
         tried.append({"mesh": list(s), "modelled_step_time_s": p.modelled_step_time_s, "pruned": False,
                       "peak_memory_bytes": p.peak_memory_bytes, "solve_time_s": p.stats["solve_time_s"]})
         best = p  # (capped: it is better than the previous best)
-    if best is None:
+    if best is None and infeasible:
         raise InfeasibleBudget(int(budget_bytes), min(e.min_budget for e in infeasible))
+    if best is None:
+        raise HintUnsatisfiable("no mesh shape satisfies the hints: "
+                                + "; ".join(t["skipped"] for t in tried if t.get("skipped")))
     best.stats["search_time_s"] = time.perf_counter() - t0
     best.stats["mesh_shapes_tried"] = tried
     best.stats["solve_time_s"] = sum(t["solve_time_s"] for t in tried)

@@ -222,7 +222,6 @@ def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int
                 changed = True
         if not changed:
             break
-    pos = [{c: i for i, c in enumerate(k)} for k in keep]
     q = Problem(cost=[[p.cost[g][c] for c in k] for g, k in enumerate(keep)],
                 mem=[[p.mem[g][c] for c in k] for g, k in enumerate(keep)],
                 transient=[[p.transient[g][c] for c in k] for g, k in enumerate(keep)],

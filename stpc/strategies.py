@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -71,6 +71,8 @@ class OpSpec:
     partial: str = ""                   # "all": P in all operands -> P out; "first": P in operand 0 only
     grid: bool = False                  # may keep PrimePar's B layout over the last two dims
     kind: str = "spatial"
+    additive: tuple = ()                # operands added to the output (a linear's bias): they
+                                        # must be Partial when the output is (added once in the sum)
 
 
 # --------------------------------------------------------------------- op tables
@@ -150,7 +152,8 @@ def op_spec(node: fx.Node) -> OpSpec | None:
     if t in (aten.linear.default,):
         x = _labels("m", len(_shape(ops[0])) - 1) + ("n",)
         ins = [x, ("k", "n")] + ([("k",)] if len(ops) == 3 else [])
-        return OpSpec(ins=ins, out=x[:-1] + ("k",), contract=frozenset("n"), kind="linear")
+        return OpSpec(ins=ins, out=x[:-1] + ("k",), contract=frozenset("n"), kind="linear",
+                      additive=(2,) if len(ops) == 3 else ())
     if t in (aten.mm.default, aten.bmm.default, aten.matmul.default):
         a, b = _shape(ops[0]), _shape(ops[1])
         if len(a) < 2 or len(b) != 2 and len(b) != len(a):
@@ -256,7 +259,8 @@ def _axis_options(spec: OpSpec, shapes_in, out_shape, axis_size: int):
     for lab in sorted(spec.contract):
         if lab in spec.fixed or not any(lab in l for l in spec.ins):
             continue
-        ins = tuple(shard(l.index(lab)) if lab in l else REPLICATE for l in spec.ins)
+        ins = tuple(shard(l.index(lab)) if lab in l else (PARTIAL if k in spec.additive else REPLICATE)
+                    for k, l in enumerate(spec.ins))
         opts.append((PARTIAL, ins))
     if spec.partial == "all":
         opts.append((PARTIAL, tuple(PARTIAL for _ in spec.ins)))

@@ -66,8 +66,9 @@ def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> TracedGrap
         raise RuntimeError(
             f"stpc.trace: torch.export could not capture {type(model).__name__} as one graph: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
-            "Fix: remove data-dependent Python control flow from forward() or run it on "
-            "meta/fake inputs of fixed shape."
+            "Fix: give example inputs on the same device as the model's parameters (meta "
+            "for planning), of fixed shape, and remove data-dependent Python control flow "
+            "from forward()."
         ) from e
     sig = ep.graph_signature
     gm = ep.graph_module

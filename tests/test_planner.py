@@ -12,8 +12,8 @@ from stpc.cost_models import CostModel, bytes_per_param, get_cluster
 from stpc.hints import megatron
 from stpc.placement import local_shape
 from stpc.plan import Plan
-from stpc.planner import Hints, plan_graph
-from stpc.search import mesh_shapes, search
+from stpc.planner import plan_graph
+from stpc.search import mesh_shapes
 from stpc.solver import InfeasibleBudget
 from stpc.strategies import SAVES_INPUTS, SAVES_OUTPUT, enumerate_strategies, tensor_operands
 

@@ -1,7 +1,5 @@
-import resource
 import subprocess
 import sys
-import time
 
 import pytest
 import torch

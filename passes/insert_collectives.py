@@ -1,0 +1,453 @@
+"""insert_collectives: wherever placements change along an edge, insert the collective.
+
+Expects: the output of ``shard_params`` (placeholders local, ``gm.meta`` holds the
+mesh, one group name per axis and the device) and the same Plan.
+
+Guarantees: the graph is a correct SPMD program over local tensors — every rank
+runs it on its own shards and, forward and backward, computes the single-device
+model's values under the plan's placements:
+
+  * on every edge (producer -> operand of a decision node, the input of a
+    follower whose layout could not be kept, the graph outputs) the producer's
+    placement is turned into the one the consumer needs by the
+    :mod:`stpc.runtime` functions, axis by axis (``reshard_steps``: forward
+    collective and the backward dual that the cost model charges — see
+    ``stpc/costs.py`` — including Megatron's "f", identity forward /
+    all-reduce backward, where a consumer splits its work on an axis but
+    reads a Replicate operand, so replicated parameters get complete,
+    identical gradients);
+  * ops that split change locally: view/reshape/expand shapes become local,
+    a vocabulary-split embedding becomes a masked local lookup
+    (``runtime.vocab_parallel_embedding``), a row-split ``cross_entropy`` /
+    a ``mean`` over a split dim is rescaled by 1/n (mean of means), a scalar
+    added to a Partial tensor is divided by n;
+  * temporal (spatial-temporal) linears are emitted as their *spatial
+    equivalent*, a collective next to an ordinary matmul, each tagged
+    ``meta["ring"]`` so ``ring_decompose`` can fuse it into the P2P ring:
+      ag_ring:  all_gather(x, seq dim) -> linear(x, w S0, b S0)
+      rs_ring:  linear(x, w S1) -> reduce_scatter(seq dim) -> + b
+      p2x2:     runtime.grid_linear(x, w) (gathers a grid row of x and a grid
+                column of w; the step schedule replaces it)
+    so the graph between the two passes still runs and is still correct;
+  * the outputs are made Replicate (every rank returns the full loss/output);
+  * every tensor node has meta["val"] (local FakeTensor), meta["global_val"],
+    meta["placement"]; communication nodes have meta["comm"].
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.fx as fx
+
+from ._common import fail, fake_mode_of, finish, is_tensor_node, set_local
+from stpc import runtime
+from stpc.placement import PARTIAL, REPLICATE, fmt, local_shape, parse
+from stpc.strategies import Strategy, follow, tensor_operands
+
+aten = torch.ops.aten
+
+_FN = {
+    "all_gather": runtime.all_gather, "all_reduce": runtime.all_reduce,
+    "reduce_scatter": runtime.reduce_scatter, "all_to_all": runtime.all_to_all,
+    "shard_slice": runtime.shard_slice, "to_partial": runtime.to_partial,
+    "grad_all_reduce": runtime.grad_all_reduce, "grid_gather": runtime.grid_gather,
+    "grid_slice": runtime.grid_slice, "grid_skew": runtime.grid_skew,
+}
+_SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+# --------------------------------------------------------------------------- the edge algebra
+
+
+def _dims(tok: str) -> set[int]:
+    kind, dims = parse(tok)
+    return set(dims) if kind in "SBXW" else set()
+
+
+def _is_split(tok: str) -> bool:
+    return tok[0] in "SBXW"
+
+
+def reshard_steps(src, dst, mesh, consumer_split=None, needs_grad=True) -> list[tuple[str, int, dict, str]]:
+    """The per-axis operations that turn placement ``src`` into ``dst``.
+
+    Returns ``[(function, axis, kwargs, token after), ...]`` in execution order.
+    Nested splits of one dim are ordered outer axis first (row-major, as
+    DTensor), so an axis can only be gathered or re-split while no inner axis
+    splits a dim it touches: such inner axes are gathered first and split
+    again afterwards. Phase A (innermost axis first) removes splits and
+    partial sums or exchanges them directly (all-to-all, the PrimePar skew,
+    reduce-scatter) when no other changing axis touches the same dims;
+    phase B (outermost first) slices or makes Partial. Backward duals
+    (``grad=``) follow ``stpc.costs``: a Replicate result whose consumer splits
+    its work on the axis receives a partial gradient.
+    """
+    nd = len(mesh)
+    src, dst = tuple(src), tuple(dst)
+    consumer_split = tuple(consumer_split) if consumer_split is not None else (False,) * nd
+    dirty = {a for a in range(nd) if src[a] != dst[a] and mesh[a] > 1}
+    safety: set[int] = set()
+    grown = True
+    while grown:
+        grown = False
+        for a in sorted(dirty):
+            touch = _dims(src[a]) | _dims(dst[a])
+            for b in range(a + 1, nd):
+                if b not in dirty and _is_split(src[b]) and _dims(src[b]) & touch:
+                    dirty.add(b)
+                    safety.add(b)
+                    grown = True
+    steps: list[tuple[str, int, dict, str]] = []
+    cur = list(src)
+    for a in range(nd):
+        if mesh[a] == 1:
+            cur[a] = dst[a]  # a size-1 axis holds everything whatever the token says
+    def direct(a):
+        """May axis a go straight from its token to the target (all-to-all, skew,
+        reduce-scatter)? Only if no other changing axis touches the same dims: else
+        the order of the nested splits would come out wrong, so it goes through R."""
+        if a in safety:
+            return False
+        mine = _dims(src[a]) | _dims(dst[a])
+        outer = any(mine & (_dims(src[b]) | _dims(dst[b])) for b in dirty if b < a)
+        inner = any(mine & _dims(cur[b]) for b in range(a + 1, nd))  # already processed
+        return not (outer or inner)
+
+    for a in sorted(dirty, reverse=True):  # phase A: innermost first
+        t, q = cur[a], dst[a]
+        tk, qk = t[0], q[0]
+        partial_grad = consumer_split[a] and needs_grad
+        if tk in "SBXW":
+            if direct(a) and tk == "S" and qk == "S":
+                steps.append(("all_to_all", a, {"src_dim": _dims(t).pop(), "dst_dim": _dims(q).pop()}, q))
+                cur[a] = q
+            elif direct(a) and {tk, qk} == {"B", "X"} and parse(t)[1] == parse(q)[1]:
+                steps.append(("grid_skew", a, {"inverse": tk == "X"}, q))
+                cur[a] = q
+            else:
+                grad = "rs" if (q == REPLICATE and partial_grad) else "slice"
+                if tk == "S":
+                    steps.append(("all_gather", a, {"dim": _dims(t).pop(), "grad": grad}, REPLICATE))
+                else:
+                    i, j = parse(t)[1]
+                    steps.append(("grid_gather", a, {"kind": tk, "i": i, "j": j, "grad": grad}, REPLICATE))
+                cur[a] = REPLICATE
+        elif tk == "P":
+            if qk == "R":
+                grad = "all_reduce" if partial_grad else "identity"
+                steps.append(("all_reduce", a, {"grad": grad}, REPLICATE))
+                cur[a] = REPLICATE
+            elif qk == "S" and direct(a):
+                steps.append(("reduce_scatter", a, {"dim": _dims(q).pop()}, q))
+                cur[a] = q
+            else:
+                steps.append(("all_reduce", a, {"grad": "identity"}, REPLICATE))
+                cur[a] = REPLICATE
+    for a in sorted(dirty):  # phase B: outermost first
+        if cur[a] == dst[a]:
+            continue
+        assert cur[a] == REPLICATE, (src, dst, cur)
+        q = dst[a]
+        if q[0] == "S":
+            steps.append(("shard_slice", a, {"dim": _dims(q).pop()}, q))
+        elif q[0] in "BXW":
+            i, j = parse(q)[1]
+            steps.append(("grid_slice", a, {"kind": q[0], "i": i, "j": j}, q))
+        elif q == PARTIAL:
+            steps.append(("to_partial", a, {}, q))
+        cur[a] = q
+    for a in range(nd):  # Megatron's f: identity forward, all-reduce of the partial gradient
+        if mesh[a] > 1 and src[a] == dst[a] == REPLICATE and consumer_split[a] and needs_grad:
+            steps.append(("grad_all_reduce", a, {}, REPLICATE))
+    return steps
+
+
+# --------------------------------------------------------------------------- the pass
+
+
+def _operand_slots(node: fx.Node):
+    """(container path, Node) for each tensor operand, in ``tensor_operands`` order."""
+    slots = []
+    for k, a in list(enumerate(node.args)) + [(kk, v) for kk, v in node.kwargs.items()]:
+        if isinstance(a, (list, tuple)):
+            for j, x in enumerate(a):
+                if is_tensor_node(x):
+                    slots.append(((k, j), x))
+        elif is_tensor_node(a):
+            slots.append(((k, None), a))
+    return slots
+
+
+def _replace_operands(node: fx.Node, new: list[fx.Node]) -> None:
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for ((k, j), _), n in zip(_operand_slots(node), new):
+        box = args if isinstance(k, int) else kwargs
+        if j is None:
+            box[k] = n
+        else:
+            seq = list(box[k])
+            seq[j] = n
+            box[k] = type(box[k])(seq) if isinstance(box[k], tuple) else seq
+    node.args, node.kwargs = tuple(args), kwargs
+
+
+class _Lowering:
+    def __init__(self, gm: fx.GraphModule, plan):
+        self.gm, self.plan, self.graph = gm, plan, gm.graph
+        try:
+            self.mesh = tuple(gm.meta["stpc_mesh"])
+            self.groups = list(gm.meta["stpc_groups"])
+            self.device = gm.meta["stpc_device"]
+        except KeyError:
+            raise RuntimeError("insert_collectives: run passes.shard_params on this graph first") from None
+        self.mode = fake_mode_of(gm)
+        self.needs_grad: set[fx.Node] = set()
+        for n in self.graph.nodes:
+            np = plan.nodes.get(n.name)
+            if (n.op == "placeholder" and np is not None and np.role == "param") or \
+                    any(a in self.needs_grad for a in n.all_input_nodes):
+                self.needs_grad.add(n)
+        # Whether each follower keeps its input's layout, decided on the traced (global)
+        # shapes before any value becomes local; the producer's placement is its plan's.
+        self.keeps_layout: dict[fx.Node, bool] = {}
+        self.src_out: dict[fx.Node, tuple | None] = {}
+        for n in self.graph.nodes:
+            np = plan.nodes.get(n.name)
+            if n.op == "call_function" and np is not None and np.role == "follower":
+                (src,) = tensor_operands(n)
+                sp = plan.nodes.get(src.name)
+                local = src.meta["val"]
+                src.meta["val"] = src.meta.get("global_val", local)  # placeholders are local already
+                self.keeps_layout[n] = sp is not None and follow(n, tuple(sp.out), self.mesh) == tuple(np.out)
+                self.src_out[n] = tuple(sp.out) if sp is not None else None
+                src.meta["val"] = local
+
+    # ------------------------------------------------------------------ edges
+    def placement(self, n: fx.Node) -> tuple[str, ...]:
+        p = n.meta.get("placement")
+        if p is None:
+            raise fail(n, "it has no placement yet", "run shard_params first; is the plan for this graph?")
+        return tuple(p)
+
+    def reshard(self, src: fx.Node, dst, consumer_split, before: fx.Node, needs_grad=None) -> fx.Node:
+        needs_grad = (src in self.needs_grad) if needs_grad is None else needs_grad
+        steps = reshard_steps(self.placement(src), tuple(dst), self.mesh, consumer_split, needs_grad)
+        x, cur = src, list(self.placement(src))
+        for fn, a, kw, tok in steps:
+            with self.graph.inserting_before(before):
+                x = self.graph.call_function(_FN[fn], (x,), {**kw, "group": self.groups[a]})
+            cur[a] = tok
+            for a2 in range(len(self.mesh)):  # size-1 axes just take the target's token
+                if self.mesh[a2] == 1:
+                    cur[a2] = tuple(dst)[a2]
+            set_local(x, cur, self.mesh, self.mode, self.device, global_val=src.meta["global_val"])
+            x.meta["comm"] = {"op": fn, "axis": a, "group": self.groups[a], **kw, "edge": (src.name, before.name)}
+            x.meta["source"] = before.meta.get("source", "")
+            if src in self.needs_grad:
+                self.needs_grad.add(x)
+        return x
+
+    def local_shape(self, node: fx.Node, placement) -> list[int]:
+        return list(local_shape(tuple(node.meta["global_val"].shape), tuple(placement), self.mesh))
+
+    def check(self, node: fx.Node) -> None:
+        """Run the (aten) op on local FakeTensors: the shape must be the planned local shape."""
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        try:
+            with self.mode:
+                got = node.target(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - reported with the node
+            raise fail(node, f"the op fails on its local shards ({type(e).__name__}: {str(e)[:300]})",
+                       "this op has no local rewrite for the placement the plan gave it; force a "
+                       "replicated strategy for it with stpc.planner.Hints") from e
+        want = tuple(node.meta["val"].shape)
+        if isinstance(got, torch.Tensor):
+            if tuple(got.shape) != want:
+                raise fail(node, f"its local result has shape {tuple(got.shape)}, the plan's placement "
+                                 f"{fmt(node.meta['placement'])} needs {want}",
+                           "add a local rewrite for this op in passes/insert_collectives.py or force a "
+                           "replicated strategy with stpc.planner.Hints")
+            node.meta["val"] = got
+
+    # ------------------------------------------------------------------ nodes
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            if node.op == "call_function":
+                self.lower(node)
+            elif node.op == "output":
+                self.lower_output(node)
+
+    def lower(self, node: fx.Node) -> None:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return  # asserts and other non-tensor nodes run as they are
+        np = self.plan.nodes.get(node.name)
+        if np is None:
+            raise fail(node, "the plan has no entry for it", "re-plan: the plan was made for another graph")
+        node.meta.setdefault("global_val", val)
+        out = tuple(np.out)
+        if np.role == "const":
+            set_local(node, out, self.mesh, self.mode, self.device)
+            return
+        if np.role == "follower":
+            (src,) = tensor_operands(node)
+            p = self.placement(src)
+            if not self.keeps_layout[node] or p != self.src_out[node]:
+                if any(t != REPLICATE for t in out):
+                    raise fail(node, f"its input is {fmt(p)} and the plan wants {fmt(out)}",
+                               "the plan does not belong to this graph; re-plan")
+                _replace_operands(node, [self.reshard(src, out, (False,) * len(out), node)])
+            self.local_args(node, out)
+            set_local(node, out, self.mesh, self.mode, self.device)
+            self.check(node)
+            return
+        # (A contraction-split linear lists its bias as Partial: the planner's OpSpec.additive.)
+        s = Strategy(out=out, ins=tuple(tuple(p) for p in np.ins), kind=np.kind, axis=np.axis)
+        split = s.split_axes()
+        ops = tensor_operands(node)
+        if len(ops) != len(s.ins):
+            raise fail(node, f"{len(ops)} tensor operands but the plan lists {len(s.ins)}",
+                       "re-plan: the plan was made for another graph")
+        _replace_operands(node, [self.reshard(o, q, split, node) for o, q in zip(ops, s.ins)])
+        if np.kind in ("spatial", "replicate-fallback"):
+            self.local_args(node, out)
+            set_local(node, out, self.mesh, self.mode, self.device)
+            self.check(node)
+            self.local_scale(node, out)
+        elif np.kind == "ag_ring":
+            self.lower_ag_ring(node, s)
+        elif np.kind == "rs_ring":
+            self.lower_rs_ring(node, s)
+        elif np.kind == "p2x2":
+            self.lower_p2x2(node, s)
+        else:
+            raise fail(node, f"unknown strategy family {np.kind!r}", "update stpc or re-plan")
+
+    def local_args(self, node: fx.Node, out) -> None:
+        """Shape arguments and ops whose meaning changes when their operands are split."""
+        t = node.target
+        if t in _SHAPE_ARG:
+            args = list(node.args)
+            args[1] = self.local_shape(node, out)
+            node.args = tuple(args)
+        elif t is aten.embedding.default:
+            w_place = self.placement(node.args[0])
+            vocab_axes = [a for a, tok in enumerate(w_place) if tok == "S0" and self.mesh[a] > 1]
+            if vocab_axes:
+                if len(node.args) > 2 and node.args[2] not in (-1, None):
+                    raise fail(node, "a vocabulary-split embedding with padding_idx", "force the "
+                               "embedding weight to another placement with Hints.param_force")
+                node.target = runtime.vocab_parallel_embedding
+                node.args = (node.args[0], node.args[1])
+                node.kwargs = {"groups": [self.groups[a] for a in vocab_axes],
+                               "vocab": int(node.args[0].meta["global_val"].shape[0])}
+        elif t in (aten.add.Tensor, aten.sub.Tensor) and PARTIAL in out:
+            # every rank adds its share of a scalar to a partial sum: the sum adds it once
+            n = math.prod(m for m, tok in zip(self.mesh, out) if tok == PARTIAL)
+            args = list(node.args)
+            for i, a in enumerate(args):
+                if isinstance(a, numbers.Number) and not isinstance(a, bool):
+                    args[i] = a / n
+            node.args = tuple(args)
+
+    def local_scale(self, node: fx.Node, out) -> None:
+        """A mean over a split dim computes the mean of the local piece: scale by 1/n so
+        the partial results sum to the global mean (even splits)."""
+        t = node.target
+        if PARTIAL not in out:
+            return
+        if t is aten.mean.dim or (t is aten.cross_entropy_loss.default and
+                                  (node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)) == 1):
+            n = math.prod(m for m, tok in zip(self.mesh, out) if tok == PARTIAL)
+            with self.graph.inserting_after(node):
+                scaled = self.graph.call_function(aten.mul.Tensor, (node, 1.0 / n))
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+            scaled.meta.update(global_val=node.meta["global_val"], placement=tuple(out),
+                               val=node.meta["val"], source=node.meta.get("source", ""),
+                               local_rewrite=f"mean of {n} local means")
+            if node in self.needs_grad:
+                self.needs_grad.add(scaled)
+
+    # ------------------------------------------------------------------ temporal families
+    def _after(self, node, target, args, kwargs, placement, global_val):
+        with self.graph.inserting_after(node):
+            n = self.graph.call_function(target, args, kwargs)
+        set_local(n, placement, self.mesh, self.mode, self.device, global_val=global_val)
+        n.meta["source"] = node.meta.get("source", "")
+        if node in self.needs_grad or any(a in self.needs_grad for a in n.all_input_nodes):
+            self.needs_grad.add(n)
+        return n
+
+    def lower_ag_ring(self, node: fx.Node, s: Strategy) -> None:
+        a, x = s.axis, node.args[0]
+        m = x.meta["global_val"].dim() - 2
+        gathered = list(self.placement(x))
+        gathered[a] = REPLICATE
+        with self.graph.inserting_before(node):
+            ag = self.graph.call_function(runtime.all_gather, (x,), {"dim": m, "grad": "rs", "group": self.groups[a]})
+        set_local(ag, gathered, self.mesh, self.mode, self.device, global_val=x.meta["global_val"])
+        ag.meta["comm"] = {"op": "all_gather", "axis": a, "group": self.groups[a], "dim": m, "grad": "rs",
+                           "edge": (x.name, node.name)}
+        ag.meta["ring"] = {"kind": "ag_ring", "linear": node.name, "axis": a}
+        ag.meta["source"] = node.meta.get("source", "")
+        if x in self.needs_grad:
+            self.needs_grad.add(ag)
+        node.args = (ag,) + tuple(node.args[1:])
+        node.meta["ring"] = {"kind": "ag_ring", "axis": a}
+        set_local(node, s.out, self.mesh, self.mode, self.device)
+        self.check(node)
+
+    def lower_rs_ring(self, node: fx.Node, s: Strategy) -> None:
+        a = s.axis
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else None
+        m = x.meta["global_val"].dim() - 2
+        partial = list(s.out)
+        partial[a] = PARTIAL
+        node.args = (x, w)
+        node.meta["ring"] = {"kind": "rs_ring", "axis": a}
+        set_local(node, partial, self.mesh, self.mode, self.device)
+        self.check(node)
+        gv = node.meta["global_val"]
+        rs = self._after(node, runtime.reduce_scatter, (node,), {"dim": m, "group": self.groups[a]}, s.out, gv)
+        rs.meta["comm"] = {"op": "reduce_scatter", "axis": a, "group": self.groups[a], "dim": m,
+                           "edge": (node.name, node.name)}
+        rs.meta["ring"] = {"kind": "rs_ring", "linear": node.name, "axis": a}
+        final = rs
+        if bias is not None:
+            final = self._after(rs, aten.add.Tensor, (rs, bias), {}, s.out, gv)
+            self.check(final)
+        node.replace_all_uses_with(final, delete_user_cb=lambda u: u is not rs)
+
+    def lower_p2x2(self, node: fx.Node, s: Strategy) -> None:
+        a = s.axis
+        if len(node.args) > 2 and node.args[2] is not None:
+            raise fail(node, "a P2x2 linear with a bias", "build the model without biases or forbid "
+                       "p2x2 on this node with stpc.planner.Hints")
+        x, w = node.args[0], node.args[1]
+        node.target = runtime.grid_linear
+        node.args = (x, w)
+        node.kwargs = {"group": self.groups[a]}
+        node.meta["ring"] = {"kind": "p2x2", "axis": a}
+        node.meta["comm"] = {"op": "grid_linear", "axis": a, "group": self.groups[a], "edge": (x.name, node.name)}
+        set_local(node, s.out, self.mesh, self.mode, self.device)
+
+    def lower_output(self, node: fx.Node) -> None:
+        rep = ("R",) * len(self.mesh)
+
+        def fix(x):
+            if is_tensor_node(x) and "placement" in x.meta:
+                return self.reshard(x, rep, (False,) * len(self.mesh), node)
+            return x
+        node.args = tuple(fx.node.map_aggregate(a, lambda x: fix(x) if isinstance(x, fx.Node) else x)
+                          for a in node.args)
+
+
+def insert_collectives(gm: fx.GraphModule, plan) -> fx.GraphModule:
+    """Insert the resharding collectives and local rewrites; see the module docstring."""
+    _Lowering(gm, plan).run()
+    return finish(gm)

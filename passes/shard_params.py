@@ -1,0 +1,60 @@
+"""shard_params: placeholders become the local shards the plan stores them in.
+
+Expects: a graph made by ``stpc.trace`` (placeholders = parameters/buffers, then
+user inputs) and a Plan of that graph.
+
+Guarantees:
+  * every parameter, buffer and user-input placeholder has meta["val"] = the
+    LOCAL FakeTensor of its plan placement (``plan.nodes[name].out``), the full
+    value kept in meta["global_val"] and the placement in meta["placement"];
+    the caller passes each rank's shard (``stpc.runtime.shard_tensor``), not
+    the full tensor — parameters are stored sharded (ZeRO-style when the
+    consumer wants them whole: ``insert_collectives`` gathers them);
+  * the program's tensors live on ``device``: ``device=`` arguments the trace
+    baked in (``meta`` when planning a model built on the meta device) are
+    retargeted, so arange/ones/full tables are made where the run happens;
+  * ``gm.meta`` records the mesh shape, one process-group name per mesh axis and
+    the device: the later passes read them.
+
+It adds no node: resharding is ``insert_collectives``' job.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ._common import default_groups, fake_mode_of, finish, mesh_of, set_local
+from stpc.placement import fits, fmt
+
+
+def shard_params(gm: fx.GraphModule, plan, *, groups: list[str] | None = None,
+                 device: str | torch.device = "cpu") -> fx.GraphModule:
+    """Make parameter/buffer/input placeholders local shards; see the module docstring."""
+    mesh = mesh_of(plan)
+    device = torch.device(device)
+    groups = list(groups) if groups is not None else default_groups(mesh)
+    if len(groups) != len(mesh):
+        raise ValueError(f"shard_params: {len(groups)} group names for a mesh of {len(mesh)} axes {mesh}")
+    mode = fake_mode_of(gm)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                continue
+            np = plan.nodes.get(node.name)
+            placement = tuple(np.out) if np is not None else ("R",) * len(mesh)
+            if not fits(tuple(val.shape), placement, mesh):
+                from ._common import fail
+                raise fail(node, f"shape {tuple(val.shape)} does not split evenly as {fmt(placement)} "
+                                 f"on mesh {mesh}", "choose batch/sequence sizes divisible by the mesh, "
+                                 "or re-plan for this shape")
+            set_local(node, placement, mesh, mode, device, global_val=val)
+        elif node.op == "call_function":
+            if "device" in node.kwargs:
+                kw = dict(node.kwargs)
+                kw["device"] = device
+                node.kwargs = kw
+    gm.meta["stpc_mesh"] = mesh
+    gm.meta["stpc_groups"] = groups
+    gm.meta["stpc_device"] = device
+    return finish(gm)

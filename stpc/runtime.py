@@ -1,0 +1,472 @@
+"""runtime: the autograd-aware resharding functions the rewritten graph calls.
+
+Every function here is a plain differentiable distributed function of local
+tensors; it knows nothing of plans or graphs. A process group is named by its
+``group_name`` string (as ``torch.distributed._functional_collectives`` and
+the ring ops of :mod:`stpc.ops.ring` take it), so graph nodes stay picklable
+and identical on every rank; the rank's coordinate on the group is read at run
+time. Forward collectives are the functional collectives (``_c10d_functional``).
+
+Gradient conventions (what makes replicated parameters' gradients complete
+and identical on every rank): the gradient of a Shard tensor is a Shard of the
+gradient; of a Partial tensor, the complete gradient, replicated; of a
+Replicate tensor, the complete gradient, replicated — every edge whose
+consumer splits its work on an axis but reads a Replicate operand turns the
+partial gradient it produces back into a complete one (``grad`` argument
+below, Megatron's "f"). Per mesh axis:
+
+  function           forward                      backward
+  all_gather         S(d) -> R: all-gather        grad="rs": reduce-scatter (partial
+                                                  grad), grad="slice": local slice
+  all_reduce         P -> R: all-reduce           grad="identity" | "all_reduce"
+  reduce_scatter     P -> S(d): reduce-scatter    all-gather
+  all_to_all         S(a) -> S(b)                 all_to_all S(b) -> S(a)
+  shard_slice        R -> S(d): local slice       all-gather (complete grad)
+  to_partial         R -> P: x / n                identity
+  grad_all_reduce    R -> R: identity             all-reduce (Megatron's f)
+  grid_gather        B/X/W -> R: all-gather +     grad="rs" | "slice", in the layout
+                     reassemble
+  grid_slice         R -> B/X/W: local block      all-gather (complete grad)
+  grid_skew          B -> X (P2P, PrimePar)       X -> B (P2P)
+
+Plus the local rewrites of split ops (:func:`vocab_parallel_embedding`), the
+spatial reference of a P(2^k x 2^k) linear (:func:`grid_linear`, what
+``insert_collectives`` emits and ``ring_decompose`` replaces by the step
+schedule), the tensor-level helpers :func:`shard_tensor` /
+:func:`unshard_tensor`, per-axis groups of a ``DeviceMesh`` (:func:`axis_groups`)
+and the rank-agreement check :func:`check_plan_agreement`.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives  # noqa: F401  (registers _c10d_functional)
+from torch import Tensor
+
+from stpc.placement import parse
+
+__all__ = [
+    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard_slice", "to_partial",
+    "grad_all_reduce", "grid_gather", "grid_slice", "grid_skew", "grid_linear",
+    "vocab_parallel_embedding", "shard_tensor", "unshard_tensor", "axis_groups", "mesh_coords",
+    "check_plan_agreement", "PlanMismatch", "COMM_FUNCTIONS",
+]
+
+
+# --------------------------------------------------------------------------- groups
+
+
+@lru_cache(maxsize=None)
+def _pg(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(group_name)
+
+
+def _size(group_name: str) -> int:
+    return _pg(group_name).size()
+
+
+def _rank(group_name: str) -> int:
+    return _pg(group_name).rank()
+
+
+def axis_groups(mesh) -> list[str]:
+    """Group name of every axis of a ``DeviceMesh`` (row-major, last axis innermost)."""
+    return [mesh.get_group(a).group_name for a in range(mesh.ndim)]
+
+
+def mesh_coords(rank: int, mesh_shape) -> tuple[int, ...]:
+    """Coordinates of global ``rank`` in a row-major mesh of ``mesh_shape``."""
+    out = []
+    for n in reversed(tuple(mesh_shape)):
+        out.append(rank % n)
+        rank //= n
+    return tuple(reversed(out))
+
+
+_c10d = torch.ops._c10d_functional
+
+
+def _ag(x: Tensor, dim: int, group: str) -> Tensor:
+    """all-gather along ``dim`` (the functional collective gathers along dim 0)."""
+    n = _size(group)
+    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), n, group))
+    if dim != 0:
+        out = torch.cat(out.chunk(n, dim=0), dim=dim)
+    return out
+
+
+def _rs(x: Tensor, dim: int, group: str) -> Tensor:
+    """reduce-scatter (sum) along ``dim``."""
+    n = _size(group)
+    if dim != 0:
+        x = torch.cat(x.chunk(n, dim=dim), dim=0)
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", n, group))
+
+
+def _ar(x: Tensor, group: str) -> Tensor:
+    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
+
+
+def _chunk(x: Tensor, dim: int, n: int, i: int) -> Tensor:
+    s = x.shape[dim] // n
+    return x.narrow(dim, i * s, s)
+
+
+def _a2a(x: Tensor, src_dim: int, dst_dim: int, group: str) -> Tensor:
+    """S(src_dim) -> S(dst_dim): split ``dst_dim`` into n pieces, exchange, concatenate on ``src_dim``."""
+    n = _size(group)
+    parts = torch.stack(list(x.chunk(n, dim=dst_dim)), 0).contiguous()
+    flat = parts.reshape(n, -1).reshape(-1)
+    split = [flat.numel() // n] * n
+    got = _c10d.wait_tensor(_c10d.all_to_all_single(flat, split, split, group)).reshape(parts.shape)
+    return torch.cat(list(got.unbind(0)), dim=src_dim)
+
+
+# --------------------------------------------------------------------------- per-axis reshards
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, grad):
+        ctx.dim, ctx.group, ctx.grad = dim, group, grad
+        return _ag(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.grad == "rs":
+            return _rs(g, ctx.dim, ctx.group), None, None, None
+        return _chunk(g, ctx.dim, _size(ctx.group), _rank(ctx.group)).contiguous(), None, None, None
+
+
+def all_gather(x: Tensor, dim: int, group: str, grad: str = "rs") -> Tensor:
+    """S(dim) -> R over ``group``. ``grad="rs"``: the consumer splits its work on this
+    axis, so the incoming gradient is partial (reduce-scatter it); ``"slice"``: it is
+    complete (take this rank's slice)."""
+    return _AllGather.apply(x, dim, group, grad)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, grad):
+        ctx.group, ctx.grad = group, grad
+        return _ar(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_ar(g, ctx.group) if ctx.grad == "all_reduce" else g), None, None
+
+
+def all_reduce(x: Tensor, group: str, grad: str = "identity") -> Tensor:
+    """P -> R (sum). ``grad="all_reduce"`` when the consumer splits its work on this axis."""
+    return _AllReduce.apply(x, group, grad)
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _rs(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _ag(g, ctx.dim, ctx.group), None, None
+
+
+def reduce_scatter(x: Tensor, dim: int, group: str) -> Tensor:
+    """P -> S(dim): sum over the group, keep this rank's slice; backward all-gathers."""
+    return _ReduceScatter.apply(x, dim, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, group):
+        ctx.src_dim, ctx.dst_dim, ctx.group = src_dim, dst_dim, group
+        return _a2a(x, src_dim, dst_dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _a2a(g, ctx.dst_dim, ctx.src_dim, ctx.group), None, None, None
+
+
+def all_to_all(x: Tensor, src_dim: int, dst_dim: int, group: str) -> Tensor:
+    """S(src_dim) -> S(dst_dim) over ``group``; backward is the reverse exchange."""
+    return _AllToAll.apply(x, src_dim, dst_dim, group)
+
+
+class _ShardSlice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _chunk(x, dim, _size(group), _rank(group)).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        # the producer is Replicate: its gradient must be complete on every rank
+        return _ag(g, ctx.dim, ctx.group), None, None
+
+
+def shard_slice(x: Tensor, dim: int, group: str) -> Tensor:
+    """R -> S(dim): this rank's slice; backward all-gathers the complete gradient."""
+    return _ShardSlice.apply(x, dim, group)
+
+
+class _ToPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, n):
+        return x / n
+
+    @staticmethod
+    def backward(ctx, g):
+        # the gradient of a Partial tensor is complete: it is the gradient of x
+        return g, None
+
+
+def to_partial(x: Tensor, group: str) -> Tensor:
+    """R -> P: every rank holds x / n (their sum is x); backward is the identity."""
+    return _ToPartial.apply(x, _size(group))
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _ar(g, ctx.group), None
+
+
+def grad_all_reduce(x: Tensor, group: str) -> Tensor:
+    """Megatron's "f": identity forward; backward all-reduces the partial gradient that a
+    consumer splitting its work on this axis produces for a Replicate operand."""
+    return _GradAllReduce.apply(x, group)
+
+
+# --------------------------------------------------------------------------- PrimePar grid layouts
+
+
+def _grid_index(kind: str, r: int, c: int, q: int) -> tuple[int, int]:
+    """(slice of dim i, slice of dim j) that grid device (r, c) holds under token ``kind``."""
+    if kind == "B":
+        return r, c
+    if kind == "X":
+        return r, (r + c) % q
+    if kind == "W":
+        return c, (r + c) % q
+    raise ValueError(f"not a grid token kind: {kind!r}")
+
+
+def _grid_block(x: Tensor, kind: str, i: int, j: int, rank: int, n: int) -> Tensor:
+    q = math.isqrt(n)
+    bi, bj = _grid_index(kind, rank // q, rank % q, q)
+    return _chunk(_chunk(x, i, q, bi), j, q, bj)
+
+
+def _grid_assemble(blocks: list[Tensor], kind: str, i: int, j: int) -> Tensor:
+    n = len(blocks)
+    q = math.isqrt(n)
+    grid = [[None] * q for _ in range(q)]
+    for rank, b in enumerate(blocks):
+        bi, bj = _grid_index(kind, rank // q, rank % q, q)
+        grid[bi][bj] = b
+    return torch.cat([torch.cat(row, dim=j) for row in grid], dim=i)
+
+
+def _grid_blocks_of(full: Tensor, kind: str, i: int, j: int, n: int) -> Tensor:
+    """[n, *block]: the block every rank holds, stacked by group rank."""
+    return torch.stack([_grid_block(full, kind, i, j, rk, n) for rk in range(n)], 0)
+
+
+class _GridGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, kind, i, j, group, grad):
+        ctx.args = (kind, i, j, group, grad)
+        stacked = _ag(x.unsqueeze(0), 0, group)
+        return _grid_assemble(list(stacked.unbind(0)), kind, i, j)
+
+    @staticmethod
+    def backward(ctx, g):
+        kind, i, j, group, grad = ctx.args
+        n = _size(group)
+        if grad == "rs":
+            blocks = _grid_blocks_of(g, kind, i, j, n)
+            dx = _rs(blocks, 0, group).squeeze(0)
+        else:
+            dx = _grid_block(g, kind, i, j, _rank(group), n).contiguous()
+        return dx, None, None, None, None, None
+
+
+def grid_gather(x: Tensor, kind: str, i: int, j: int, group: str, grad: str = "rs") -> Tensor:
+    """A PrimePar grid layout (``kind`` in B, X, W over dims i, j) -> R."""
+    return _GridGather.apply(x, kind, i, j, group, grad)
+
+
+class _GridSlice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, kind, i, j, group):
+        ctx.args = (kind, i, j, group)
+        return _grid_block(x, kind, i, j, _rank(group), _size(group)).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        kind, i, j, group = ctx.args
+        stacked = _ag(g.unsqueeze(0), 0, group)
+        return _grid_assemble(list(stacked.unbind(0)), kind, i, j), None, None, None, None
+
+
+def grid_slice(x: Tensor, kind: str, i: int, j: int, group: str) -> Tensor:
+    """R -> a PrimePar grid layout: this rank's block; backward gathers the complete gradient."""
+    return _GridSlice.apply(x, kind, i, j, group)
+
+
+def skew_peers(rank: int, n: int, inverse: bool = False) -> tuple[int, int]:
+    """(send-to, receive-from) group ranks of the B -> X skew (X -> B if ``inverse``).
+
+    Device (r, c) holds B block (r, c) and needs X block (r, r+c): block (r, c) moves
+    along its grid row from (r, c) to (r, c-r). The inverse moves it back.
+    """
+    q = math.isqrt(n)
+    r, c = divmod(rank, q)
+    to, frm = r * q + (c - r) % q, r * q + (c + r) % q
+    return (frm, to) if inverse else (to, frm)
+
+
+def _p2p_exchange(x: Tensor, group: str, send_to: int, recv_from: int) -> Tensor:
+    pg = _pg(group)
+    x = x.contiguous()
+    if send_to == pg.rank() and recv_from == pg.rank():
+        return x.clone()
+    out = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, group=pg, group_peer=send_to),
+           dist.P2POp(dist.irecv, out, group=pg, group_peer=recv_from)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    return out
+
+
+class _GridSkew(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, inverse):
+        ctx.group, ctx.inverse = group, inverse
+        to, frm = skew_peers(_rank(group), _size(group), inverse)
+        return _p2p_exchange(x, group, to, frm)
+
+    @staticmethod
+    def backward(ctx, g):
+        to, frm = skew_peers(_rank(ctx.group), _size(ctx.group), not ctx.inverse)
+        return _p2p_exchange(g, ctx.group, to, frm), None, None
+
+
+def grid_skew(x: Tensor, group: str, inverse: bool = False) -> Tensor:
+    """B(i,j) -> X(i,j) on a 2^k x 2^k grid by one P2P exchange along grid rows
+    (``inverse``: X -> B). Backward is the opposite exchange."""
+    return _GridSkew.apply(x, group, inverse)
+
+
+def grid_linear(x: Tensor, w: Tensor, group: str) -> Tensor:
+    """Spatial reference of a P(2^k x 2^k) linear ``x @ w.T``: x in X(m, last), the torch
+    weight [K, N] in W(0, 1); returns this rank's B(m, last) block.
+
+    It gathers x's grid row and w's grid column with collectives: correct, but it moves
+    far more than the step schedule. ``ring_decompose`` replaces it by
+    :func:`stpc.ops.ring.primepar_linear`.
+    """
+    n = _size(group)
+    q = math.isqrt(n)
+    r, c = divmod(_rank(group), q)
+    m = x.dim() - 2
+    xf = grid_gather(x, "X", m, x.dim() - 1, group, grad="rs")
+    wf = grid_gather(w, "W", 0, 1, group, grad="rs")
+    return torch.nn.functional.linear(_chunk(xf, m, q, r), _chunk(wf, 0, q, c))
+
+
+# --------------------------------------------------------------------------- local rewrites of split ops
+
+
+def vocab_parallel_embedding(weight: Tensor, idx: Tensor, groups: list[str], vocab: int) -> Tensor:
+    """Embedding with the vocabulary (weight dim 0) split over ``groups`` (outer axis first):
+    a masked local lookup; the sum over those ranks is the full lookup (Partial)."""
+    chunk, n = 0, 1
+    for g in groups:
+        chunk = chunk * _size(g) + _rank(g)
+        n *= _size(g)
+    rows = vocab // n
+    lo = chunk * rows
+    local = idx - lo
+    outside = (local < 0) | (local >= rows)
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+# the functions whose nodes are communication (verify, dumps and tests key on them)
+COMM_FUNCTIONS = {all_gather, all_reduce, reduce_scatter, all_to_all, grad_all_reduce, grid_gather,
+                  grid_slice, grid_skew, grid_linear, shard_slice}
+
+
+# --------------------------------------------------------------------------- whole tensors
+
+
+def shard_tensor(full: Tensor, placement, mesh_shape, coords) -> Tensor:
+    """This rank's local piece of ``full`` under ``placement`` (one token per axis; nested
+    splits outer axis first), for mesh coordinates ``coords``. P keeps x / n."""
+    x = full
+    for tok, n, i in zip(placement, mesh_shape, coords):
+        kind, dims = parse(tok)
+        if kind == "S":
+            x = _chunk(x, dims[0], n, i)
+        elif kind in "BXW":
+            x = _grid_block(x, kind, dims[0], dims[1], i, n)
+        elif kind == "P":
+            x = x / n
+    return x.contiguous()
+
+
+def unshard_tensor(local: Tensor, placement, groups: list[str]) -> Tensor:
+    """The full tensor from every rank's ``local`` piece (a collective: every rank of
+    every axis group calls it). No autograd."""
+    x = local.detach()
+    for a in reversed(range(len(placement))):
+        kind, dims = parse(placement[a])
+        if kind == "S":
+            x = _ag(x, dims[0], groups[a])
+        elif kind in "BXW":
+            stacked = _ag(x.unsqueeze(0), 0, groups[a])
+            x = _grid_assemble(list(stacked.unbind(0)), kind, dims[0], dims[1])
+        elif kind == "P":
+            x = _ar(x, groups[a])
+    return x
+
+
+# --------------------------------------------------------------------------- rank agreement
+
+
+class PlanMismatch(RuntimeError):
+    """Ranks hold different plans: running would hang or compute garbage."""
+
+
+def check_plan_agreement(plan_hash: str, group=None) -> None:
+    """All-gather the plan hash over ``group`` (default WORLD) and raise :class:`PlanMismatch`
+    naming the ranks whose hash differs from rank 0's, before any step runs."""
+    try:
+        digest = bytes.fromhex(plan_hash)[:32]
+    except ValueError:
+        digest = b""
+    if len(digest) != 32:  # not a Plan.hash(): hash it to a fixed width
+        digest = hashlib.sha256(plan_hash.encode()).digest()
+    mine = torch.tensor(list(digest), dtype=torch.uint8)
+    n = dist.get_world_size(group)
+    got = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(got, mine, group=group)
+    hashes = [bytes(t.tolist()).hex()[:12] for t in got]
+    bad = [r for r in range(n) if hashes[r] != hashes[0]]
+    if bad:
+        raise PlanMismatch(
+            f"ranks disagree on the plan: rank 0 has plan {hashes[0]}, ranks {bad} have "
+            f"{[hashes[r] for r in bad]}. Fix: plan once and pass the same Plan (e.g. Plan.load) "
+            f"to stpc.compile on every rank.")

@@ -1,0 +1,125 @@
+"""Shared worker for the multi-rank model tests: runs on every spawned rank.
+
+``run_cases(rank, world, cases)`` compiles each case's model under its (given) plan,
+trains ``steps`` steps next to an unsharded copy of the same model and returns, per
+case, the largest relative errors of the loss and of every gradient.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a-b| / (atol + rtol*|b|) style ratio; <= 1 means within rtol=1e-4, atol=1e-6."""
+    return float(((a - b).abs() / (1e-6 + 1e-4 * b.abs())).max())
+
+
+def run_cases(rank, world, cases):
+    import stpc
+    from stpc import models
+    from stpc.plan import Plan
+
+    results = []
+    for case in cases:
+        t0 = time.perf_counter()
+        name, overrides, plan_json = case["model"], case.get("overrides", {}), case["plan"]
+        plan = Plan.from_json(plan_json)
+        torch.manual_seed(0)
+        model = models.build(name, **overrides)
+        ref = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(1)
+        cfg = model.cfg
+        steps = case.get("steps", 1)
+        batches = [(torch.randint(0, cfg.vocab, (case["batch"], case["seq"]), generator=g),
+                    torch.randint(0, cfg.vocab, (case["batch"], case["seq"]), generator=g))
+                   for _ in range(steps)]
+        dm = stpc.compile(model, tuple(plan.mesh_shape), batches[0], plan=plan,
+                          backend=case.get("backend"))
+        opt_name = case.get("opt", "sgd")
+        mk = (lambda ps: torch.optim.SGD(ps, lr=0.5)) if opt_name == "sgd" else \
+            (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+        opt = mk(list(dm.local_parameters().values()))
+        ref_opt = mk(list(ref.parameters()))
+        ref_params = dict(ref.named_parameters())
+        worst = {"loss": 0.0, "grad": 0.0, "grad_name": ""}
+        losses = []
+        for step, (idx, tgt) in enumerate(batches):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            loss = dm(idx, tgt)
+            loss.backward()
+            ref_loss = ref(idx, tgt)
+            ref_loss.backward()
+            losses.append((float(loss.detach()), float(ref_loss.detach())))
+            worst["loss"] = max(worst["loss"], _rel(loss.detach(), ref_loss.detach()))
+            grads = dm.full_grads()
+            for k, gr in grads.items():
+                r = _rel(gr, ref_params[k].grad)
+                if r > 1:
+                    worst.setdefault("bad", []).append((k, step, round(r, 1)))
+                if r > worst["grad"]:
+                    worst["grad"], worst["grad_name"] = r, f"{k}@step{step}"
+            missing = set(ref_params) - set(grads)
+            if missing:
+                worst["missing"] = sorted(missing)
+            opt.step()
+            ref_opt.step()
+        worst["losses"] = losses
+        worst["case"] = case["id"]
+        worst["seconds"] = time.perf_counter() - t0
+        worst["strategy_counts"] = plan.strategy_counts()
+        results.append(worst)
+    return results
+
+
+# --------------------------------------------------------------------------- parent side: plans
+
+
+def family_hints(family: str):
+    """Hints that force one family of plans (None: the solver's own choice)."""
+    from stpc.planner import Hints
+
+    if family == "megatron":
+        return family
+    if family in ("solved", "solved-h100", "solved-v100", "solved-budget"):
+        return None
+    if family == "dp":  # batch split on every axis, weights replicated (the "dp" preset, batch forced)
+        return Hints(force=[(r".", lambda s: s.kind == "spatial"),
+                            (r"^linear", lambda s: all(t == "S0" for t in s.ins[0]))],
+                     param_force=[(r".", lambda p: all(t == "R" for t in p))], temporal=False, name="dp")
+    if family in ("ag_ring", "rs_ring", "p2x2"):
+        return Hints(force=[(r"^linear", lambda s, k=family: s.kind == k)], name=family)
+    if family == "ag_rs":  # the classic pairing: column projections AG-ring, row projections RS-ring
+        return Hints(force=[(r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj)$", lambda s: s.kind == "ag_ring"),
+                            (r"(o_proj|fc2|down_proj)$", lambda s: s.kind == "rs_ring")], name="ag_rs")
+    if family == "zero":  # data parallel (batch split on every axis), every weight stored sharded and
+        # gathered whole for its linear: ZeRO-3 (all-gather forward, reduce-scatter backward)
+        return Hints(force=[(r"^linear", lambda s: s.kind == "spatial" and all(t == "R" for t in s.ins[1])
+                             and all(t == "S0" for t in s.ins[0]))],
+                     param_force=[(r".", lambda p: all(t[0] == "S" for t in p))], temporal=False, name="zero")
+    raise ValueError(family)
+
+
+def make_plan(model: str, mesh, family: str, batch: int, seq: int, **overrides):
+    import stpc
+    from stpc import models
+    from stpc.search import search
+
+    with torch.device("meta"):
+        m = models.build(model, **overrides)
+    tg = stpc.trace(m, models.example_inputs(model, batch, seq))
+    if isinstance(mesh, str):  # "4" -> (4,), "2x2" -> (2, 2): a fixed shape, not a search over shapes
+        mesh = tuple(int(x) for x in mesh.split("x"))
+    cluster = {"solved-h100": "dgx-h100", "solved-v100": "primepar-v100"}.get(family, "cpu-local")
+    budget = None
+    if family == "solved-budget":  # a third of what the unconstrained plan needs: the solver must shard
+        from stpc.solver import InfeasibleBudget
+        budget = search(tg, mesh, cluster=cluster).peak_memory_bytes / 3
+        try:
+            return search(tg, mesh, cluster=cluster, budget_bytes=budget)
+        except InfeasibleBudget as e:  # then the tightest budget that fits
+            return search(tg, mesh, cluster=cluster, budget_bytes=e.min_budget * 1.001)
+    return search(tg, mesh, cluster=cluster, hints=family_hints(family), budget_bytes=budget)
