@@ -5,7 +5,7 @@
 For each model: trace once on meta tensors (timed), then for each device count
 search every logical mesh shape (``stpc.search``) on the ``primepar-v100``
 cluster (8 nodes x 4 V100, NVLink / InfiniBand), fp16 mixed precision, global
-batch 8 x sequence 2048, budget 32 GB per device. "search" is strategy
+batch 8 x sequence 2048, budget 32 GB per device (--no-budget: none). "search" is strategy
 enumeration + costing + CP-SAT over all mesh shapes, after tracing; "total" adds
 the trace. A cell whose budget is infeasible reports the time to prove it.
 With --megatron it also plans the Megatron TP+SP baseline (best DP x TP) on the
@@ -44,11 +44,12 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--megatron", action="store_true")
+    p.add_argument("--no-budget", action="store_true", help="plan without a memory limit")
     a = p.parse_args(argv)
     cl = get_cluster("primepar-v100")
-    budget = cl.device.mem_bytes
+    budget = None if a.no_budget else cl.device.mem_bytes
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"python {sys.version.split()[0]}\n")
+          f"python {sys.version.split()[0]}, budget {'none' if budget is None else f'{budget / 1e9:.0f} GB'}\n")
     print("| model | devices | trace s | search s | total s | PrimePar search s | mesh | modelled step s "
           "| peak GiB | families |" + (" Megatron modelled s | speedup (modelled) |" if a.megatron else ""))
     print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if a.megatron else ""))

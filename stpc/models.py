@@ -115,6 +115,17 @@ def alibi_slopes(n_heads: int) -> list[float]:
     return pow2(closest) + pow2(2 * closest)[0::2][: n_heads - closest]
 
 
+def alibi_slopes_tensor(n_heads: int, device, dtype) -> torch.Tensor:
+    """:func:`alibi_slopes` computed with torch ops (no tensor constant in the graph)."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    i = torch.arange(1, closest + 1, device=device, dtype=torch.float32)
+    s = torch.pow(2.0, -8.0 * i / closest)
+    if closest < n_heads:
+        j = torch.arange(0, n_heads - closest, device=device, dtype=torch.float32)
+        s = torch.cat([s, torch.pow(2.0, -8.0 * (2 * j + 1) / (2 * closest))])
+    return s.to(dtype)
+
+
 class GPTAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -134,7 +145,7 @@ class GPTAttention(nn.Module):
         v = self.v_proj(x).view(b, s, h, d // h).transpose(1, 2)
         if self.alibi:
             pos = torch.arange(s, device=x.device, dtype=x.dtype)
-            slopes = torch.tensor(alibi_slopes(h), device=x.device, dtype=x.dtype)
+            slopes = alibi_slopes_tensor(h, x.device, x.dtype)
             dist = pos[None, :] - pos[:, None]  # j - i, <= 0 below the diagonal
             causal = torch.ones(s, s, device=x.device, dtype=torch.bool).tril()
             bias = (slopes[:, None, None] * dist).masked_fill(~causal, float("-inf"))

@@ -72,6 +72,18 @@ def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> TracedGrap
         ) from e
     sig = ep.graph_signature
     gm = ep.graph_module
+    lifted = dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
+    if lifted:
+        ph = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name in lifted)
+        from stpc.annotate import source_of
+        user = next(iter(ph.users), ph)
+        while not source_of(user) and user.users:  # lift_fresh_copy has no frame; its user does
+            user = next(iter(user.users))
+        raise ValueError(
+            f"stpc.trace: {type(model).__name__}.forward creates a tensor constant ({ph.name}, used by "
+            f"{user.name} at {source_of(user) or 'an unknown line'}), e.g. with torch.tensor(...). "
+            "Fix: register it as a buffer (register_buffer(name, t, persistent=False)) or compute it "
+            "with torch ops (torch.arange, ...), so every rank can place it.")
     tg = TracedGraph(
         gm=gm,
         param_fqns=dict(sig.inputs_to_parameters),

@@ -42,3 +42,9 @@ def test_alibi_gpt_runs():
 def test_unknown_model_names_known_ones():
     with pytest.raises(KeyError, match="llama-tiny"):
         models.get_config("llama-huge")
+
+
+def test_alibi_slopes_tensor_matches_reference():
+    for h in (4, 8, 12, 32, 112):
+        torch.testing.assert_close(models.alibi_slopes_tensor(h, "cpu", torch.float64),
+                                   torch.tensor(models.alibi_slopes(h), dtype=torch.float64))

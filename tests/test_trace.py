@@ -79,3 +79,13 @@ def test_llama2_70b_traces_fast_on_meta():
     assert abs(int(nparams) / 68.98e9 - 1) < 0.02
     # Forward FLOPs of one 4096-token sequence: ~2 * params * tokens plus attention.
     assert 2 * 68.98e9 * 4096 < float(flops) < 1.2 * 2 * 68.98e9 * 4096
+
+
+def test_tensor_constant_in_forward_is_a_clear_error():
+    class C(torch.nn.Module):
+        def forward(self, x):
+            return x * torch.tensor([1.0, 2.0])
+
+    with pytest.raises(ValueError, match=r"tensor constant .*register_buffer") as e:
+        trace(C(), (torch.ones(3, 2),))
+    assert "test_trace.py:" in str(e.value)
