@@ -87,6 +87,8 @@ def main_plan(argv: list[str]) -> int:
           f"GiB/device  search {s['search_time_s']:.3f} s  total {s['total_time_s']:.2f} s  "
           f"nodes {s['num_nodes']}  variables {s['num_variables']}")
     print("strategies: " + ", ".join(f"{k} {v}" for k, v in s["strategy_counts"].items()))
+    if s["fallback_ops"]:
+        print("replicated (no sharding rule): " + ", ".join(f"{k} x{v}" for k, v in s["fallback_ops"].items()))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=1, sort_keys=True)
