@@ -207,24 +207,28 @@ def _ring_allgather_matmul_backward(
     return acc.view(x.shape), dw
 
 
-@_ring_allgather_matmul_backward.register_fake
-def _(grad_out, x, w, gather_dim, group_name):
-    return x.new_empty(x.shape), w.new_empty(w.shape)
+def _register_ring_autograd(op, backward_op) -> None:
+    """Both rings take (x, w, dim, group_name) and have a fused backward op returning
+    (dx, dw) with x's and w's shapes: one fake kernel and one autograd rule serve both."""
+
+    @backward_op.register_fake
+    def _(grad_out, x, w, dim, group_name):
+        return x.new_empty(x.shape), w.new_empty(w.shape)
+
+    def setup_context(ctx, inputs, output):
+        x, w, dim, group_name = inputs
+        ctx.save_for_backward(x, w)
+        ctx.dim, ctx.group_name = dim, group_name
+
+    def backward(ctx, grad_out):
+        x, w = ctx.saved_tensors
+        dx, dw = backward_op(grad_out, x, w, ctx.dim, ctx.group_name)
+        return dx, dw, None, None
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
-def _ag_setup_context(ctx, inputs, output):
-    x, w, gather_dim, group_name = inputs
-    ctx.save_for_backward(x, w)
-    ctx.gather_dim, ctx.group_name = gather_dim, group_name
-
-
-def _ag_backward(ctx, grad_out):
-    x, w = ctx.saved_tensors
-    dx, dw = torch.ops.stpc.ring_allgather_matmul_backward(grad_out, x, w, ctx.gather_dim, ctx.group_name)
-    return dx, dw, None, None
-
-
-_ring_allgather_matmul.register_autograd(_ag_backward, setup_context=_ag_setup_context)
+_register_ring_autograd(_ring_allgather_matmul, _ring_allgather_matmul_backward)
 
 
 # --------------------------------------------------------------------------- RS-ring
@@ -309,26 +313,7 @@ def _ring_matmul_reducescatter_backward(
     return dx3.view(x.shape), dw
 
 
-@_ring_matmul_reducescatter_backward.register_fake
-def _(grad_out, x, w, scatter_dim, group_name):
-    return x.new_empty(x.shape), w.new_empty(w.shape)
-
-
-def _rs_setup_context(ctx, inputs, output):
-    x, w, scatter_dim, group_name = inputs
-    ctx.save_for_backward(x, w)
-    ctx.scatter_dim, ctx.group_name = scatter_dim, group_name
-
-
-def _rs_backward(ctx, grad_out):
-    x, w = ctx.saved_tensors
-    dx, dw = torch.ops.stpc.ring_matmul_reducescatter_backward(
-        grad_out, x, w, ctx.scatter_dim, ctx.group_name
-    )
-    return dx, dw, None, None
-
-
-_ring_matmul_reducescatter.register_autograd(_rs_backward, setup_context=_rs_setup_context)
+_register_ring_autograd(_ring_matmul_reducescatter, _ring_matmul_reducescatter_backward)
 
 
 # --------------------------------------------------------------------------- PrimePar P(2^k x 2^k)
