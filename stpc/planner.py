@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from stpc.cost_models import CostModel, bytes_per_param
-from stpc.costs import axis_reshard, local_bytes, node_time, reshard_cost, transient_bytes
+from stpc.costs import axis_reshard, dtype_name, local_bytes, node_time, reshard_cost, transient_bytes
 from stpc.placement import REPLICATE, shard_factor
 from stpc.plan import NodePlan, Plan
 from stpc.solver import Edge, Problem, solve
@@ -70,9 +70,11 @@ class _Group:
 
     rep: fx.Node
     strategies: list             # Strategy per choice (decision) or placement per choice (param/input)
-    cost: list[float]
+    cost: list[float]            # accumulated over every node sharing the group (tied copies too)
     mem: list[float]
     transient: list[float]
+    own_cost: list[float] = field(default_factory=list)  # one copy of the representative node
+    own_mem: list[float] = field(default_factory=list)   # one copy of the representative parameter
 
 
 def layer_of(node: fx.Node) -> int | None:
@@ -214,7 +216,7 @@ class Builder:
             g = self.group_of[rep]
             self.group_of[node] = g
             self.place[node] = self.place[rep]
-            self._add(g, cost=self._node_cost(rep, g))
+            self._add(g, cost=self.groups[g].own_cost)
             return
         strategies, fb = enumerate_strategies(node, self.mesh, temporal=self.hints.temporal)
         if fb:
@@ -274,9 +276,6 @@ class Builder:
         self._follow_extra[node] = extra
         self._add(g, cost=extra)
 
-    def _node_cost(self, node, g):
-        return getattr(self.groups[g], "own_cost", None)
-
     def _follower(self, node):
         (src,) = tensor_operands(node)
         g = self.group_of[src]
@@ -301,7 +300,6 @@ class Builder:
             split = math.prod(n for n, t in zip(self.mesh, q) if t[0] in "SBXW")
             if not is_view_like(node):
                 moved = (node.meta["bytes_read"] + node.meta["bytes_written"]) / split
-                from stpc.costs import dtype_name
                 cost += self.cm.compute(node.meta["flops"] / split, moved * (3 if rg else 1), dtype_name(dt))
             outs.append(q)
             extra.append(cost)
