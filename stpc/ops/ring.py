@@ -119,30 +119,38 @@ def _flat2(t: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- AG-ring
 
 
+def _ring_pass(group: dist.ProcessGroup, block: Tensor, tag: int = _TAG_A):
+    """Yield ``(src, cur)`` P times: ``cur`` is rank ``src``'s block. Blocks move from
+    rank i+1 to rank i; the next block's transfer is posted before the caller's loop
+    body runs on ``cur`` (the compute hides the transfer) and awaited after it.
+    Receives alternate between two buffers, never the caller's tensor."""
+    P, i = group.size(), group.rank()
+    prev, nxt = (i - 1) % P, (i + 1) % P
+    bufs = [torch.empty_like(block) for _ in range(min(P - 1, 2))]
+    cur = block
+    for t in range(P):
+        works = []
+        if t < P - 1:
+            recv = bufs[t % 2]
+            works = _post(group, sends=[(cur, prev, tag)], recvs=[(recv, nxt, tag)])
+        yield (i + t) % P, cur
+        _wait(works)
+        if t < P - 1:
+            cur = recv
+
+
 @torch.library.custom_op("stpc::ring_allgather_matmul", mutates_args=())
 def _ring_allgather_matmul(x: Tensor, w: Tensor, gather_dim: int, group_name: str) -> Tensor:
     group = _resolve_process_group(group_name)
-    P, i = group.size(), group.rank()
+    P = group.size()
     g = _norm_dim(gather_dim, x.dim(), "gather_dim")
     pre, R, n = _split3(x.shape, g)
     k = w.shape[1]
     x3 = x.reshape(pre, R, n).contiguous()
     w = w.contiguous()
     out3 = x.new_empty(pre, P * R, k)
-    nxt_bufs = [torch.empty_like(x3) for _ in range(min(P - 1, 2))]
-    cur = x3
-    prev, nxt = (i - 1) % P, (i + 1) % P
-    for t in range(P):
-        works = []
-        if t < P - 1:
-            # never receive into x3 (the caller's tensor): alternate two buffers
-            recv = nxt_bufs[t % 2]
-            works = _post(group, sends=[(cur, prev, _TAG_A)], recvs=[(recv, nxt, _TAG_A)])
-        src = (i + t) % P
+    for src, cur in _ring_pass(group, x3):
         ring_step_matmul(cur, w, _rows_block(out3, src, R), accumulate=False)
-        _wait(works)
-        if t < P - 1:
-            cur = recv
     return out3.view(*x.shape[:g], P * x.shape[g], *x.shape[g + 1:-1], k)
 
 
@@ -286,7 +294,7 @@ def _ring_matmul_reducescatter_backward(
     one AG ring over dOut feeds dx = AG(dOut) @ w^T (slice by slice) and
     dw = x^T @ AG(dOut) (accumulated), so the gathered dOut never exists."""
     group = _resolve_process_group(group_name)
-    P, i = group.size(), group.rank()
+    P = group.size()
     g = _norm_dim(scatter_dim, x.dim(), "scatter_dim")
     pre, RP, n = _split3(x.shape, g)
     R = RP // P
@@ -294,22 +302,11 @@ def _ring_matmul_reducescatter_backward(
     x3 = x.reshape(pre, RP, n)
     go3 = grad_out.reshape(pre, R, k).contiguous()
     wT = w.t()
-    prev, nxt = (i - 1) % P, (i + 1) % P
     dx3 = x.new_empty(pre, RP, n)
     dw = w.new_empty(w.shape)
-    bufs = [torch.empty_like(go3) for _ in range(min(P - 1, 2))]
-    cur = go3
-    for t in range(P):
-        works = []
-        if t < P - 1:
-            recv = bufs[t % 2]
-            works = _post(group, sends=[(cur, prev, _TAG_A)], recvs=[(recv, nxt, _TAG_A)])
-        src = (i + t) % P
+    for t, (src, cur) in enumerate(_ring_pass(group, go3)):
         ring_step_matmul(cur, wT, _rows_block(dx3, src, R), accumulate=False)
         ring_step_matmul(_flat2(_rows_block(x3, src, R)).t(), _flat2(cur), dw, accumulate=t > 0)
-        _wait(works)
-        if t < P - 1:
-            cur = recv
     return dx3.view(x.shape), dw
 
 
