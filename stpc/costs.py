@@ -27,8 +27,8 @@ import math
 import torch
 
 from stpc.cost_models import CostModel
-from stpc.placement import PARTIAL, REPLICATE, parse, shard_factor
-from stpc.strategies import Strategy, aten
+from stpc.placement import REPLICATE, parse, shard_factor
+from stpc.strategies import Strategy, aten, tensor_operands
 
 _MATMUL = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
 
@@ -136,7 +136,6 @@ def local_bytes(val, placement: tuple[str, ...], mesh) -> float:
 def transient_bytes(node, s: Strategy, mesh) -> float:
     """Working set while the node runs: its local inputs and output, plus the two
     in-flight ring buffers of a temporal family."""
-    from stpc.strategies import tensor_operands
     ops = tensor_operands(node)
     total = local_bytes(node.meta["val"], s.out, mesh) if isinstance(node.meta["val"], torch.Tensor) else 0
     for o, p in zip(ops, s.ins):
@@ -146,4 +145,4 @@ def transient_bytes(node, s: Strategy, mesh) -> float:
     return total
 
 
-__all__ = ["reshard_cost", "node_time", "transient_bytes", "local_bytes", "axis_reshard", "PARTIAL"]
+__all__ = ["reshard_cost", "node_time", "transient_bytes", "local_bytes", "axis_reshard"]

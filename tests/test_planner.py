@@ -139,8 +139,8 @@ def test_budget_forbidding_a_replicated_weight_shards_it():
 def test_megatron_hint_gives_column_then_row():
     tg = _meta_trace("gpt-tiny")
     plan = plan_graph(tg, CostModel(get_cluster("primepar-v100"), (2, 2)), hints=megatron((2, 2)))
-    by_module = {tg.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)[i].meta["module"]:
-                 n for i, n in enumerate(v for k, v in plan.nodes.items() if v.op == "linear.default")}
+    by_module = {n.meta["module"]: plan.nodes[n.name]
+                 for n in tg.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)}
     assert by_module["layers.0.attn.q_proj"].ins[1][1] == "S0"
     assert by_module["layers.0.mlp.fc1"].ins[1][1] == "S0"
     assert by_module["layers.0.mlp.fc2"].ins[1][1] == "S1"

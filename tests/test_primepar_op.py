@@ -6,6 +6,8 @@ no collective runs and the P2P count matches the schedule, torch.compile and
 opcheck, clear errors. Layout helpers are checked in-process.
 """
 import functools
+import os
+import sys
 
 import pytest
 import torch
@@ -13,45 +15,14 @@ import torch
 import stpc.ops as O
 from stpc.launch import spawn
 
-RTOL = ATOL = 1e-5
+sys.path.insert(0, os.path.dirname(__file__))
+from _opcheck import P2POnly  # noqa: E402
+from _opcheck import cmp as _cmp  # noqa: E402
+
 # full shapes: (x [..., M, N], K); all divisible by 2^k = 2 (and by 4 for k=2)
 CASES = [((8, 12), 4), ((2, 8, 12), 8), ((3, 4, 8), 12)]
 NUMERIC = [f"case{i}_{c}" for i in range(len(CASES)) for c in ("out", "dx", "dw", "schedule")]
 EXTRA = ["compile_aot_eager", "opcheck_fwd", "opcheck_bwd", "bad_group_k", "bad_group_size"]
-
-
-def _cmp(actual, expected):
-    try:
-        torch.testing.assert_close(actual.double(), expected, rtol=RTOL, atol=ATOL)
-        return None
-    except AssertionError as e:
-        return str(e)
-
-
-def _count_p2p_forbid_collectives(dist):
-    """Patch dist: count sends, make any collective raise. Returns (counter, undo)."""
-    counter = {"sends": 0}
-    saved = {"batch_isend_irecv": dist.batch_isend_irecv}
-
-    def counting(ops):
-        counter["sends"] += sum(op.op is dist.isend for op in ops)
-        return saved["batch_isend_irecv"](ops)
-
-    dist.batch_isend_irecv = counting
-    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                 "reduce_scatter_tensor", "broadcast", "all_to_all", "barrier"):
-        saved[name] = getattr(dist, name)
-
-        def forbidden(*a, _name=name, **kw):
-            raise AssertionError(f"collective {_name} called by primepar_linear")
-
-        setattr(dist, name, forbidden)
-
-    def undo():
-        for n, f in saved.items():
-            setattr(dist, n, f)
-
-    return counter, undo
 
 
 def _worker(rank, world, k, extras):
@@ -74,13 +45,10 @@ def _worker(rank, world, k, extras):
 
         xl = O.primepar_shard_input(x, r, c, k).float().requires_grad_()
         wl = O.primepar_shard_weight(w, r, c, k).float().requires_grad_()
-        counter, undo = _count_p2p_forbid_collectives(dist)
-        try:
+        with P2POnly() as counter:
             out = O.primepar_linear(xl, wl, name, k)
-            fwd = counter["sends"]
+            fwd = counter.sends
             out.backward(O.primepar_shard_output(g, r, c, k).float())
-        finally:
-            undo()
         res[f"case{ci}_out"] = _cmp(out, O.primepar_shard_output(out_full, r, c, k))
         # the gradients must be in the layouts of x and w, not one block off
         res[f"case{ci}_dx"] = _cmp(xl.grad, O.primepar_shard_input(dx_full, r, c, k))
@@ -88,7 +56,7 @@ def _worker(rank, world, k, extras):
         # forward: I and W, q-1 steps each; backward: dO and W q-1 each + the dI
         # shift; gradient: I and dO q-1 each + the accumulator move
         expect = (2 * (q - 1), 2 * (q - 1) + 2 * (q - 1) + 1 + 2 * (q - 1) + 1)
-        got = (fwd, counter["sends"])
+        got = (fwd, counter.sends)
         res[f"case{ci}_schedule"] = None if got == expect else f"sends (fwd, total) {got} != {expect}"
     if not extras:
         return res

@@ -6,11 +6,17 @@ the suite pays the process start-up once. References are float64 single-device
 matmuls; the ops run in float32 and must agree to rtol=atol=1e-5.
 """
 import functools
+import os
+import sys
 
 import pytest
 import torch
 
 from stpc.launch import spawn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _opcheck import P2POnly as _P2PCounter  # noqa: E402
+from _opcheck import cmp as _cmp  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -29,51 +35,6 @@ NUMERIC_CHECKS = (
 )
 # compile and opcheck do not depend on the world size: checked on 2 ranks only
 EXTRA_CHECKS = ["compile_aot_eager", "opcheck_ag", "opcheck_rs", "opcheck_ag_bwd", "opcheck_rs_bwd"]
-RTOL = ATOL = 1e-5
-
-
-def _cmp(actual, expected):
-    try:
-        torch.testing.assert_close(actual.double(), expected, rtol=RTOL, atol=ATOL)
-        return None
-    except AssertionError as e:
-        return str(e)
-
-
-class _P2PCounter:
-    """Counts P2P sends and forbids collectives while active (monkeypatching dist)."""
-
-    COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                   "reduce_scatter_tensor", "broadcast", "all_to_all", "barrier"]
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.dist, self.sends, self.saved = dist, 0, {}
-
-    def __enter__(self):
-        d = self.dist
-        self.saved["batch_isend_irecv"] = d.batch_isend_irecv
-
-        def counting(ops):
-            self.sends += sum(op.op is d.isend for op in ops)
-            return self.saved["batch_isend_irecv"](ops)
-
-        d.batch_isend_irecv = counting
-        for name in self.COLLECTIVES:
-            self.saved[name] = getattr(d, name)
-
-            def forbidden(*a, _name=name, **k):
-                raise AssertionError(f"collective {_name} called inside a ring op")
-
-            setattr(d, name, forbidden)
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(self.dist, name, fn)
-
-
 def _full(shape, gen):
     return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
