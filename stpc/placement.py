@@ -64,8 +64,13 @@ def local_shape(shape: tuple[int, ...], placement: tuple[str, ...], mesh: tuple[
     return tuple(out)
 
 
-def shard_factor(placement: tuple[str, ...], mesh: tuple[int, ...], skip_axis: int = -1) -> int:
+def shard_factor(placement, mesh, skip_axis: int = -1) -> int:
     """How many pieces the tensor's data is cut into (R and P keep it whole)."""
+    return _shard_factor(tuple(placement), tuple(mesh), skip_axis)
+
+
+@lru_cache(maxsize=None)  # the planner asks the same few questions hundreds of thousands of times
+def _shard_factor(placement: tuple[str, ...], mesh: tuple[int, ...], skip_axis: int) -> int:
     f = 1
     for a, (tok, n) in enumerate(zip(placement, mesh)):
         if a != skip_axis and tok[0] in "SBXW":
@@ -73,8 +78,13 @@ def shard_factor(placement: tuple[str, ...], mesh: tuple[int, ...], skip_axis: i
     return f
 
 
-def fits(shape: tuple[int, ...], placement: tuple[str, ...], mesh: tuple[int, ...]) -> bool:
+def fits(shape, placement, mesh) -> bool:
     """Every split divides its dim evenly (the runtime shards evenly)."""
+    return _fits(tuple(shape), tuple(placement), tuple(mesh))
+
+
+@lru_cache(maxsize=None)
+def _fits(shape: tuple[int, ...], placement: tuple[str, ...], mesh: tuple[int, ...]) -> bool:
     need = [1] * len(shape)
     for tok, n in zip(placement, mesh):
         kind, dims = parse(tok)

@@ -21,6 +21,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -28,7 +29,7 @@ from stpc.cost_models import CostModel, bytes_per_param
 from stpc.costs import axis_reshard, dtype_name, local_bytes, node_time, reshard_cost, transient_bytes
 from stpc.placement import REPLICATE, shard_factor
 from stpc.plan import NodePlan, Plan
-from stpc.solver import Edge, Problem, solve
+from stpc.solver import Edge, Problem, Solution, solve
 from stpc.strategies import (SAVES_INPUTS, SAVES_OUTPUT, Strategy, aten, derive, enumerate_strategies,
                              follow, is_follower, is_view_like, op_spec, placement_choices,
                              tensor_operands)
@@ -132,41 +133,83 @@ def _constants(graph: fx.Graph) -> set[fx.Node]:
     return const
 
 
+def _saved_bases(graph: fx.Graph, rg: set, params: set[str]) -> list[fx.Node]:
+    """Tensors kept for backward, as the (non-view) nodes that own their storage."""
+    saved = set()
+    for n in graph.nodes:
+        if n.op != "call_function" or n not in rg:
+            continue
+        if n.target in SAVES_INPUTS:
+            saved.update(o for o in tensor_operands(n) if o.name not in params)
+        if n.target in SAVES_OUTPUT:
+            saved.add(n)
+    bases = {}
+    for t in saved:
+        while t.op == "call_function" and is_view_like(t) and tensor_operands(t):
+            t = tensor_operands(t)[0]
+        bases[t] = None
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(bases, key=order.__getitem__)
+
+
+@dataclass
+class GraphFacts:
+    """What the planner needs to know about a graph whatever the mesh: computed once
+    per traced graph and shared by every mesh shape the search tries."""
+
+    params: set
+    rg: set
+    const: set
+    tie: dict
+    saved: list
+
+    @classmethod
+    def of(cls, tg: TracedGraph) -> "GraphFacts":
+        params = set(tg.param_fqns)
+        rg = _requires_grad(tg.graph, params)
+        return cls(params, rg, _constants(tg.graph), tie_layers(tg.graph), _saved_bases(tg.graph, rg, params))
+
+
 class Builder:
     """Turns a TracedGraph into a :class:`Problem` and reads a solution back as a Plan."""
 
     def __init__(self, tg: TracedGraph, cm: CostModel, hints: Hints | None = None,
-                 optimizer_layout: str = "fp32-adam"):
+                 optimizer_layout: str = "fp32-adam", facts: GraphFacts | None = None):
         self.tg, self.cm, self.hints = tg, cm, hints or Hints()
         self.mesh = cm.mesh_shape
         self.graph = tg.graph
         self.bpp = sum(bytes_per_param(optimizer_layout))
-        self.params = set(tg.param_fqns)
-        self.rg = _requires_grad(self.graph, self.params)
-        self.const = _constants(self.graph)
-        self.tie = tie_layers(self.graph)
+        facts = facts or GraphFacts.of(tg)
+        self.params, self.rg, self.const, self.tie = facts.params, facts.rg, facts.const, facts.tie
+        self.saved = facts.saved
         self.groups: list[_Group] = []
         self.group_of: dict[fx.Node, int] = {}        # node -> group
         self.place: dict[fx.Node, list] = {}          # node -> output placement per group choice
         self.role: dict[fx.Node, str] = {}
         self.fallback: Counter = Counter()
-        self.edges: dict[tuple, Edge] = {}
         self._edge_cache: dict = {}
         self._follow_extra: dict[fx.Node, list[float]] = {}
         self.derived: dict[fx.Node, list[Strategy]] = {}  # node -> strategy per group choice
         self._derive_cache: dict = {}
+        self._memo: dict = {}            # (kind, rep, operand reps, group) -> per-choice results
+        self._edge_uses: Counter = Counter()  # edge-cache key -> number of tied copies
 
     # ---------------------------------------------------------------- per node
     def _new_group(self, rep, strategies, cost, mem, transient) -> int:
-        self.groups.append(_Group(rep, strategies, list(cost), list(mem), list(transient)))
+        self.groups.append(_Group(rep, strategies, np.array(cost, dtype=float), np.array(mem, dtype=float),
+                                  list(transient)))
         return len(self.groups) - 1
 
     def _add(self, g: int, cost=None, mem=None):
         grp = self.groups[g]
         if cost is not None:
-            grp.cost = [a + b for a, b in zip(grp.cost, cost)]
+            grp.cost += cost
         if mem is not None:
-            grp.mem = [a + b for a, b in zip(grp.mem, mem)]
+            grp.mem += mem
+
+    def _memo_key(self, kind, node, operands):
+        """Tied copies whose operands are tied copies too get identical results."""
+        return (kind, self.tie.get(node, node), tuple(self.tie.get(o, o) for o in operands))
 
     def _hinted(self, node, strategies):
         keys = (node.name, node.meta.get("module", ""))
@@ -242,13 +285,11 @@ class Builder:
         followers: such a node never reshards on its own to please its consumers."""
         ops = tensor_operands(node)
         g = self.group_of[ops[live[0]]]
-        rep = self.tie.get(node)
-        if rep is not None and rep in self.derived and self.group_of.get(rep) == g:
+        memo = self._memo_key("derived", node, [ops[i] for i in live]) + (g,)
+        if memo in self._memo:
             self.group_of[node] = g
-            self.place[node] = self.place[rep]
-            self.derived[node] = self.derived[rep]
-            self._add(g, cost=self._follow_extra[rep])
-            self._follow_extra[node] = self._follow_extra[rep]
+            self.place[node], self.derived[node], self._follow_extra[node] = self._memo[memo]
+            self._add(g, cost=self._follow_extra[node])
             return
         grads = [o in self.rg for o in ops]
         is_param = [o.name in self.params for o in ops]
@@ -273,17 +314,18 @@ class Builder:
         self.group_of[node] = g
         self.place[node] = [s.out for s in strategies]
         self.derived[node] = strategies
-        self._follow_extra[node] = extra
-        self._add(g, cost=extra)
+        self._follow_extra[node] = np.array(extra)
+        self._memo[memo] = (self.place[node], strategies, self._follow_extra[node])
+        self._add(g, cost=self._follow_extra[node])
 
     def _follower(self, node):
         (src,) = tensor_operands(node)
         g = self.group_of[src]
-        rep = self.tie.get(node)
-        if rep is not None and rep in self.place and self.group_of.get(rep) == g:
+        key = self._memo_key("follower", node, [src]) + (g,)
+        if key in self._memo:
             self.group_of[node] = g
-            self.place[node] = self.place[rep]
-            self._add(g, cost=self._follow_extra[rep])
+            self.place[node], self._follow_extra[node] = self._memo[key]
+            self._add(g, cost=self._follow_extra[node])
             return
         outs, extra = [], []
         val, sval = node.meta["val"], src.meta["val"]
@@ -305,8 +347,9 @@ class Builder:
             extra.append(cost)
         self.group_of[node] = g
         self.place[node] = outs
-        self._follow_extra[node] = extra
-        self._add(g, cost=extra)
+        self._follow_extra[node] = np.array(extra)
+        self._memo[key] = (outs, self._follow_extra[node])
+        self._add(g, cost=self._follow_extra[node])
 
     # ---------------------------------------------------------------- edges
     def _edges_into(self, node):
@@ -329,16 +372,19 @@ class Builder:
             key = (srep, rep, i, u, v)
             if key not in self._edge_cache:
                 self._edge_cache[key] = self._operand_edges(src, strategies, i)
+            self._edge_uses[key] += 1
+
+    def _solver_edges(self) -> list[Edge]:
+        """One solver edge per (groups, class maps), its table summed over tied copies, in ns."""
+        merged: dict[tuple, dict] = {}
+        for key, count in self._edge_uses.items():
+            u, v = key[3], key[4]
             for ucls, vcls, table in self._edge_cache[key]:
-                if not table:
-                    continue
-                ekey = (u, v, ucls, vcls)
-                if ekey in self.edges:
-                    e = self.edges[ekey]
-                    for k, c in table.items():
-                        e.table[k] = e.table.get(k, 0.0) + c
-                else:
-                    self.edges[ekey] = Edge(u, v, ucls, vcls, dict(table))
+                acc = merged.setdefault((u, v, ucls, vcls), {})
+                for k, c in table.items():
+                    acc[k] = acc.get(k, 0.0) + c * count
+        return [Edge(u, v, ucls, vcls, {k: int(round(c * NS)) for k, c in t.items() if c})
+                for (u, v, ucls, vcls), t in merged.items()]
 
     def _operand_edges(self, src, strategies, i):
         # (Combining the per-axis edges into one transport edge was measured: its tighter
@@ -378,29 +424,25 @@ class Builder:
 
     def _saved_memory(self):
         """Activations kept for backward, charged to the producer of the (base) tensor."""
-        saved = set()
-        for n in self.graph.nodes:
-            if n.op != "call_function" or n not in self.rg:
-                continue
-            if n.target in SAVES_INPUTS:
-                saved.update(o for o in tensor_operands(n) if o.name not in self.params)
-            if n.target in SAVES_OUTPUT:
-                saved.add(n)
-        bases = set()
-        for t in saved:
-            while t.op == "call_function" and is_view_like(t) and tensor_operands(t):
-                t = tensor_operands(t)[0]
-            bases.add(t)
-        for t in bases:
+        uses: Counter = Counter()
+        sample = {}
+        for t in self.saved:
             if t in self.const or t not in self.group_of or self.role.get(t) == "param":
                 continue
             val = t.meta["val"]
-            if not isinstance(val, torch.Tensor):
-                continue
-            self._add(self.group_of[t], mem=[local_bytes(val, p, self.mesh) for p in self.place[t]])
+            if isinstance(val, torch.Tensor):
+                # tied copies share their placement lists: count them, cost one
+                key = (self.group_of[t], id(self.place[t]), tuple(val.shape), val.dtype)
+                uses[key] += 1
+                sample.setdefault(key, t)
+        for key, count in uses.items():
+            t = sample[key]
+            val = t.meta["val"]
+            self._add(key[0], mem=count * np.array([local_bytes(val, p, self.mesh) for p in self.place[t]]))
 
     # ---------------------------------------------------------------- build
     def build(self, budget: float | None) -> Problem:
+        self.budget = budget
         for node in self.graph.nodes:
             if node.op == "placeholder":
                 self._placeholder(node)
@@ -419,12 +461,10 @@ class Builder:
                 self._decision(node)
                 self._edges_into(node)
         self._saved_memory()
-        edges = [Edge(e.u, e.v, e.ucls, e.vcls, {k: int(round(c * NS)) for k, c in e.table.items() if c})
-                 for e in self.edges.values()]
-        return Problem(cost=[[int(round(c * NS)) for c in g.cost] for g in self.groups],
-                       mem=[[int(round(m)) for m in g.mem] for g in self.groups],
+        return Problem(cost=[np.rint(g.cost * NS).astype(np.int64).tolist() for g in self.groups],
+                       mem=[np.rint(g.mem).astype(np.int64).tolist() for g in self.groups],
                        transient=[[int(round(t)) for t in g.transient] for g in self.groups],
-                       edges=edges, budget=None if budget is None else int(budget))
+                       edges=self._solver_edges(), budget=None if budget is None else int(budget))
 
     # ---------------------------------------------------------------- read back
     def to_plan(self, choice: list[int], sol, problem: Problem, meta: dict) -> Plan:
@@ -451,7 +491,7 @@ class Builder:
                     # Planned through its operand; to the passes it is a decision like any other.
                     s = self.derived[node][c]
                     nodes[node.name] = NodePlan(role="decision", op=op, kind=s.kind, out=list(s.out),
-                                                ins=[list(p) for p in s.ins], time_s=self._follow_extra[node][c],
+                                                ins=[list(p) for p in s.ins], time_s=float(self._follow_extra[node][c]),
                                                 tied_to=tied.name if tied else "")
                 elif role == "decision":
                     s: Strategy = self.groups[g].strategies[c]
@@ -461,7 +501,7 @@ class Builder:
                                                 comm_s=edge_s.get(self.tie.get(node, node), 0.0),
                                                 tied_to=tied.name if tied else "")
                 else:
-                    extra = self._follow_extra[self.tie.get(node, node) if tied else node][c]
+                    extra = float(self._follow_extra[node][c])
                     nodes[node.name] = NodePlan(role=role, op=op, kind="spatial",
                                                 out=list(self.place[node][c]), time_s=extra,
                                                 tied_to=tied.name if tied else "")
@@ -526,23 +566,32 @@ def _merge_classes(ucls, vcls, table):
     return (tuple(pr[rmap[p]] for p in ucls), tuple(qr[cmap[q]] for q in vcls), new_table)
 
 
+def build_problem(tg: TracedGraph, cm: CostModel, budget: float | None = None, hints: Hints | None = None,
+                  optimizer_layout: str = "fp32-adam", facts: GraphFacts | None = None) -> tuple[Builder, Problem]:
+    """The solver problem of one traced graph on one mesh shape (``cm.mesh_shape``)."""
+    b = Builder(tg, cm, hints, optimizer_layout, facts)
+    return b, b.build(budget)
+
+
+def make_plan(b: Builder, problem: Problem, sol: Solution, build_time_s: float, dtype: str = "fp32") -> Plan:
+    """Read a solution of ``b``'s problem back as a Plan, with its solve statistics."""
+    stats = {"build_time_s": build_time_s, "solve_time_s": sol.solve_time_s, "status": sol.status,
+             "method": sol.method, "num_groups": len(problem.cost), "num_variables": sol.num_variables,
+             "num_constraints": sol.num_constraints, "num_nodes": len(b.graph.nodes),
+             "tied_nodes": len(b.tie), "fallback_ops": dict(b.fallback), "hints": b.hints.name}
+    plan = b.to_plan(sol.choice, sol, problem, {"dtype": dtype, "budget": b.budget, "stats": stats})
+    plan.stats["strategy_counts"] = plan.strategy_counts()
+    return plan
+
+
 def plan_graph(tg: TracedGraph, cm: CostModel, budget: float | None = None, hints: Hints | None = None,
-               optimizer_layout: str = "fp32-adam", dtype: str = "fp32", cap_s: float | None = None) -> Plan:
+               optimizer_layout: str = "fp32-adam", dtype: str = "fp32", cap_s: float | None = None,
+               facts: GraphFacts | None = None) -> Plan:
     """Plan one traced graph on one mesh shape (``cm.mesh_shape``). With ``cap_s``,
-    raise ``solver.NoBetterPlan`` unless a plan of at most that modelled time exists
-    (lets the mesh-shape search discard a shape without solving it to the end)."""
+    raise ``solver.NoBetterPlan`` unless a plan of at most that modelled time exists."""
     t0 = time.perf_counter()
-    b = Builder(tg, cm, hints, optimizer_layout)
-    problem = b.build(budget)
+    b, problem = build_problem(tg, cm, budget, hints, optimizer_layout, facts)
     if cap_s is not None:
         problem.cap = int(cap_s * NS)
     t1 = time.perf_counter()
-    sol = solve(problem)
-    t2 = time.perf_counter()
-    stats = {"build_time_s": t1 - t0, "solve_time_s": t2 - t1, "status": sol.status,
-             "num_groups": len(problem.cost), "num_variables": sol.num_variables,
-             "num_constraints": sol.num_constraints, "num_nodes": len(tg.graph.nodes),
-             "tied_nodes": len(b.tie), "fallback_ops": dict(b.fallback), "hints": (hints.name if hints else "")}
-    plan = b.to_plan(sol.choice, sol, problem, {"dtype": dtype, "budget": budget, "stats": stats})
-    plan.stats["strategy_counts"] = plan.strategy_counts()
-    return plan
+    return make_plan(b, problem, solve(problem), t1 - t0, dtype)

@@ -17,8 +17,9 @@ import time
 from stpc.cost_models import CostModel, get_cluster
 from stpc.hints import preset
 from stpc.plan import Plan
-from stpc.planner import HintUnsatisfiable, Hints, plan_graph
-from stpc.solver import InfeasibleBudget, NoBetterPlan
+from stpc.elimination import TooWide
+from stpc.planner import NS, GraphFacts, HintUnsatisfiable, Hints, build_problem, make_plan
+from stpc.solver import InfeasibleBudget, NoBetterPlan, Solution, min_memory, solve, solve_unconstrained
 from stpc.trace import TracedGraph
 
 
@@ -69,38 +70,67 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
     shapes = [shape] if shape else mesh_shapes(n)
     if hints == "megatron" and shape is None:
         shapes = [s for s in shapes if len(s) <= 2]  # Megatron's DP x TP
-    best, tried, infeasible = None, [], []
-    for s in shapes:
+    facts = GraphFacts.of(tg)
+    tried, infeasible, bounded = [], [], []
+    for idx, s in enumerate(shapes):
         h = preset(hints, s) if isinstance(hints, str) else (hints or Hints())
         if not temporal:
             h.temporal = False
-        cm = CostModel(cl, s)
+        t_shape = time.perf_counter()
         try:
-            # Shapes after the first only matter if they beat the best so far: cap them,
-            # and CP-SAT can drop a shape as soon as its bound proves it cannot win.
-            cap = None if best is None else best.modelled_step_time_s - 1e-9
-            t_shape = time.perf_counter()
-            p = plan_graph(tg, cm, budget_bytes, h, optimizer_layout, dtype, cap_s=cap)
-        except InfeasibleBudget as e:
-            infeasible.append(e)
-            continue
+            b, problem = build_problem(tg, CostModel(cl, s), budget_bytes, h, optimizer_layout, facts)
         except HintUnsatisfiable as e:  # e.g. a forced family this shape cannot run
-            tried.append({"mesh": list(s), "modelled_step_time_s": None, "skipped": str(e),
-                          "solve_time_s": 0.0})
+            tried.append({"mesh": list(s), "modelled_step_time_s": None, "skipped": str(e), "solve_time_s": 0.0})
             continue
-        except NoBetterPlan:
-            tried.append({"mesh": list(s), "modelled_step_time_s": None, "pruned": True,
-                          "solve_time_s": time.perf_counter() - t_shape})
+        t_built = time.perf_counter()
+        if budget_bytes is not None and (need := min_memory(problem)) > problem.budget:
+            infeasible.append(need)
+            tried.append({"mesh": list(s), "modelled_step_time_s": None, "infeasible": True,
+                          "min_budget_bytes": need, "solve_time_s": time.perf_counter() - t_built})
             continue
-        tried.append({"mesh": list(s), "modelled_step_time_s": p.modelled_step_time_s, "pruned": False,
-                      "peak_memory_bytes": p.peak_memory_bytes, "solve_time_s": p.stats["solve_time_s"]})
-        best = p  # (capped: it is better than the previous best)
+        try:
+            choice = solve_unconstrained(problem)
+            bound, peak = problem.evaluate(choice)
+        except TooWide:
+            choice, bound, peak = None, 0, None
+        bounded.append((bound, idx, s, b, problem, choice, peak, t_built - t_shape,
+                        time.perf_counter() - t_built))
+    # Visit shapes cheapest bound first: the memory-blind optimum of a shape bounds its
+    # budgeted optimum from below, so once a shape's bound cannot beat the best plan
+    # (ties: the earlier shape wins), no later one can.
+    bounded.sort(key=lambda r: (r[0], r[1]))
+    best = None  # (objective ns, shape index, plan)
+    for bound, idx, s, b, problem, choice, peak, t_build, t_bound in bounded:
+        entry = {"mesh": list(s), "lower_bound_s": bound / NS, "build_time_s": t_build}
+        if best is not None and (bound, idx) >= best[:2]:
+            tried.append({**entry, "modelled_step_time_s": None, "pruned": True, "solve_time_s": t_bound})
+            continue
+        t_solve = time.perf_counter()
+        if choice is not None and (problem.budget is None or peak <= problem.budget):
+            sol = Solution(choice, bound, peak, "OPTIMAL", t_bound, sum(len(c) for c in problem.cost if len(c) > 1),
+                           0, "elimination")
+        else:  # the budget binds on this shape: CP-SAT, capped by the best so far
+            if best is not None:
+                problem.cap = best[0] - (0 if idx < best[1] else 1)
+            try:
+                sol = solve(problem, method="cpsat")
+            except NoBetterPlan:
+                tried.append({**entry, "modelled_step_time_s": None, "pruned": True,
+                              "solve_time_s": t_bound + time.perf_counter() - t_solve})
+                continue
+            sol.solve_time_s += t_bound
+        plan = make_plan(b, problem, sol, t_build, dtype)
+        tried.append({**entry, "modelled_step_time_s": plan.modelled_step_time_s, "pruned": False,
+                      "peak_memory_bytes": plan.peak_memory_bytes, "solve_time_s": sol.solve_time_s,
+                      "method": sol.method})
+        best = (sol.objective_ns, idx, plan)
     if best is None and infeasible:
-        raise InfeasibleBudget(int(budget_bytes), min(e.min_budget for e in infeasible))
+        raise InfeasibleBudget(int(budget_bytes), min(infeasible))
     if best is None:
         raise HintUnsatisfiable("no mesh shape satisfies the hints: "
                                 + "; ".join(t["skipped"] for t in tried if t.get("skipped")))
-    best.stats["search_time_s"] = time.perf_counter() - t0
-    best.stats["mesh_shapes_tried"] = tried
-    best.stats["solve_time_s"] = sum(t["solve_time_s"] for t in tried)
-    return best
+    plan = best[2]
+    plan.stats["search_time_s"] = time.perf_counter() - t0
+    plan.stats["mesh_shapes_tried"] = tried
+    plan.stats["solve_time_s"] = sum(t["solve_time_s"] for t in tried)
+    return plan

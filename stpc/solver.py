@@ -26,7 +26,10 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from ortools.sat.python import cp_model
+
+from stpc.elimination import TooWide, eliminate
 
 
 @dataclass
@@ -73,6 +76,7 @@ class Solution:
     solve_time_s: float
     num_variables: int
     num_constraints: int
+    method: str = "cpsat"
 
 
 class NoBetterPlan(Exception):
@@ -178,7 +182,6 @@ def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int
     the neighbour picks. Any solution using a dominated choice stays as good (and
     as feasible) with its dominator, so the optimum is unchanged: exact.
     Returns the reduced problem and, per group, the kept original choice indices."""
-    import numpy as np
 
     keep = [list(range(len(c))) for c in p.cost]
     for _ in range(rounds):
@@ -242,10 +245,35 @@ def _solver(time_limit_s: float) -> cp_model.CpSolver:
     return solver
 
 
-def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True) -> Solution:
-    """Exact CP-SAT solve; deterministic (one worker, fixed seed). Dominated choices
-    are pruned first (exact, see :func:`prune_dominated`)."""
+def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: str = "auto") -> Solution:
+    """Exact optimum; deterministic.
+
+    ``auto``: an infeasible budget is detected exactly by :func:`min_memory`; then
+    the objective alone is minimised by variable elimination (``stpc.elimination``),
+    ties going to the least memory. That optimum is a lower bound of the budgeted
+    problem, so if it fits the budget it is the answer. Only when the budget binds
+    (or the graph is too wide to eliminate) does CP-SAT solve the full model.
+    ``cpsat``: CP-SAT only (one worker, fixed seed), dominated choices pruned first
+    (exact, see :func:`prune_dominated`)."""
     t0 = time.perf_counter()
+    if method == "auto":
+        if p.budget is not None:
+            need = min_memory(p)
+            if need > p.budget:
+                raise InfeasibleBudget(p.budget, need)
+        try:
+            choice = solve_unconstrained(p)
+        except TooWide:
+            choice = None
+        if choice is not None:
+            obj, peak = p.evaluate(choice)
+            if p.cap is not None and obj > p.cap:  # a lower bound of the budgeted optimum too
+                raise NoBetterPlan()
+            if p.budget is None or peak <= p.budget:
+                n_vars = sum(len(c) for c in p.cost if len(c) > 1)
+                return Solution(choice=choice, objective_ns=obj, peak_bytes=peak, status="OPTIMAL",
+                                solve_time_s=time.perf_counter() - t0, num_variables=n_vars,
+                                num_constraints=0, method="elimination")
     full = p
     if prune:
         p, keep = prune_dominated(p)
@@ -269,11 +297,55 @@ def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True) -> Soluti
 
 
 def min_memory(p: Problem) -> int:
-    """The smallest per-device peak any assignment reaches (for the infeasibility message)."""
-    m, x, _ = _build(p, minimise_memory=True)
-    solver = _solver(60)
-    solver.Solve(m)
-    return int(round(solver.ObjectiveValue()))
+    """The smallest per-device peak any assignment reaches, exactly.
+
+    Memory has no pairwise terms: for a transient cap ``t`` every group takes its
+    least-memory choice among those with transient <= ``t``; the answer is the best
+    ``t`` among the transients that occur."""
+    ts = np.unique(np.concatenate([np.asarray(t, dtype=np.int64) for t in p.transient]))
+    ts = ts[ts >= max(min(t) for t in p.transient)]  # below this some group has no choice
+    total = ts.copy()
+    for mem, tr in zip(p.mem, p.transient):
+        order = np.argsort(np.asarray(tr, dtype=np.int64), kind="stable")
+        tr_sorted = np.asarray(tr, dtype=np.int64)[order]
+        best_mem = np.minimum.accumulate(np.asarray(mem, dtype=np.int64)[order])
+        total += best_mem[np.searchsorted(tr_sorted, ts, side="right") - 1]
+    return int(total.min())
+
+
+def solve_unconstrained(p: Problem) -> list[int]:
+    """The exact minimum of the objective alone (no memory rows) by variable elimination;
+    among equal-cost optima, one of least persistent memory (quantised to fit a
+    lexicographic int64 key). Raises ``elimination.TooWide`` on too wide a graph."""
+    n = len(p.cost)
+    pairs: dict[tuple[int, int], np.ndarray] = {}
+    unary = [np.asarray(c, dtype=np.int64) for c in p.cost]
+    ub = sum(int(u.max()) for u in unary)
+    for e in p.edges:
+        if not e.table:
+            continue
+        t = np.zeros((max(max(e.ucls), *(k[0] for k in e.table)) + 1,
+                      max(max(e.vcls), *(k[1] for k in e.table)) + 1), dtype=np.int64)
+        for (a, b), c in e.table.items():
+            t[a, b] = c
+        m = t[np.asarray(e.ucls)][:, np.asarray(e.vcls)]
+        ub += int(m.max())
+        if e.u == e.v:
+            unary[e.u] = unary[e.u] + np.diag(m)
+        elif e.u < e.v:
+            pairs[(e.u, e.v)] = pairs[(e.u, e.v)] + m if (e.u, e.v) in pairs else m
+        else:
+            pairs[(e.v, e.u)] = pairs[(e.v, e.u)] + m.T if (e.v, e.u) in pairs else m.T
+    # Lexicographic key cost * scale + quantised memory, with the memory sum < scale.
+    scale = 1 << 20
+    if (ub + 1) * scale < (1 << 58):
+        mem_total = sum(max(m) for m in p.mem) + 1
+        unit = -(-mem_total // (scale - 1))
+        unary = [u * scale + np.asarray(m, dtype=np.int64) // unit for u, m in zip(unary, p.mem)]
+        pairs = {k: v * scale for k, v in pairs.items()}
+    _, choice = eliminate(unary, pairs)
+    assert len(choice) == n
+    return choice
 
 
 def brute_force(p: Problem) -> tuple[int, list[int]] | None:

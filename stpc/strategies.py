@@ -51,9 +51,12 @@ class Strategy:
 
     def split_axes(self) -> tuple[bool, ...]:
         """Per axis: is the work divided (any operand or the output not replicated)?"""
-        n = len(self.out)
-        return tuple(self.out[a] != REPLICATE or any(p[a] != REPLICATE for p in self.ins)
-                     for a in range(n))
+        got = self.__dict__.get("_split_axes")  # memoised: the planner asks per edge and axis
+        if got is None:
+            got = tuple(self.out[a] != REPLICATE or any(p[a] != REPLICATE for p in self.ins)
+                        for a in range(len(self.out)))
+            object.__setattr__(self, "_split_axes", got)
+        return got
 
     def describe(self) -> str:
         tag = "" if self.kind == "spatial" else f"{self.kind}@{self.axis} "
@@ -230,7 +233,9 @@ def is_constant_op(node: fx.Node) -> bool:
 
 
 def is_view_like(node: fx.Node) -> bool:
-    return node.target in _VIEWS
+    """Aliases its operand's storage (repeat_interleave follows placements like a view
+    but writes a new tensor: GQA's repeated K/V are what attention saves)."""
+    return node.target in _VIEWS and node.target is not aten.repeat_interleave.self_int
 
 
 def is_follower(node: fx.Node) -> bool:

@@ -223,3 +223,36 @@ def test_zoo_plans_on_4_to_64_devices(name):
             plan = plan_graph(tg, CostModel(get_cluster("dgx-h100"), shape))
             assert plan.stats["status"] == "OPTIMAL", (name, shape)
             assert plan.modelled_step_time_s > 0
+
+
+@pytest.mark.parametrize("name,budget_frac", [("gpt-tiny", None), ("gpt-tiny", 0.35),
+                                              pytest.param("llama-tiny", 0.5, marks=pytest.mark.slow)])
+def test_search_equals_cpsat_on_every_shape(name, budget_frac):
+    """The search (bounds, elimination, CP-SAT only where the budget binds) finds the
+    plan CP-SAT finds solving every mesh shape to the end."""
+    from stpc.planner import build_problem
+    from stpc.search import search
+    from stpc.solver import NoBetterPlan, solve
+
+    tg = _meta_trace(name, batch=16, seq=64)
+    cl = get_cluster("primepar-v100")
+    budget = None
+    if budget_frac is not None:
+        free = search(tg, 8, cl)
+        budget = free.peak_memory_bytes * budget_frac
+    want = []
+    for shape in mesh_shapes(8):
+        _, problem = build_problem(tg, CostModel(cl, shape), budget)
+        try:
+            want.append(solve(problem, method="cpsat").objective_ns)
+        except (InfeasibleBudget, NoBetterPlan):
+            pass
+    if not want:
+        with pytest.raises(InfeasibleBudget):
+            search(tg, 8, cl, budget_bytes=budget)
+        return
+    got = search(tg, 8, cl, budget_bytes=budget)
+    assert round(got.modelled_step_time_s * 1e9) == min(want)
+    if budget is not None:
+        assert got.peak_memory_bytes <= budget
+        assert recompute_peak(tg, got) <= budget

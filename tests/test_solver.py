@@ -1,4 +1,5 @@
-"""The CP-SAT model against exhaustive enumeration on random problems."""
+"""The solver (elimination first, CP-SAT where the budget binds; and CP-SAT alone)
+against exhaustive enumeration on random problems."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,28 +27,30 @@ def problems(draw, with_budget=False):
     return Problem(cost=cost, mem=mem, transient=tr, edges=edges, budget=budget)
 
 
+@pytest.mark.parametrize("method", ["auto", "cpsat"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems())
-def test_cpsat_equals_brute_force(p):
-    sol = solve(p)
+@given(p=problems())
+def test_cpsat_equals_brute_force(p, method):
+    sol = solve(p, method=method)
     best, _ = brute_force(p)
     assert sol.objective_ns == best
     assert p.evaluate(sol.choice)[0] == best
 
 
+@pytest.mark.parametrize("method", ["auto", "cpsat"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems(with_budget=True))
-def test_cpsat_equals_brute_force_under_budget(p):
+@given(p=problems(with_budget=True))
+def test_cpsat_equals_brute_force_under_budget(p, method):
     best = brute_force(p)
     if best is None:
         with pytest.raises(InfeasibleBudget) as err:
-            solve(p)
+            solve(p, method=method)
         # The reported minimum is exactly the smallest peak of any assignment.
         assert err.value.min_budget == min(
             p.evaluate(list(c))[1] for c in __import__("itertools").product(*(range(len(c)) for c in p.cost)))
         assert err.value.min_budget > p.budget
     else:
-        sol = solve(p)
+        sol = solve(p, method=method)
         assert sol.objective_ns == best[0]
         assert sol.peak_bytes <= p.budget
 

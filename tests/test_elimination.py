@@ -1,0 +1,78 @@
+"""Variable elimination against exhaustive enumeration; the exact memory minimum."""
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stpc.elimination import TooWide, eliminate
+from stpc.solver import Edge, Problem, min_memory, solve, solve_unconstrained
+
+
+def _brute(unary, pairs):
+    best = None
+    for c in itertools.product(*(range(len(u)) for u in unary)):
+        v = sum(int(u[i]) for u, i in zip(unary, c)) + sum(int(m[c[a], c[b]]) for (a, b), m in pairs.items())
+        best = v if best is None else min(best, v)
+    return best
+
+
+@st.composite
+def factor_graphs(draw):
+    n = draw(st.integers(1, 7))
+    dom = [draw(st.integers(1, 5)) for _ in range(n)]
+    hi = draw(st.sampled_from([3, 1000]))  # few values: many equal rows, the class path
+    unary = [np.array([draw(st.integers(0, hi)) for _ in range(d)]) for d in dom]
+    pairs = {}
+    for a, b in itertools.combinations(range(n), 2):
+        if draw(st.booleans()):
+            pairs[(a, b)] = np.array([[draw(st.integers(0, hi)) for _ in range(dom[b])] for _ in range(dom[a])])
+    return unary, pairs
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(factor_graphs())
+def test_elimination_equals_brute_force(fg):
+    unary, pairs = fg
+    value, choice = eliminate(unary, pairs)
+    assert value == _brute(unary, pairs)
+    # the returned choice attains it
+    assert value == sum(int(u[i]) for u, i in zip(unary, choice)) + sum(
+        int(m[choice[a], choice[b]]) for (a, b), m in pairs.items())
+
+
+def test_wide_graph_raises_too_wide():
+    n, d = 6, 12  # a clique: every elimination has all the others as neighbours
+    rng = np.random.default_rng(0)
+    unary = [rng.integers(0, 100, d) for _ in range(n)]
+    pairs = {(a, b): rng.integers(0, 100, (d, d)) for a, b in itertools.combinations(range(n), 2)}
+    with pytest.raises(TooWide):
+        eliminate(unary, pairs, max_table=1000)
+    assert eliminate(unary, pairs)[0] == _brute(unary, pairs)
+
+
+def test_ties_go_to_least_memory():
+    # two groups, both choices of group 0 cost the same; the second needs less memory
+    p = Problem(cost=[[5, 5], [1, 2]], mem=[[100, 10], [0, 0]],
+                edges=[Edge(0, 1, (0, 1), (0, 1), {(0, 1): 7, (1, 1): 7})])
+    assert solve_unconstrained(p) == [1, 0]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=4),
+                min_size=1, max_size=4))
+def test_min_memory_is_exact(groups):
+    mem = [[m for m, _ in g] for g in groups]
+    tr = [[t for _, t in g] for g in groups]
+    p = Problem(cost=[[0] * len(g) for g in groups], mem=mem, transient=tr)
+    want = min(p.evaluate(list(c))[1] for c in itertools.product(*(range(len(g)) for g in groups)))
+    assert min_memory(p) == want
+
+
+def test_budget_binding_goes_to_cpsat():
+    # the cheapest choice does not fit: elimination's optimum is rejected, CP-SAT solves
+    p = Problem(cost=[[1, 9]], mem=[[100, 10]], budget=50)
+    sol = solve(p)
+    assert sol.choice == [1] and sol.method == "cpsat"
+    assert solve(Problem(cost=[[1, 9]], mem=[[100, 10]], budget=500)).method == "elimination"
