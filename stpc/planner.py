@@ -1,4 +1,4 @@
-"""The planner: an annotated graph becomes a CP-SAT problem, its solution a Plan.
+"""The planner: an annotated graph becomes a solver problem, its solution a Plan.
 
 Size control (none of it gives up exactness for the graph as modelled):
   * followers (views, unary elementwise ops) get no variables: their placement
@@ -6,8 +6,9 @@ Size control (none of it gives up exactness for the graph as modelled):
   * constants (nodes that depend on no input, e.g. RoPE tables) are computed
     locally, replicated, and sliced for free;
   * identical transformer layers are tied: the nodes of layer i > 0 reuse the
-    variables of the first layer with the same signature, their costs add up;
-  * single-choice groups get no variable (the solver folds them into constants).
+    choices of the first layer with the same signature, their costs add up;
+  * nodes that do the same work on every mesh share one work item
+    (``stpc.structure``): a mesh shape costs each item once, times its count.
 
 Memory per device = parameters + gradients + optimizer state (under their
 placements) + activations saved for backward (at the end of forward, where
@@ -23,26 +24,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.fx as fx
 
 from stpc.cost_models import CostModel, bytes_per_param
 from stpc.costs import axis_reshard, dtype_name, local_bytes, node_time, reshard_cost, transient_bytes
 from stpc.placement import REPLICATE, shard_factor
 from stpc.plan import NodePlan, Plan
 from stpc.solver import Edge, Problem, Solution, solve
-from stpc.strategies import (SAVES_INPUTS, SAVES_OUTPUT, Strategy, aten, derive, enumerate_strategies,
-                             follow, is_follower, is_view_like, op_spec, placement_choices,
+from stpc.strategies import (Strategy, derive, enumerate_strategies, follow_rule, is_view_like, placement_choices,
                              tensor_operands)
+from stpc.structure import GraphFacts, Item
 from stpc.trace import TracedGraph
 
 NS = 1e9  # integer costs are nanoseconds
-
-# Ops whose choices are real even with one live operand (the solver keeps them).
-_NOT_DERIVED = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
-                aten.scaled_dot_product_attention.default, aten.embedding.default,
-                aten.cross_entropy_loss.default}
-
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 
 
 class HintUnsatisfiable(ValueError):
@@ -69,109 +62,19 @@ class Hints:
 class _Group:
     """One set of solver choices, shared by a decision node, its followers and tied copies."""
 
-    rep: fx.Node
+    rep: object                  # the fx.Node that opened it
     strategies: list             # Strategy per choice (decision) or placement per choice (param/input)
-    cost: list[float]            # accumulated over every node sharing the group (tied copies too)
-    mem: list[float]
+    cost: np.ndarray             # accumulated over every node sharing the group (tied copies too)
+    mem: np.ndarray
     transient: list[float]
     own_cost: list[float] = field(default_factory=list)  # one copy of the representative node
     own_mem: list[float] = field(default_factory=list)   # one copy of the representative parameter
 
 
-def layer_of(node: fx.Node) -> int | None:
-    key = node.meta.get("param") or node.meta.get("module") or ""
-    m = _LAYER.search(key)
-    return int(m.group(1)) if m else None
-
-
-def _signature(node, local_index):
-    val = node.meta.get("val")
-    shp = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-    args = tuple(local_index.get(a, "ext") for a in node.all_input_nodes)
-    consts = tuple(a for a in node.args if not isinstance(a, (fx.Node, list, tuple)))
-    target = str(node.target) if node.op == "call_function" else ""
-    return (node.op, target, shp, args, consts)
-
-
-def tie_layers(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
-    """Map every node of a repeated layer to its representative in the first
-    identical layer (same ops, shapes and internal wiring, in order)."""
-    layers: dict[int, list[fx.Node]] = defaultdict(list)
-    for n in graph.nodes:
-        li = layer_of(n)
-        if li is not None:
-            layers[li].append(n)
-    tie: dict[fx.Node, fx.Node] = {}
-    reps: list[tuple[tuple, list[fx.Node]]] = []
-    for li in sorted(layers):
-        nodes = layers[li]
-        idx = {n: i for i, n in enumerate(nodes)}
-        sig = tuple(_signature(n, idx) for n in nodes)
-        for rsig, rnodes in reps:
-            if rsig == sig:
-                tie.update(zip(nodes, rnodes))
-                break
-        else:
-            reps.append((sig, nodes))
-    return tie
-
-
-def _requires_grad(graph: fx.Graph, params: set[str]) -> set[fx.Node]:
-    rg = set()
-    for n in graph.nodes:
-        if (n.op == "placeholder" and n.name in params) or any(a in rg for a in n.all_input_nodes):
-            rg.add(n)
-    return rg
-
-
-def _constants(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes computed from no placeholder: cheap, replicated, free to slice."""
-    const = set()
-    for n in graph.nodes:
-        if n.op == "call_function" and all(a in const for a in n.all_input_nodes):
-            const.add(n)
-    return const
-
-
-def _saved_bases(graph: fx.Graph, rg: set, params: set[str]) -> list[fx.Node]:
-    """Tensors kept for backward, as the (non-view) nodes that own their storage."""
-    saved = set()
-    for n in graph.nodes:
-        if n.op != "call_function" or n not in rg:
-            continue
-        if n.target in SAVES_INPUTS:
-            saved.update(o for o in tensor_operands(n) if o.name not in params)
-        if n.target in SAVES_OUTPUT:
-            saved.add(n)
-    bases = {}
-    for t in saved:
-        while t.op == "call_function" and is_view_like(t) and tensor_operands(t):
-            t = tensor_operands(t)[0]
-        bases[t] = None
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return sorted(bases, key=order.__getitem__)
-
-
-@dataclass
-class GraphFacts:
-    """What the planner needs to know about a graph whatever the mesh: computed once
-    per traced graph and shared by every mesh shape the search tries."""
-
-    params: set
-    rg: set
-    const: set
-    tie: dict
-    saved: list
-
-    @classmethod
-    def of(cls, tg: TracedGraph) -> "GraphFacts":
-        params = set(tg.param_fqns)
-        rg = _requires_grad(tg.graph, params)
-        return cls(params, rg, _constants(tg.graph), tie_layers(tg.graph), _saved_bases(tg.graph, rg, params))
-
-
 class Builder:
-    """Turns a TracedGraph into a :class:`Problem` and reads a solution back as a Plan."""
+    """Turns a TracedGraph into a :class:`Problem` on one mesh shape and reads a
+    solution back as a Plan. Works on the graph's work items (``stpc.structure``):
+    each is costed once and counted as often as nodes share it."""
 
     def __init__(self, tg: TracedGraph, cm: CostModel, hints: Hints | None = None,
                  optimizer_layout: str = "fp32-adam", facts: GraphFacts | None = None):
@@ -179,37 +82,24 @@ class Builder:
         self.mesh = cm.mesh_shape
         self.graph = tg.graph
         self.bpp = sum(bytes_per_param(optimizer_layout))
-        facts = facts or GraphFacts.of(tg)
-        self.params, self.rg, self.const, self.tie = facts.params, facts.rg, facts.const, facts.tie
-        self.saved = facts.saved
+        self.facts = facts or GraphFacts.of(tg)
+        self.params, self.rg, self.const, self.tie = (self.facts.params, self.facts.rg, self.facts.const,
+                                                      self.facts.tie)
         self.groups: list[_Group] = []
-        self.group_of: dict[fx.Node, int] = {}        # node -> group
-        self.place: dict[fx.Node, list] = {}          # node -> output placement per group choice
-        self.role: dict[fx.Node, str] = {}
+        self.place: dict[Item, list] = {}       # item -> output placement per group choice
+        self.extra: dict[Item, np.ndarray] = {}  # follower/derived item -> seconds per group choice
+        self.derived: dict[Item, list[Strategy]] = {}  # derived item -> strategy per group choice
         self.fallback: Counter = Counter()
-        self._edge_cache: dict = {}
-        self._follow_extra: dict[fx.Node, list[float]] = {}
-        self.derived: dict[fx.Node, list[Strategy]] = {}  # node -> strategy per group choice
+        self._edge_cache: dict = {}             # (producer, consumer, operand) -> per-axis edges
         self._derive_cache: dict = {}
-        self._memo: dict = {}            # (kind, rep, operand reps, group) -> per-choice results
-        self._edge_uses: Counter = Counter()  # edge-cache key -> number of tied copies
+        self.budget = None
 
-    # ---------------------------------------------------------------- per node
-    def _new_group(self, rep, strategies, cost, mem, transient) -> int:
-        self.groups.append(_Group(rep, strategies, np.array(cost, dtype=float), np.array(mem, dtype=float),
-                                  list(transient)))
-        return len(self.groups) - 1
-
-    def _add(self, g: int, cost=None, mem=None):
-        grp = self.groups[g]
-        if cost is not None:
-            grp.cost += cost
-        if mem is not None:
-            grp.mem += mem
-
-    def _memo_key(self, kind, node, operands):
-        """Tied copies whose operands are tied copies too get identical results."""
-        return (kind, self.tie.get(node, node), tuple(self.tie.get(o, o) for o in operands))
+    # ---------------------------------------------------------------- per item
+    def _open_group(self, it: Item, strategies, cost, mem, transient):
+        assert it.group == len(self.groups)
+        self.groups.append(_Group(it.node, strategies, np.array(cost, dtype=float) * it.count,
+                                  np.array(mem, dtype=float) * it.count, list(transient),
+                                  own_cost=list(cost), own_mem=list(mem)))
 
     def _hinted(self, node, strategies):
         keys = (node.name, node.meta.get("module", ""))
@@ -223,16 +113,11 @@ class Builder:
                 strategies = kept
         return strategies
 
-    def _placeholder(self, node):
-        rep = self.tie.get(node)
-        if rep is not None and rep in self.group_of:
-            g = self.group_of[rep]
-            self.group_of[node], self.place[node], self.role[node] = g, self.place[rep], self.role[rep]
-            self._add(g, mem=self.groups[g].own_mem)
-            return
+    def _placeholder(self, it: Item):
+        node = it.node
         val = node.meta["val"]
         shape = tuple(val.shape)
-        if node.name in self.params:
+        if it.kind == "param":
             choices = placement_choices(shape, self.mesh)
             fqn = node.meta.get("param") or ""
             for pattern, pred in self.hints.param_force:
@@ -240,27 +125,15 @@ class Builder:
                     choices = [c for c in choices if pred(c)] or choices
             mem = [val.numel() * self.bpp / math.prod(
                 n for n, t in zip(self.mesh, p) if t != REPLICATE) for p in choices]
-            self.role[node] = "param"
-        elif isinstance(val, torch.Tensor):
+        else:
             # A user input: each rank loads its own shard, so any even split is free.
             choices = placement_choices(shape, self.mesh, grid_weight=False)
             mem = [0.0] * len(choices)
-            self.role[node] = "input"
-        else:
-            return
-        g = self._new_group(node, choices, [0.0] * len(choices), mem, [0.0] * len(choices))
-        self.groups[g].own_mem = mem
-        self.group_of[node] = g
-        self.place[node] = choices
+        self._open_group(it, choices, [0.0] * len(choices), mem, [0.0] * len(choices))
+        self.place[it] = choices
 
-    def _decision(self, node):
-        rep = self.tie.get(node)
-        if rep is not None and rep in self.group_of:
-            g = self.group_of[rep]
-            self.group_of[node] = g
-            self.place[node] = self.place[rep]
-            self._add(g, cost=self.groups[g].own_cost)
-            return
+    def _decision(self, it: Item):
+        node = it.node
         strategies, fb = enumerate_strategies(node, self.mesh, temporal=self.hints.temporal)
         if fb:
             self.fallback[str(node.target)] += 1
@@ -270,34 +143,25 @@ class Builder:
         is_param = [o.name in self.params for o in ops]
         cost = [node_time(node, s, self.cm, grads, is_param) for s in strategies]
         tr = [transient_bytes(node, s, self.mesh) for s in strategies]
-        g = self._new_group(node, strategies, [0.0] * len(strategies), [0.0] * len(strategies), tr)
-        self.groups[g].own_cost = cost
-        self._add(g, cost=cost)
-        self.group_of[node] = g
-        self.place[node] = [s.out for s in strategies]
+        self._open_group(it, strategies, cost, [0.0] * len(strategies), tr)
+        self.place[it] = [s.out for s in strategies]
 
-    def _derived(self, node, live):
+    def _derived(self, it: Item):
         """A node whose live (non-constant) operands all come from one group — elementwise
         ops with constants, reductions, and ops joining values of one group (RMSNorm's
         x * rsqrt(mean(x^2)), RoPE's halves): its strategy follows from that group's
         choice (``strategies.derive``); where no strategy keeps the operands where they
         are, they are gathered to Replicate first. A modelling restriction, like
         followers: such a node never reshards on its own to please its consumers."""
+        node, live = it.node, it.live
         ops = tensor_operands(node)
-        g = self.group_of[ops[live[0]]]
-        memo = self._memo_key("derived", node, [ops[i] for i in live]) + (g,)
-        if memo in self._memo:
-            self.group_of[node] = g
-            self.place[node], self.derived[node], self._follow_extra[node] = self._memo[memo]
-            self._add(g, cost=self._follow_extra[node])
-            return
         grads = [o in self.rg for o in ops]
         is_param = [o.name in self.params for o in ops]
         rep_p = tuple(REPLICATE for _ in self.mesh)
         strategies, extra = [], []
         cache = {}
-        for c in range(len(self.groups[g].cost)):
-            key = tuple(self.place[ops[i]][c] for i in live)
+        for c in range(len(self.groups[it.group].cost)):
+            key = tuple(self.place[it.operands[i]][c] for i in live)
             if key not in cache:
                 s = derive(node, dict(zip(live, key)), self.mesh, self._derive_cache)
                 cost = 0.0
@@ -311,155 +175,105 @@ class Builder:
             s, cost = cache[key]
             strategies.append(s)
             extra.append(cost)
-        self.group_of[node] = g
-        self.place[node] = [s.out for s in strategies]
-        self.derived[node] = strategies
-        self._follow_extra[node] = np.array(extra)
-        self._memo[memo] = (self.place[node], strategies, self._follow_extra[node])
-        self._add(g, cost=self._follow_extra[node])
+        self.place[it] = [s.out for s in strategies]
+        self.derived[it] = strategies
+        self._add_extra(it, extra)
 
-    def _follower(self, node):
-        (src,) = tensor_operands(node)
-        g = self.group_of[src]
-        key = self._memo_key("follower", node, [src]) + (g,)
-        if key in self._memo:
-            self.group_of[node] = g
-            self.place[node], self._follow_extra[node] = self._memo[key]
-            self._add(g, cost=self._follow_extra[node])
-            return
-        outs, extra = [], []
-        val, sval = node.meta["val"], src.meta["val"]
+    def _follower(self, it: Item):
+        node = it.node
+        src = it.operands[0]
+        val, sval = node.meta["val"], src.node.meta["val"]
         rg = node in self.rg
-        dt = val.dtype
+        dt = dtype_name(val.dtype)
+        view = is_view_like(node)
+        rep_p = tuple(REPLICATE for _ in self.mesh)
+        outs, extra = [], []
+        rule = follow_rule(node)
         for p in self.place[src]:
-            q = follow(node, p, self.mesh)
+            q = rule(p, self.mesh)
             cost = 0.0
             if q is None:  # cannot keep the layout through this op: gather to Replicate first
-                rep_p = tuple(REPLICATE for _ in self.mesh)
                 cost += reshard_cost(self.cm, p, rep_p, sval.numel() * sval.element_size(),
                                      (False,) * len(self.mesh), rg)
                 q = rep_p
-            split = math.prod(n for n, t in zip(self.mesh, q) if t[0] in "SBXW")
-            if not is_view_like(node):
+            if not view:
+                split = shard_factor(q, self.mesh)
                 moved = (node.meta["bytes_read"] + node.meta["bytes_written"]) / split
-                cost += self.cm.compute(node.meta["flops"] / split, moved * (3 if rg else 1), dtype_name(dt))
+                cost += self.cm.compute(node.meta["flops"] / split, moved * (3 if rg else 1), dt)
             outs.append(q)
             extra.append(cost)
-        self.group_of[node] = g
-        self.place[node] = outs
-        self._follow_extra[node] = np.array(extra)
-        self._memo[key] = (outs, self._follow_extra[node])
-        self._add(g, cost=self._follow_extra[node])
+        self.place[it] = outs
+        self._add_extra(it, extra)
+
+    def _add_extra(self, it: Item, extra):
+        self.extra[it] = np.array(extra)
+        self.groups[it.group].cost += self.extra[it] * it.count
 
     # ---------------------------------------------------------------- edges
-    def _edges_into(self, node):
-        """Resharding costs on the tensor inputs of a decision node.
+    def _solver_edges(self) -> list[Edge]:
+        """Resharding costs on the tensor inputs of decision nodes.
 
         The cost of an edge is a sum over mesh axes of a term that depends on the
         producer's whole placement (it sets the bytes) and on the consumer's token
         and split flag on that axis only. So each input edge becomes one solver
         edge per mesh axis, with consumer classes per axis: the class pairs grow
-        with the sum, not the product, of the per-axis options.
-        """
-        v = self.group_of[node]
-        rep = self.tie.get(node, node)
-        strategies = self.groups[v].strategies
-        for i, src in enumerate(tensor_operands(node)):
-            if src in self.const or src not in self.group_of:
-                continue
-            u = self.group_of[src]
-            srep = self.tie.get(src, src)
-            key = (srep, rep, i, u, v)
-            if key not in self._edge_cache:
-                self._edge_cache[key] = self._operand_edges(src, strategies, i)
-            self._edge_uses[key] += 1
-
-    def _solver_edges(self) -> list[Edge]:
-        """One solver edge per (groups, class maps), its table summed over tied copies, in ns."""
+        with the sum, not the product, of the per-axis options. Tables of tied
+        copies add up (in ns)."""
         merged: dict[tuple, dict] = {}
-        for key, count in self._edge_uses.items():
-            u, v = key[3], key[4]
+        for (src, dst, i), count in self.facts.edge_uses.items():
+            key = (src, dst, i)
+            if key not in self._edge_cache:
+                self._edge_cache[key] = self._operand_edges(src, dst, i)
             for ucls, vcls, table in self._edge_cache[key]:
-                acc = merged.setdefault((u, v, ucls, vcls), {})
+                acc = merged.setdefault((src.group, dst.group, ucls, vcls), {})
                 for k, c in table.items():
                     acc[k] = acc.get(k, 0.0) + c * count
         return [Edge(u, v, ucls, vcls, {k: int(round(c * NS)) for k, c in t.items() if c})
                 for (u, v, ucls, vcls), t in merged.items()]
 
-    def _operand_edges(self, src, strategies, i):
+    def _operand_edges(self, src: Item, dst: Item, i: int):
         # (Combining the per-axis edges into one transport edge was measured: its tighter
         # LP did not pay for its extra variables on any zoo model.)
+        strategies = self.groups[dst.group].strategies
         return [e for e in (self._axis_edge(src, strategies, i, a) for a in range(len(self.mesh))) if e[2]]
 
-    def _axis_edge(self, src, strategies, i, a):
-        uplace = self.place[src]
+    def _axis_edge(self, src: Item, strategies, i, a):
+        # On axis a the cost sees only the producer's token there and how finely the
+        # other axes cut the tensor: producers agreeing on both share a class.
+        val = src.node.meta["val"]
+        nbytes = val.numel() * val.element_size()
         ucls_map: dict = {}
-        ucls = tuple(ucls_map.setdefault(p, len(ucls_map)) for p in uplace)
+        ucls = tuple(ucls_map.setdefault((p[a], shard_factor(p, self.mesh, skip_axis=a)), len(ucls_map))
+                     for p in self.place[src])
         vcls_map: dict = {}
         vcls = tuple(vcls_map.setdefault((s.ins[i][a], s.split_axes()[a]), len(vcls_map)) for s in strategies)
-        val = src.meta["val"]
-        nbytes = val.numel() * val.element_size()
-        rg = src in self.rg
+        rg = src.node in self.rg
         table = {}
-        for p, pc in ucls_map.items():
-            nb = nbytes / shard_factor(p, self.mesh, skip_axis=a)
+        for (tok, sf), pc in ucls_map.items():
             for (q, split), qc in vcls_map.items():
-                c = axis_reshard(self.cm, a, p[a], q, nb, split, rg)
+                c = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg)
                 if c:
                     table[(pc, qc)] = c
         return _merge_classes(ucls, vcls, table)
 
-    def _live_operands_of_one_group(self, node):
-        """Indices of the non-constant tensor operands, if they all belong to one group
-        (and the op is elementwise-like: its choices would be no real choice)."""
-        if node.target in _NOT_DERIVED or op_spec(node) is None:
-            return None
-        ops = tensor_operands(node)
-        live = [i for i, o in enumerate(ops) if o not in self.const]
-        if not live or any(ops[i] not in self.group_of for i in live):
-            return None
-        if len({self.group_of[ops[i]] for i in live}) != 1:
-            return None
-        return live
-
     def _saved_memory(self):
-        """Activations kept for backward, charged to the producer of the (base) tensor."""
-        uses: Counter = Counter()
-        sample = {}
-        for t in self.saved:
-            if t in self.const or t not in self.group_of or self.role.get(t) == "param":
-                continue
-            val = t.meta["val"]
-            if isinstance(val, torch.Tensor):
-                # tied copies share their placement lists: count them, cost one
-                key = (self.group_of[t], id(self.place[t]), tuple(val.shape), val.dtype)
-                uses[key] += 1
-                sample.setdefault(key, t)
-        for key, count in uses.items():
-            t = sample[key]
-            val = t.meta["val"]
-            self._add(key[0], mem=count * np.array([local_bytes(val, p, self.mesh) for p in self.place[t]]))
+        """Activations kept for backward, charged to the group of the tensor's owner."""
+        for it, count in self.facts.saved_uses.items():
+            val = it.node.meta["val"]
+            self.groups[it.group].mem += count * np.array([local_bytes(val, p, self.mesh) for p in self.place[it]])
 
     # ---------------------------------------------------------------- build
     def build(self, budget: float | None) -> Problem:
         self.budget = budget
-        for node in self.graph.nodes:
-            if node.op == "placeholder":
-                self._placeholder(node)
-            elif node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
-                continue
-            elif node in self.const:
-                self.role[node] = "const"
-            elif is_follower(node) and tensor_operands(node)[0] in self.group_of:
-                self.role[node] = "follower"
-                self._follower(node)
-            elif (live := self._live_operands_of_one_group(node)) is not None:
-                self.role[node] = "derived"
-                self._derived(node, live)
+        for it in self.facts.items:
+            if it.kind in ("param", "input"):
+                self._placeholder(it)
+            elif it.kind == "decision":
+                self._decision(it)
+            elif it.kind == "follower":
+                self._follower(it)
             else:
-                self.role[node] = "decision"
-                self._decision(node)
-                self._edges_into(node)
+                self._derived(it)
         self._saved_memory()
         return Problem(cost=[np.rint(g.cost * NS).astype(np.int64).tolist() for g in self.groups],
                        mem=[np.rint(g.mem).astype(np.int64).tolist() for g in self.groups],
@@ -471,52 +285,47 @@ class Builder:
         nodes: dict[str, NodePlan] = {}
         edge_s = self._edge_seconds(choice)
         for node in self.graph.nodes:
-            if node.op == "placeholder" and node in self.group_of:
-                g = self.group_of[node]
-                p = self.place[node][choice[g]]
-                mem = self.groups[g].own_mem[choice[g]]
-                nodes[node.name] = NodePlan(role=self.role[node], op="placeholder", kind="spatial",
-                                            out=list(p), mem_bytes=float(mem))
-            elif node.op == "call_function" and node in self.role:
-                role = self.role[node]
-                op = str(getattr(node.target, "__name__", node.target))
-                tied = self.tie.get(node)
-                if role == "const":
-                    nodes[node.name] = NodePlan(role=role, op=op, kind="spatial",
+            it = self.facts.node_item.get(node)
+            tied = self.tie.get(node)
+            tied_to = tied.name if tied else ""
+            if node.op == "call_function" and node in self.const:
+                if isinstance(node.meta.get("val"), torch.Tensor):
+                    nodes[node.name] = NodePlan(role="const", op=_op_name(node), kind="spatial",
                                                 out=[REPLICATE] * len(self.mesh))
-                    continue
-                g = self.group_of[node]
-                c = choice[g]
-                if role == "derived":
-                    # Planned through its operand; to the passes it is a decision like any other.
-                    s = self.derived[node][c]
-                    nodes[node.name] = NodePlan(role="decision", op=op, kind=s.kind, out=list(s.out),
-                                                ins=[list(p) for p in s.ins], time_s=float(self._follow_extra[node][c]),
-                                                tied_to=tied.name if tied else "")
-                elif role == "decision":
-                    s: Strategy = self.groups[g].strategies[c]
-                    own = self.groups[g].own_cost[c]
-                    nodes[node.name] = NodePlan(role=role, op=op, kind=s.kind, out=list(s.out),
-                                                ins=[list(p) for p in s.ins], axis=s.axis, time_s=own,
-                                                comm_s=edge_s.get(self.tie.get(node, node), 0.0),
-                                                tied_to=tied.name if tied else "")
-                else:
-                    extra = float(self._follow_extra[node][c])
-                    nodes[node.name] = NodePlan(role=role, op=op, kind="spatial",
-                                                out=list(self.place[node][c]), time_s=extra,
-                                                tied_to=tied.name if tied else "")
-        alts = self._alternatives(choice)
+                continue
+            if it is None:
+                continue
+            c = choice[it.group]
+            grp = self.groups[it.group]
+            if it.kind in ("param", "input"):
+                nodes[node.name] = NodePlan(role=it.kind, op="placeholder", kind="spatial",
+                                            out=list(self.place[it][c]), mem_bytes=float(grp.own_mem[c]))
+            elif it.kind == "derived":
+                # Planned through its operand; to the passes it is a decision like any other.
+                s = self.derived[it][c]
+                nodes[node.name] = NodePlan(role="decision", op=_op_name(node), kind=s.kind, out=list(s.out),
+                                            ins=[list(p) for p in s.ins], time_s=float(self.extra[it][c]),
+                                            tied_to=tied_to)
+            elif it.kind == "decision":
+                s: Strategy = grp.strategies[c]
+                nodes[node.name] = NodePlan(role="decision", op=_op_name(node), kind=s.kind, out=list(s.out),
+                                            ins=[list(p) for p in s.ins], axis=s.axis, time_s=grp.own_cost[c],
+                                            comm_s=edge_s.get(it, 0.0), tied_to=tied_to)
+            else:
+                nodes[node.name] = NodePlan(role="follower", op=_op_name(node), kind="spatial",
+                                            out=list(self.place[it][c]), time_s=float(self.extra[it][c]),
+                                            tied_to=tied_to)
         return Plan(model=self.tg.model_name, mesh_shape=list(self.mesh), cluster=self.cm.cluster.name,
                     dtype=meta.get("dtype", "fp32"), budget_bytes=meta.get("budget"), nodes=nodes,
                     modelled_step_time_s=sol.objective_ns / NS, peak_memory_bytes=float(sol.peak_bytes),
-                    stats=meta.get("stats", {}), alternatives=alts)
+                    stats=meta.get("stats", {}), alternatives=self._alternatives(choice))
 
     def _edge_seconds(self, choice) -> dict:
-        """Per representative consumer: modelled seconds of its input edges (one layer's worth)."""
+        """Per consumer item: modelled seconds of its input edges (one copy's worth)."""
         out = defaultdict(float)
-        for (srep, rep, i, u, v), edges in self._edge_cache.items():
+        for (src, dst, i), edges in self._edge_cache.items():
             for ucls, vcls, table in edges:
-                out[rep] += table.get((ucls[choice[u]], vcls[choice[v]]), 0.0)
+                out[dst] += table.get((ucls[choice[src.group]], vcls[choice[dst.group]]), 0.0)
         return out
 
     def _alternatives(self, choice, top: int = 6) -> dict:
@@ -524,26 +333,31 @@ class Builder:
         input-edge cost with every neighbour as planned (one copy of the node)."""
         res = {}
         by_consumer = defaultdict(list)
-        for (srep, rep, i, u, v), edges in self._edge_cache.items():
+        for (src, dst, i), edges in self._edge_cache.items():
             for val in edges:
-                by_consumer[rep].append((u, v, val))
-        for g, grp in enumerate(self.groups):
-            if grp.rep not in self.role or self.role[grp.rep] != "decision" or len(grp.strategies) < 2:
+                by_consumer[dst].append((src.group, val))
+        for it in self.facts.group_items:
+            grp = self.groups[it.group]
+            if it.kind != "decision" or len(grp.strategies) < 2:
                 continue
             scored = []
             for c, s in enumerate(grp.strategies):
                 t = grp.own_cost[c]
-                for u, v, (ucls, vcls, table) in by_consumer[grp.rep]:
-                    uc = c if u == g else choice[u]
+                for u, (ucls, vcls, table) in by_consumer[it]:
+                    uc = c if u == it.group else choice[u]
                     t += table.get((ucls[uc], vcls[c]), 0.0)
                 scored.append((t, s.describe()))
             scored.sort()
-            chosen = grp.strategies[choice[g]].describe()
+            chosen = grp.strategies[choice[it.group]].describe()
             keep = scored[:top]
             if chosen not in [d for _, d in keep]:
                 keep.append(next(x for x in scored if x[1] == chosen))
-            res[grp.rep.name] = [(d, t) for t, d in keep]
+            res[it.node.name] = [(d, t) for t, d in keep]
         return res
+
+
+def _op_name(node) -> str:
+    return str(getattr(node.target, "__name__", node.target))
 
 
 def _merge_classes(ucls, vcls, table):

@@ -18,8 +18,9 @@ from stpc.cost_models import CostModel, get_cluster
 from stpc.hints import preset
 from stpc.plan import Plan
 from stpc.elimination import TooWide
-from stpc.planner import NS, GraphFacts, HintUnsatisfiable, Hints, build_problem, make_plan
+from stpc.planner import NS, HintUnsatisfiable, Hints, build_problem, make_plan
 from stpc.solver import InfeasibleBudget, NoBetterPlan, Solution, min_memory, solve, solve_unconstrained
+from stpc.structure import GraphFacts
 from stpc.trace import TracedGraph
 
 

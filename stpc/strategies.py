@@ -454,15 +454,18 @@ def _view_dim_map(in_shape, out_shape) -> dict[int, int] | None:
 def follow(node: fx.Node, p: tuple[str, ...], mesh: tuple[int, ...]) -> tuple[str, ...] | None:
     """The output placement of follower ``node`` given its input placement ``p``,
     or None when it cannot be kept (the input must be made Replicate first)."""
+    return follow_rule(node)(p, mesh)
+
+
+def follow_rule(node: fx.Node):
+    """``follow`` for one node as a function of (placement, mesh): the node's dim map
+    is worked out once (the planner asks for every placement of its producer)."""
     t = node.target
     (src,) = tensor_operands(node)
     in_shape, out_shape = _shape(src), _shape(node)
     if t in _UNARY or t in _SCALAR_LINEAR:
-        if PARTIAL in p and not (t in _UNARY_LINEAR or t in _SCALAR_LINEAR):
-            return None
-        return p
-    if PARTIAL in p and t is aten.expand.default:
-        return None
+        keeps_partial = t in _UNARY_LINEAR or t in _SCALAR_LINEAR
+        return lambda p, mesh: None if (PARTIAL in p and not keeps_partial) else p
     if t in (aten.transpose.int, aten.permute.default, aten.t.default):
         nd = len(in_shape)
         if t is aten.t.default:
@@ -477,7 +480,7 @@ def follow(node: fx.Node, p: tuple[str, ...], mesh: tuple[int, ...]) -> tuple[st
     elif t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints):
         dmap = _view_dim_map(in_shape, out_shape)
         if dmap is None:
-            return None
+            return lambda p, mesh: None
     elif t is aten.unsqueeze.default:
         d = node.args[1] % (len(in_shape) + 1)
         dmap = {i: (i if i < d else i + 1) for i in range(len(in_shape))}
@@ -497,15 +500,30 @@ def follow(node: fx.Node, p: tuple[str, ...], mesh: tuple[int, ...]) -> tuple[st
         # Each source slice's repeats stay together, so a split of the repeated dim survives.
         dmap = {i: i for i in range(len(in_shape))}
     else:
-        return None
-    out = []
-    for tok in p:
-        kind, dims = parse(tok)
-        if kind in "RP":
-            out.append(tok)
-        elif all(d in dmap for d in dims):
-            out.append(kind + ".".join(str(dmap[d]) for d in dims))
-        else:
+        return lambda p, mesh: None
+    no_partial = t is aten.expand.default
+    tokens: dict[str, str | None] = {}
+
+    def rule(p, mesh):
+        if no_partial and PARTIAL in p:
             return None
-    out = tuple(out)
-    return out if fits(out_shape, out, mesh) else None
+        out = []
+        for tok in p:
+            q = tokens.get(tok, "")
+            if q == "":
+                q = tokens[tok] = _map_token(tok, dmap)
+            if q is None:
+                return None
+            out.append(q)
+        out = tuple(out)
+        return out if fits(out_shape, out, mesh) else None
+    return rule
+
+
+def _map_token(tok: str, dmap: dict) -> str | None:
+    kind, dims = parse(tok)
+    if kind in "RP":
+        return tok
+    if all(d in dmap for d in dims):
+        return kind + ".".join(str(dmap[d]) for d in dims)
+    return None

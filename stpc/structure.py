@@ -1,0 +1,205 @@
+"""structure: what the planner knows about a graph before it knows the mesh.
+
+Computed once per traced graph (:meth:`GraphFacts.of`) and shared by every
+mesh shape the search tries:
+  * which nodes need gradients, which are constants, which tensors backward keeps;
+  * identical transformer layers tied to their first copy (``tie_layers``);
+  * the graph's *work items*. Each node is a parameter, a user input, a
+    decision (the solver picks its strategy), a follower (a view or unary op
+    whose placement follows its operand) or derived (an op whose live operands
+    all come from one group). Nodes with the same role, the same representative
+    and operands with the same representatives do the same work on every
+    mesh, so they share one :class:`Item` with a count, and a mesh shape costs
+    one item once however many layers repeat it;
+  * the solver groups (one per parameter, input and untied decision item) and
+    the decision inputs that become solver edges, with their counts.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from stpc.strategies import (SAVES_INPUTS, SAVES_OUTPUT, aten, is_follower, is_view_like, op_spec,
+                             tensor_operands)
+from stpc.trace import TracedGraph
+
+# Ops whose choices are real even with one live operand (the solver keeps them).
+_NOT_DERIVED = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
+                aten.scaled_dot_product_attention.default, aten.embedding.default,
+                aten.cross_entropy_loss.default}
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
+
+
+def layer_of(node: fx.Node) -> int | None:
+    key = node.meta.get("param") or node.meta.get("module") or ""
+    m = _LAYER.search(key)
+    return int(m.group(1)) if m else None
+
+
+def _signature(node, local_index):
+    val = node.meta.get("val")
+    shp = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    args = tuple(local_index.get(a, "ext") for a in node.all_input_nodes)
+    consts = tuple(a for a in node.args if not isinstance(a, (fx.Node, list, tuple)))
+    target = str(node.target) if node.op == "call_function" else ""
+    return (node.op, target, shp, args, consts)
+
+
+def tie_layers(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Map every node of a repeated layer to its representative in the first
+    identical layer (same ops, shapes and internal wiring, in order)."""
+    layers: dict[int, list[fx.Node]] = defaultdict(list)
+    for n in graph.nodes:
+        li = layer_of(n)
+        if li is not None:
+            layers[li].append(n)
+    tie: dict[fx.Node, fx.Node] = {}
+    reps: list[tuple[tuple, list[fx.Node]]] = []
+    for li in sorted(layers):
+        nodes = layers[li]
+        idx = {n: i for i, n in enumerate(nodes)}
+        sig = tuple(_signature(n, idx) for n in nodes)
+        for rsig, rnodes in reps:
+            if rsig == sig:
+                tie.update(zip(nodes, rnodes))
+                break
+        else:
+            reps.append((sig, nodes))
+    return tie
+
+
+def requires_grad(graph: fx.Graph, params: set[str]) -> set[fx.Node]:
+    rg = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name in params) or any(a in rg for a in n.all_input_nodes):
+            rg.add(n)
+    return rg
+
+
+def constants(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes computed from no placeholder: cheap, replicated, free to slice."""
+    const = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and all(a in const for a in n.all_input_nodes):
+            const.add(n)
+    return const
+
+
+def saved_bases(graph: fx.Graph, rg: set, params: set[str]) -> list[fx.Node]:
+    """Tensors kept for backward, as the nodes that own their storage (views resolved)."""
+    saved = set()
+    for n in graph.nodes:
+        if n.op != "call_function" or n not in rg:
+            continue
+        if n.target in SAVES_INPUTS:
+            saved.update(o for o in tensor_operands(n) if o.name not in params)
+        if n.target in SAVES_OUTPUT:
+            saved.add(n)
+    bases = {}
+    for t in saved:
+        while t.op == "call_function" and is_view_like(t) and tensor_operands(t):
+            t = tensor_operands(t)[0]
+        bases[t] = None
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(bases, key=order.__getitem__)
+
+
+@dataclass(eq=False)
+class Item:
+    """One unit of per-mesh work, shared by ``count`` nodes (tied copies)."""
+
+    kind: str                      # param | input | decision | follower | derived
+    node: fx.Node                  # the first node doing this work: its shapes and operands
+    group: int                     # the solver group it opens (param/input/decision) or joins
+    operands: tuple = ()           # per tensor operand: its Item, or None (constant, no group)
+    live: tuple = ()               # derived: indices of the live (non-constant) operands
+    count: int = 0
+
+
+@dataclass
+class GraphFacts:
+    params: set
+    rg: set
+    const: set
+    tie: dict
+    items: list[Item]              # in graph order; group-opening items in group order
+    node_item: dict                # node -> its Item (every placeholder/op in a group)
+    edge_uses: Counter             # (producer Item, decision Item, operand index) -> count
+    saved_uses: Counter            # Item owning a tensor kept for backward -> count
+    num_groups: int = 0
+    group_items: list = field(default_factory=list)  # group -> the Item that opened it
+
+    @classmethod
+    def of(cls, tg: TracedGraph) -> "GraphFacts":
+        graph = tg.graph
+        params = set(tg.param_fqns)
+        rg = requires_grad(graph, params)
+        f = cls(params, rg, constants(graph), tie_layers(graph), [], {}, Counter(), Counter())
+        f._items(graph)
+        for t in saved_bases(graph, rg, params):
+            it = f.node_item.get(t)
+            if it is not None and it.kind != "param" and isinstance(t.meta["val"], torch.Tensor):
+                f.saved_uses[it] += 1
+        return f
+
+    def _rep(self, node):
+        return self.tie.get(node, node)
+
+    def _items(self, graph):
+        memo: dict[tuple, Item] = {}
+
+        def use(key, make):
+            it = memo.get(key)
+            if it is None:
+                it = memo[key] = make()
+                self.items.append(it)
+                if it.kind in ("param", "input", "decision"):
+                    self.num_groups += 1
+                    self.group_items.append(it)
+            it.count += 1
+            return it
+
+        for node in graph.nodes:
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor) or node in self.const:
+                continue
+            if node.op == "placeholder":
+                kind = "param" if node.name in self.params else "input"
+                it = use((kind, self._rep(node)), lambda: Item(kind, node, self.num_groups))
+            elif node.op != "call_function":
+                continue
+            else:
+                ops = tensor_operands(node)
+                opi = tuple(self.node_item.get(o) if o not in self.const else None for o in ops)
+                if is_follower(node) and opi[0] is not None:
+                    src = opi[0]
+                    it = use(("follower", self._rep(node), src),
+                             lambda: Item("follower", node, src.group, opi))
+                elif (live := self._one_group(node, opi)) is not None:
+                    it = use(("derived", self._rep(node), tuple(opi[i] for i in live)),
+                             lambda: Item("derived", node, opi[live[0]].group, opi, live))
+                else:
+                    it = use(("decision", self._rep(node)),
+                             lambda: Item("decision", node, self.num_groups, opi))
+                    for i, src in enumerate(opi):
+                        if src is not None:
+                            self.edge_uses[(src, it, i)] += 1
+            self.node_item[node] = it
+
+    def _one_group(self, node, opi):
+        """Indices of the live (non-constant) operands, if they all belong to one group
+        (and the op is elementwise-like: its choices would be no real choice)."""
+        if node.target in _NOT_DERIVED or op_spec(node) is None:
+            return None
+        live = tuple(i for i, o in enumerate(tensor_operands(node)) if o not in self.const)
+        if not live or any(opi[i] is None for i in live) or len({opi[i].group for i in live}) != 1:
+            return None
+        return live
+
+
+__all__ = ["GraphFacts", "Item", "tie_layers", "layer_of", "requires_grad", "constants", "saved_bases"]
