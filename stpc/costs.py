@@ -85,48 +85,72 @@ def _work_split(s: Strategy, mesh) -> int:
 def node_time(node, s: Strategy, cm: CostModel, operand_grad: list[bool], is_param: list[bool]) -> float:
     """Modelled seconds of one node under strategy ``s``: forward, backward (dI) and
     gradient (dW) phases; temporal families include their overlapped ring transfers."""
-    mesh = cm.mesh_shape
-    val = node.meta["val"]
-    dt = dtype_name(val.dtype) if isinstance(val, torch.Tensor) else "fp32"
-    split = _work_split(s, mesh)
-    flops = node.meta.get("flops", 0) / split
-    moved = (node.meta.get("bytes_read", 0) + node.meta.get("bytes_written", 0)) / split
-    fwd = cm.compute(flops, moved, dt)
-    needs_bwd = any(operand_grad)
-    if node.target in _MATMUL:
-        bwd = fwd if (operand_grad and operand_grad[0]) else 0.0
-        grad = fwd if (len(operand_grad) > 1 and operand_grad[1]) else 0.0
-    else:
-        bwd = cm.compute(flops, 2 * moved, dt) if needs_bwd else 0.0
-        grad = 0.0
-    if s.kind in ("spatial", "replicate-fallback"):
-        return fwd + bwd + grad
-    a = s.axis
-    n = mesh[a]
-    x_val = node.args[0].meta["val"]
-    x_local = x_val.numel() * x_val.element_size() / shard_factor(s.ins[0], mesh)
-    out_local = val.numel() * val.element_size() / shard_factor(s.out, mesh)
-    if s.kind == "ag_ring":
-        # n steps; each moves one block of x (fwd, and again for dW) or of dI (bwd).
-        blk = x_local
-        step = cm.p2p(blk, a)
-        return n * (cm.ring_step(fwd / n, step) + cm.ring_step(bwd / n, step) + cm.ring_step(grad / n, step))
-    if s.kind == "rs_ring":
-        # fwd: accumulator blocks of the output travel; bwd+grad: one AG ring over dO blocks.
-        step = cm.p2p(out_local, a)
-        return n * (cm.ring_step(fwd / n, step) + cm.ring_step((bwd + grad) / n, step))
-    if s.kind == "p2x2":
-        g = math.isqrt(n)
-        w_val = node.args[1].meta["val"]
-        w_local = w_val.numel() * w_val.element_size() / shard_factor(s.ins[1], mesh)
-        # Per step both an activation block and a weight block move (fwd: I and W;
-        # bwd: dO and W; grad: I and dO), on different neighbours, in parallel.
-        step_f = cm.p2p(max(x_local, w_local), a)
-        step_b = cm.p2p(max(out_local, w_local), a)
-        step_g = cm.p2p(max(x_local, out_local), a)
-        return g * (cm.ring_step(fwd / g, step_f) + cm.ring_step(bwd / g, step_b)
-                    + cm.ring_step(grad / g, step_g))
-    raise ValueError(f"unknown strategy family {s.kind!r}")
+    return NodeTimer(node, cm, operand_grad)(s)
+
+
+class NodeTimer:
+    """``node_time`` for one node, over many strategies: the phase times depend on the
+    strategy only through how finely it splits the work, so they are computed once
+    per split (the planner asks for every strategy of every decision node)."""
+
+    def __init__(self, node, cm: CostModel, operand_grad: list[bool]):
+        self.node, self.cm, self.mesh = node, cm, cm.mesh_shape
+        val = node.meta["val"]
+        self.dt = dtype_name(val.dtype) if isinstance(val, torch.Tensor) else "fp32"
+        self.flops = node.meta.get("flops", 0)
+        self.moved = node.meta.get("bytes_read", 0) + node.meta.get("bytes_written", 0)
+        self.matmul = node.target in _MATMUL
+        self.grad_in = bool(operand_grad and operand_grad[0])
+        self.grad_w = len(operand_grad) > 1 and operand_grad[1]
+        self.needs_bwd = any(operand_grad)
+        self._phases: dict[int, tuple[float, float, float]] = {}
+        self.out_bytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+    def phases(self, split: int) -> tuple[float, float, float]:
+        got = self._phases.get(split)
+        if got is None:
+            flops, moved = self.flops / split, self.moved / split
+            fwd = self.cm.compute(flops, moved, self.dt)
+            if self.matmul:
+                bwd = fwd if self.grad_in else 0.0
+                grad = fwd if self.grad_w else 0.0
+            else:
+                bwd = self.cm.compute(flops, 2 * moved, self.dt) if self.needs_bwd else 0.0
+                grad = 0.0
+            got = self._phases[split] = (fwd, bwd, grad)
+        return got
+
+    def __call__(self, s: Strategy) -> float:
+        mesh, cm = self.mesh, self.cm
+        fwd, bwd, grad = self.phases(_work_split(s, mesh))
+        if s.kind in ("spatial", "replicate-fallback"):
+            return fwd + bwd + grad
+        node = self.node
+        a = s.axis
+        n = mesh[a]
+        x_val = node.args[0].meta["val"]
+        x_local = x_val.numel() * x_val.element_size() / shard_factor(s.ins[0], mesh)
+        out_local = self.out_bytes / shard_factor(s.out, mesh)
+        if s.kind == "ag_ring":
+            # n steps; each moves one block of x (fwd, and again for dW) or of dI (bwd).
+            step = cm.p2p(x_local, a)
+            return n * (cm.ring_step(fwd / n, step) + cm.ring_step(bwd / n, step) + cm.ring_step(grad / n, step))
+        if s.kind == "rs_ring":
+            # fwd: accumulator blocks of the output travel; bwd+grad: one AG ring over dO blocks.
+            step = cm.p2p(out_local, a)
+            return n * (cm.ring_step(fwd / n, step) + cm.ring_step((bwd + grad) / n, step))
+        if s.kind == "p2x2":
+            g = math.isqrt(n)
+            w_val = node.args[1].meta["val"]
+            w_local = w_val.numel() * w_val.element_size() / shard_factor(s.ins[1], mesh)
+            # Per step both an activation block and a weight block move (fwd: I and W;
+            # bwd: dO and W; grad: I and dO), on different neighbours, in parallel.
+            step_f = cm.p2p(max(x_local, w_local), a)
+            step_b = cm.p2p(max(out_local, w_local), a)
+            step_g = cm.p2p(max(x_local, out_local), a)
+            return g * (cm.ring_step(fwd / g, step_f) + cm.ring_step(bwd / g, step_b)
+                        + cm.ring_step(grad / g, step_g))
+        raise ValueError(f"unknown strategy family {s.kind!r}")
 
 
 def local_bytes(val, placement: tuple[str, ...], mesh) -> float:
@@ -136,13 +160,25 @@ def local_bytes(val, placement: tuple[str, ...], mesh) -> float:
 def transient_bytes(node, s: Strategy, mesh) -> float:
     """Working set while the node runs: its local inputs and output, plus the two
     in-flight ring buffers of a temporal family."""
-    ops = tensor_operands(node)
-    total = local_bytes(node.meta["val"], s.out, mesh) if isinstance(node.meta["val"], torch.Tensor) else 0
-    for o, p in zip(ops, s.ins):
-        total += local_bytes(o.meta["val"], p, mesh)
-    if s.kind != "spatial" and s.kind != "replicate-fallback":
-        total += 2 * local_bytes(ops[0].meta["val"], s.ins[0], mesh)
-    return total
+    return TransientSizer(node)(s, mesh)
 
 
-__all__ = ["reshard_cost", "node_time", "transient_bytes", "local_bytes", "axis_reshard"]
+class TransientSizer:
+    """``transient_bytes`` for one node over many strategies (sizes read once)."""
+
+    def __init__(self, node):
+        val = node.meta["val"]
+        self.out = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+        self.ins = [o.meta["val"].numel() * o.meta["val"].element_size() for o in tensor_operands(node)]
+
+    def __call__(self, s: Strategy, mesh) -> float:
+        total = self.out / shard_factor(s.out, mesh) if self.out else 0
+        for nb, p in zip(self.ins, s.ins):
+            total += nb / shard_factor(p, mesh)
+        if s.kind != "spatial" and s.kind != "replicate-fallback":
+            total += 2 * self.ins[0] / shard_factor(s.ins[0], mesh)
+        return total
+
+
+__all__ = ["reshard_cost", "node_time", "NodeTimer", "transient_bytes", "TransientSizer", "local_bytes",
+           "axis_reshard"]

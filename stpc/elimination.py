@@ -48,18 +48,15 @@ def eliminate(unary: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray],
     for vs in factors:
         for v in vs:
             touching[v].add(vs)
-    alive = set(range(n))
     eliminated: list[tuple[int, list[tuple[tuple[int, ...], np.ndarray]]]] = []
     total = 0
-    while alive:
-        x = min(alive, key=lambda v: _elimination_cost(v, touching, dom))
+    for x in elimination_order([vs for vs in factors if len(vs) > 1], dom):
         fs = [(vs, factors.pop(vs)) for vs in sorted(touching[x])]
         for vs, _ in fs:
             for v in vs:
                 if v != x:
                     touching[v].discard(vs)
         touching[x].clear()
-        alive.discard(x)
         eliminated.append((x, fs))
         others = tuple(sorted({v for vs, _ in fs for v in vs if v != x}))
         table = _min_out(x, fs, others, dom, max_table)
@@ -83,12 +80,50 @@ def _add_factor(factors, vs, table):
     factors[vs] = factors[vs] + table if vs in factors else table
 
 
-def _elimination_cost(x, touching, dom):
-    others = {v for vs in touching[x] for v in vs if v != x}
-    size = 1
-    for v in others:
-        size *= dom[v]
-    return (len(others), size, x)
+def elimination_order(scopes, dom) -> list[int]:
+    """An elimination order of small total work, worked out on the graph alone.
+
+    Two greedy rules are simulated and the cheaper kept (work of a step = the size of
+    the table it scans, the group's choices times its neighbours'): fewest neighbours
+    first, and least weighted fill (the neighbour pairs it newly joins, weighted by
+    their table size). The first suits chains; the second keeps small groups in the
+    three-neighbour steps that tied embeddings create (OPT's lm_head)."""
+    n = len(dom)
+    adj0 = [set() for _ in range(n)]
+    for vs in scopes:
+        for a in vs:
+            adj0[a].update(v for v in vs if v != a)
+
+    def prod(vals):
+        p = 1
+        for v in vals:
+            p *= v
+        return p
+
+    def fewest_neighbours(v, adj):
+        return (len(adj[v]), prod(dom[o] for o in adj[v]), v)
+
+    def least_fill(v, adj):
+        nb = sorted(adj[v])
+        fill = sum(dom[a] * dom[b] for i, a in enumerate(nb) for b in nb[i + 1:] if b not in adj[a])
+        return (fill, dom[v] * prod(dom[o] for o in nb), v)
+
+    best = None
+    for rule in (fewest_neighbours, least_fill):
+        adj = [set(a) for a in adj0]
+        alive, order, work = set(range(n)), [], 0
+        while alive:
+            x = min(alive, key=lambda v: rule(v, adj))
+            nb = adj[x]
+            work += dom[x] * prod(dom[o] for o in nb)
+            for a in nb:
+                adj[a] |= nb - {a}
+                adj[a].discard(x)
+            alive.discard(x)
+            order.append(x)
+        if best is None or work < best[0]:
+            best = (work, order)
+    return best[1]
 
 
 def _min_out(x, fs, others, dom, max_table):
@@ -111,36 +146,88 @@ def _min_out(x, fs, others, dom, max_table):
         return (u[:, None] + by_other[others[0]]).min(axis=0)
     if not wide and len(others) == 2:
         return _min_plus_two(u, by_other[others[0]], by_other[others[1]])
+    if len(others) == 3:  # (with two, scanning x's choices densely is cheaper)
+        fixed = _min_out_fixing(x, fs, others, dom)
+        if fixed is not None:
+            return fixed
     return _dense(x, fs, others, dom, max_table)
 
 
-def _min_plus_two(u, a, b):
-    """R[i, j] = min_x u[x] + a[x, i] + b[x, j], over classes of x's rows."""
-    ra, ca = _row_classes(a)   # ra: distinct rows of a; ca: each x's row
-    rb, cb = _row_classes(b)
-    g = np.full(len(ra) * len(rb), INF, dtype=np.int64)
-    np.minimum.at(g, ca * len(rb) + cb, u)              # cheapest x of each class pair
-    g = g.reshape(len(ra), len(rb))
-    if len(ra) > len(rb):  # loop over the smaller class count
-        return _min_plus_two_loop(g.T, rb, ra).T
-    return _min_plus_two_loop(g, ra, rb)
+def _min_out_fixing(x, fs, others, dom):
+    """Three neighbours: fix the one with the fewest choices, a; for each of its values
+    the rest is a two-neighbour step (``_min_plus_two``). Needs every factor on x to
+    hold at most one neighbour besides a; returns None otherwise."""
+    a = min(others, key=lambda v: (dom[v], v))
+    rest_vars = [v for v in others if v != a]
+    if any(len([v for v in vs if v not in (x, a)]) > 1 for vs, _ in fs):
+        return None
+    # parts that do not depend on a's value, and the factors that do
+    u0 = np.zeros(dom[x], dtype=np.int64)
+    m0 = {o: np.zeros((dom[x], dom[o]), dtype=np.int64) for o in rest_vars}
+    with_a = []
+    for vs, t in fs:
+        if a in vs:
+            with_a.append((vs, t))
+        elif len(vs) == 1:
+            u0 = u0 + t
+        else:
+            o = vs[0] if vs[1] == x else vs[1]
+            m0[o] = m0[o] + (t if vs[0] == x else t.T)
+    static = {o for o in rest_vars if not any(o in vs for vs, _ in with_a)}
+    classes = {o: _row_classes(m0[o]) for o in static}
+    out = np.empty([dom[a]] + [dom[o] for o in rest_vars], dtype=np.int64)
+    for val in range(dom[a]):
+        u, m = u0, dict(m0)
+        for vs, t in with_a:
+            t = np.take(t, val, axis=vs.index(a))
+            rest = tuple(v for v in vs if v != a)
+            if len(rest) == 1:
+                u = u + t
+            else:
+                o = rest[0] if rest[1] == x else rest[1]
+                m[o] = m[o] + (t if rest[0] == x else t.T)
+        b, c = rest_vars
+        out[val] = _min_plus_two(u, m[b], m[c], classes.get(b), classes.get(c))
+    # out's axes are (a, *rest); the factor's axes go in the sorted order of others
+    axes = [a] + rest_vars
+    return np.transpose(out, [axes.index(v) for v in others])
 
 
-def _min_plus_two_loop(g, ra, rb):
-    # h[p, j] = min_q g[p, q] + rb[q, j]; R[i, j] = min_p ra[p, i] + h[p, j].
+def _min_plus_two(u, a, b, a_classes=None, b_classes=None):
+    """R[i, j] = min_x u[x] + a[x, i] + b[x, j], over the classes of x's rows of a.
+
+    With p the class of x's row of a: h[p, j] = min over x in class p of u[x] + b[x, j]
+    (a segmented minimum), then R[i, j] = min_p a_p[i] + h[p, j], a (min, +) product
+    over the classes only; a and b swap roles when b has fewer distinct rows.
+    ``*_classes``: the rows' classes when the caller already has them."""
+    ra, ca = a_classes or _row_classes(a)
+    rb, cb = b_classes or _row_classes(b)
+    if len(rb) < len(ra):
+        return _min_plus_two_classes(u, rb, cb, a).T
+    return _min_plus_two_classes(u, ra, ca, b)
+
+
+def _min_plus_two_classes(u, ra, ca, b):
+    order = np.argsort(ca, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(ca[order]) != 0])
+    h = np.minimum.reduceat(u[order, None] + b[order], starts, axis=0)   # (P, J), class order
     # Neighbour choices with equal columns get equal rows (columns) of R: compute
     # R once per distinct column and expand.
-    h = (g[:, :, None] + rb[None, :, :]).min(axis=1)
-    ci, ii = _row_classes(ra.T)   # ci: distinct columns of ra, (I, P)
-    cj, jj = _row_classes(h.T)    # (J, P)
-    if ci.shape[0] * cj.shape[0] * ci.shape[1] <= 4_000_000:
-        small = (ci[:, None, :] + cj[None, :, :]).min(axis=2)
-    else:
-        small = None
-        for p in range(ci.shape[1]):
-            cand = ci[:, p][:, None] + cj[:, p][None, :]
-            small = cand if small is None else np.minimum(small, cand)
-    return small[ii][:, jj]
+    ci, ii = _row_classes(ra.T)   # (I', P): distinct columns of ra
+    cj, jj = _row_classes(h.T)    # (J', P)
+    return _min_plus(ci, cj.T)[ii][:, jj]
+
+
+def _min_plus(x, y):
+    """C[i, j] = min_k x[i, k] + y[k, j], one k at a time: the working set stays a
+    cache-sized I x J block instead of an I x K x J temporary."""
+    xt = np.ascontiguousarray(x.T)
+    out = xt[0][:, None] + y[0][None, :]
+    tmp = np.empty_like(out)
+    for k in range(1, len(xt)):
+        np.add(xt[k][:, None], y[k][None, :], out=tmp)
+        np.minimum(out, tmp, out=out)
+    return out
 
 
 def _row_classes(m):
@@ -162,19 +249,20 @@ def _dense(x, fs, others, dom, max_table):
         size *= dom[v]
     if size > max_table or size * dom[x] > 50 * max_table:
         raise TooWide(f"eliminating group {x} needs a table of {size} x {dom[x]} entries")
-    placed = []  # each factor as (axes of x, array broadcastable over others after slicing x)
-    for vs, t in fs:
-        shape = [dom[v] if v in vs else 1 for v in others]
-        ax = vs.index(x)
-        rest = [v for v in vs if v != x]
-        placed.append((ax, t, shape, rest))
-    out = None
+    shape = [dom[v] for v in others]
+    # each factor sliced at every choice of x, laid out to broadcast over others
+    placed = [(vs.index(x), t, [dom[v] if v in vs else 1 for v in others]) for vs, t in fs]
+    out = np.empty(shape, dtype=np.int64)
+    acc = np.empty(shape, dtype=np.int64)
     for i in range(dom[x]):
-        acc = np.zeros([1] * len(others), dtype=np.int64)
-        for ax, t, shape, rest in placed:
-            acc = acc + np.take(t, i, axis=ax).reshape(shape)  # vs and others both sorted
-        out = acc if out is None else np.minimum(out, acc)
-    return np.broadcast_to(out, [dom[v] for v in others]).copy()
+        acc.fill(0)
+        for ax, t, sh in placed:
+            acc += np.take(t, i, axis=ax).reshape(sh)  # vs and others both sorted: axes line up
+        if i == 0:
+            out[...] = acc
+        else:
+            np.minimum(out, acc, out=out)
+    return out
 
 
-__all__ = ["eliminate", "TooWide", "INF"]
+__all__ = ["eliminate", "elimination_order", "TooWide", "INF"]

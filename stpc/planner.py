@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from stpc.cost_models import CostModel, bytes_per_param
-from stpc.costs import axis_reshard, dtype_name, local_bytes, node_time, reshard_cost, transient_bytes
+from stpc.costs import NodeTimer, TransientSizer, axis_reshard, dtype_name, local_bytes, reshard_cost
 from stpc.placement import REPLICATE, shard_factor
 from stpc.plan import NodePlan, Plan
 from stpc.solver import Edge, Problem, Solution, solve
@@ -92,6 +92,7 @@ class Builder:
         self.fallback: Counter = Counter()
         self._edge_cache: dict = {}             # (producer, consumer, operand) -> per-axis edges
         self._derive_cache: dict = {}
+        self._classes: dict = {}                # (item, [operand,] axis) -> per-choice edge classes
         self.budget = None
 
     # ---------------------------------------------------------------- per item
@@ -140,9 +141,9 @@ class Builder:
         strategies = self._hinted(node, strategies)
         ops = tensor_operands(node)
         grads = [o in self.rg for o in ops]
-        is_param = [o.name in self.params for o in ops]
-        cost = [node_time(node, s, self.cm, grads, is_param) for s in strategies]
-        tr = [transient_bytes(node, s, self.mesh) for s in strategies]
+        timer, sizer = NodeTimer(node, self.cm, grads), TransientSizer(node)
+        cost = [timer(s) for s in strategies]
+        tr = [sizer(s, self.mesh) for s in strategies]
         self._open_group(it, strategies, cost, [0.0] * len(strategies), tr)
         self.place[it] = [s.out for s in strategies]
 
@@ -155,8 +156,7 @@ class Builder:
         followers: such a node never reshards on its own to please its consumers."""
         node, live = it.node, it.live
         ops = tensor_operands(node)
-        grads = [o in self.rg for o in ops]
-        is_param = [o.name in self.params for o in ops]
+        timer = NodeTimer(node, self.cm, [o in self.rg for o in ops])
         rep_p = tuple(REPLICATE for _ in self.mesh)
         strategies, extra = [], []
         cache = {}
@@ -171,7 +171,7 @@ class Builder:
                         cost += reshard_cost(self.cm, p, rep_p, v.numel() * v.element_size(),
                                              (False,) * len(self.mesh), ops[i] in self.rg)
                     s = Strategy(out=rep_p, ins=tuple(rep_p for _ in ops))
-                cache[key] = (s, cost + node_time(node, s, self.cm, grads, is_param))
+                cache[key] = (s, cost + timer(s))
             s, cost = cache[key]
             strategies.append(s)
             extra.append(cost)
@@ -234,23 +234,25 @@ class Builder:
     def _operand_edges(self, src: Item, dst: Item, i: int):
         # (Combining the per-axis edges into one transport edge was measured: its tighter
         # LP did not pay for its extra variables on any zoo model.)
-        strategies = self.groups[dst.group].strategies
-        return [e for e in (self._axis_edge(src, strategies, i, a) for a in range(len(self.mesh))) if e[2]]
+        return [e for e in (self._axis_edge(src, dst, i, a) for a in range(len(self.mesh))) if e[2]]
 
-    def _axis_edge(self, src: Item, strategies, i, a):
+    def _axis_edge(self, src: Item, dst: Item, i, a):
         # On axis a the cost sees only the producer's token there and how finely the
-        # other axes cut the tensor: producers agreeing on both share a class.
+        # other axes cut the tensor, and the consumer's token and work split there.
+        key = (src, a)
+        if key not in self._classes:
+            self._classes[key] = _classes((p[a], shard_factor(p, self.mesh, skip_axis=a)) for p in self.place[src])
+        ucls, ucls_keys = self._classes[key]
+        key = (dst, i, a)
+        if key not in self._classes:
+            self._classes[key] = _classes((s.ins[i][a], s.split_axes()[a]) for s in self.groups[dst.group].strategies)
+        vcls, vcls_keys = self._classes[key]
         val = src.node.meta["val"]
         nbytes = val.numel() * val.element_size()
-        ucls_map: dict = {}
-        ucls = tuple(ucls_map.setdefault((p[a], shard_factor(p, self.mesh, skip_axis=a)), len(ucls_map))
-                     for p in self.place[src])
-        vcls_map: dict = {}
-        vcls = tuple(vcls_map.setdefault((s.ins[i][a], s.split_axes()[a]), len(vcls_map)) for s in strategies)
         rg = src.node in self.rg
         table = {}
-        for (tok, sf), pc in ucls_map.items():
-            for (q, split), qc in vcls_map.items():
+        for pc, (tok, sf) in enumerate(ucls_keys):
+            for qc, (q, split) in enumerate(vcls_keys):
                 c = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg)
                 if c:
                     table[(pc, qc)] = c
@@ -358,6 +360,12 @@ class Builder:
 
 def _op_name(node) -> str:
     return str(getattr(node.target, "__name__", node.target))
+
+
+def _classes(keys) -> tuple[tuple[int, ...], list]:
+    """Number distinct keys in first-seen order: (class per item, key per class)."""
+    seen: dict = {}
+    return tuple(seen.setdefault(k, len(seen)) for k in keys), list(seen)
 
 
 def _merge_classes(ucls, vcls, table):

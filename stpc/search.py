@@ -12,6 +12,8 @@ discarded as soon as CP-SAT's bound proves it.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 
 from stpc.cost_models import CostModel, get_cluster
@@ -61,10 +63,30 @@ def _prod(xs):
     return p
 
 
+@contextlib.contextmanager
+def _no_gc():
+    """The search allocates many small short-lived objects next to a traced graph of
+    many long-lived ones: a cyclic-GC pass over that heap costs more than a whole
+    1-D shape (measured: 0.40 -> 0.22 s for llama2-7b on 8 devices). It creates no
+    cycles worth collecting, so collection waits until it returns."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | None = None,
            hints: str | Hints | None = None, temporal: bool = True, dtype: str = "fp32",
            optimizer_layout: str = "fp32-adam") -> Plan:
     """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple)."""
+    with _no_gc():
+        return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout)
+
+
+def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout) -> Plan:
     t0 = time.perf_counter()
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
     shape, n = parse_mesh(mesh)
