@@ -372,19 +372,13 @@ def _merge_classes(ucls, vcls, table):
     """Classes whose cost rows (columns) are identical are interchangeable for the solver:
     merge them so the edge has as few class pairs as its costs really distinguish."""
     P, Q = sorted(set(ucls)), sorted(set(vcls))
-    rows = {p: tuple(table.get((p, q), 0.0) for q in Q) for p in P}
-    rmap = {}
-    for p in P:
-        rmap[p] = next(p2 for p2 in P if rows[p2] == rows[p])
-    cols = {q: tuple(table.get((p, q), 0.0) for p in P) for q in Q}
-    cmap = {}
-    for q in Q:
-        cmap[q] = next(q2 for q2 in Q if cols[q2] == cols[q])
+    first: dict = {}
+    rmap = {p: first.setdefault(tuple(table.get((p, q), 0.0) for q in Q), p) for p in P}
+    first = {}
+    cmap = {q: first.setdefault(tuple(table.get((p, q), 0.0) for p in P), q) for q in Q}
     pr = {p: i for i, p in enumerate(sorted(set(rmap.values())))}
     qr = {q: i for i, q in enumerate(sorted(set(cmap.values())))}
-    new_table = {}
-    for (p, q), c in table.items():
-        new_table[(pr[rmap[p]], qr[cmap[q]])] = c
+    new_table = {(pr[rmap[p]], qr[cmap[q]]): c for (p, q), c in table.items()}
     return (tuple(pr[rmap[p]] for p in ucls), tuple(qr[cmap[q]] for q in vcls), new_table)
 
 

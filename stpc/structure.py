@@ -152,6 +152,7 @@ class GraphFacts:
 
     def _items(self, graph):
         memo: dict[tuple, Item] = {}
+        self._has_spec: dict = {}
 
         def use(key, make):
             it = memo.get(key)
@@ -194,7 +195,12 @@ class GraphFacts:
     def _one_group(self, node, opi):
         """Indices of the live (non-constant) operands, if they all belong to one group
         (and the op is elementwise-like: its choices would be no real choice)."""
-        if node.target in _NOT_DERIVED or op_spec(node) is None:
+        if node.target in _NOT_DERIVED:
+            return None
+        rep = self._rep(node)  # tied copies have the same shapes: ask op_spec once
+        if rep not in self._has_spec:
+            self._has_spec[rep] = op_spec(rep) is not None
+        if not self._has_spec[rep]:
             return None
         live = tuple(i for i, o in enumerate(tensor_operands(node)) if o not in self.const)
         if not live or any(opi[i] is None for i in live) or len({opi[i].group for i in live}) != 1:
