@@ -10,21 +10,20 @@ of a CP-SAT search.
 Eliminating group x with neighbours a and b:
     R[a, b] = min_x U[x] + A[x, a] + B[x, b]
 Many choices of x look alike to a neighbour (a per-axis edge only sees the
-token on its axis), so x's choices are first grouped by their row of A and of
-B; only the cheapest choice of each (row of A, row of B) pair can be the
-minimum, and R becomes two (min, +) products over those classes.
+token on its axis), so x's choices are grouped by their row of A: a segmented
+minimum of U + B over each group, then one (min, +) product over the groups,
+only for the distinct columns on each side.
 
-Everything is int64 (nanoseconds, or the lexicographic key of
-:func:`lexicographic`): exact, and ties resolve to the lowest choice index, so
-the result is the same in every process. A group left with three or more
-neighbours is eliminated densely while its table stays under ``max_table``
-entries; beyond that :class:`TooWide` tells the caller to use CP-SAT instead.
+Everything is int64 (nanoseconds, or the solver's lexicographic cost-then-memory
+key): exact, and ties resolve to the lowest choice index, so the result is the
+same in every process. A group left with three neighbours fixes the smallest one
+and does two-neighbour steps; wider steps scan x's choices densely while the
+table stays under ``max_table`` entries; beyond that :class:`TooWide` tells the
+caller to use CP-SAT instead.
 """
 from __future__ import annotations
 
 import numpy as np
-
-INF = np.int64(1 << 61)  # "no choice of x has this class pair"; finite sums stay far below
 
 
 class TooWide(Exception):
@@ -265,4 +264,4 @@ def _dense(x, fs, others, dom, max_table):
     return out
 
 
-__all__ = ["eliminate", "elimination_order", "TooWide", "INF"]
+__all__ = ["eliminate", "elimination_order", "TooWide"]
