@@ -265,7 +265,9 @@ class Builder:
             self.groups[it.group].mem += count * np.array([local_bytes(val, p, self.mesh) for p in self.place[it]])
 
     # ---------------------------------------------------------------- build
-    def build(self, budget: float | None) -> Problem:
+    def build(self, budget: float | None, edges: bool = True) -> Problem:
+        """The solver problem; with ``edges=False`` only its groups (enough for
+        ``solver.min_memory``: memory has no pairwise terms). ``add_edges`` completes it."""
         self.budget = budget
         for it in self.facts.items:
             if it.kind in ("param", "input"):
@@ -280,7 +282,11 @@ class Builder:
         return Problem(cost=[np.rint(g.cost * NS).astype(np.int64).tolist() for g in self.groups],
                        mem=[np.rint(g.mem).astype(np.int64).tolist() for g in self.groups],
                        transient=[[int(round(t)) for t in g.transient] for g in self.groups],
-                       edges=self._solver_edges(), budget=None if budget is None else int(budget))
+                       edges=self._solver_edges() if edges else [], budget=None if budget is None else int(budget))
+
+    def add_edges(self, problem: Problem) -> Problem:
+        problem.edges = self._solver_edges()
+        return problem
 
     # ---------------------------------------------------------------- read back
     def to_plan(self, choice: list[int], sol, problem: Problem, meta: dict) -> Plan:
@@ -383,10 +389,11 @@ def _merge_classes(ucls, vcls, table):
 
 
 def build_problem(tg: TracedGraph, cm: CostModel, budget: float | None = None, hints: Hints | None = None,
-                  optimizer_layout: str = "fp32-adam", facts: GraphFacts | None = None) -> tuple[Builder, Problem]:
+                  optimizer_layout: str = "fp32-adam", facts: GraphFacts | None = None,
+                  edges: bool = True) -> tuple[Builder, Problem]:
     """The solver problem of one traced graph on one mesh shape (``cm.mesh_shape``)."""
     b = Builder(tg, cm, hints, optimizer_layout, facts)
-    return b, b.build(budget)
+    return b, b.build(budget, edges)
 
 
 def make_plan(b: Builder, problem: Problem, sol: Solution, build_time_s: float, dtype: str = "fp32") -> Plan:

@@ -6,20 +6,27 @@ each ordered largest-first so the smallest axes are innermost and stay inside
 a node (a permutation of the same factors only moves which groups cross node
 boundaries; pass an explicit shape such as ``4x8`` to choose it yourself).
 Each shape is solved exactly; the lowest modelled step time wins (ties: the
-fewer axes, then the earlier shape). Each shape after the first is solved with
-an objective cap just below the best so far, so a shape that cannot win is
-discarded as soon as CP-SAT's bound proves it.
+fewer axes, then the earlier shape).
+
+Two phases. First every shape's problem is built, its smallest feasible memory
+checked against the budget, and its objective minimised without the memory rows
+(variable elimination: milliseconds). That optimum is a lower bound of the
+shape's budgeted optimum. Then shapes are visited cheapest bound first: a shape
+whose memory-blind optimum fits the budget is solved; one where the budget binds
+goes to CP-SAT, capped by the best plan so far; and once a bound cannot beat the
+best plan, no later shape can, and the rest are discarded unsolved.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
+from dataclasses import dataclass
 
 from stpc.cost_models import CostModel, get_cluster
 from stpc.hints import preset
-from stpc.plan import Plan
 from stpc.elimination import TooWide
+from stpc.plan import Plan
 from stpc.planner import NS, HintUnsatisfiable, Hints, build_problem, make_plan
 from stpc.solver import InfeasibleBudget, NoBetterPlan, Solution, min_memory, solve, solve_unconstrained
 from stpc.structure import GraphFacts
@@ -86,6 +93,24 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
         return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout)
 
 
+@dataclass
+class _Shape:
+    """One mesh shape after the first phase: its problem and memory-blind optimum."""
+
+    index: int
+    mesh: tuple
+    builder: object
+    problem: object
+    choice: list | None      # elimination's optimum (None: too wide to eliminate)
+    bound: int               # its objective, ns: a lower bound under the budget
+    peak: int | None
+    build_s: float
+    bound_s: float
+
+    def fits(self) -> bool:
+        return self.choice is not None and (self.problem.budget is None or self.peak <= self.problem.budget)
+
+
 def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout) -> Plan:
     t0 = time.perf_counter()
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
@@ -94,59 +119,56 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     if hints == "megatron" and shape is None:
         shapes = [s for s in shapes if len(s) <= 2]  # Megatron's DP x TP
     facts = GraphFacts.of(tg)
-    tried, infeasible, bounded = [], [], []
+    tried, infeasible, candidates = [], [], []
     for idx, s in enumerate(shapes):
         h = preset(hints, s) if isinstance(hints, str) else (hints or Hints())
         if not temporal:
             h.temporal = False
         t_shape = time.perf_counter()
-        try:
-            b, problem = build_problem(tg, CostModel(cl, s), budget_bytes, h, optimizer_layout, facts)
+        try:  # groups first: a budget no assignment fits is known before any edge is costed
+            b, problem = build_problem(tg, CostModel(cl, s), budget_bytes, h, optimizer_layout, facts, edges=False)
         except HintUnsatisfiable as e:  # e.g. a forced family this shape cannot run
             tried.append({"mesh": list(s), "modelled_step_time_s": None, "skipped": str(e), "solve_time_s": 0.0})
             continue
-        t_built = time.perf_counter()
         if budget_bytes is not None and (need := min_memory(problem)) > problem.budget:
             infeasible.append(need)
             tried.append({"mesh": list(s), "modelled_step_time_s": None, "infeasible": True,
-                          "min_budget_bytes": need, "solve_time_s": time.perf_counter() - t_built})
+                          "min_budget_bytes": need, "solve_time_s": time.perf_counter() - t_shape})
             continue
+        b.add_edges(problem)
+        t_built = time.perf_counter()
         try:
             choice = solve_unconstrained(problem)
             bound, peak = problem.evaluate(choice)
         except TooWide:
             choice, bound, peak = None, 0, None
-        bounded.append((bound, idx, s, b, problem, choice, peak, t_built - t_shape,
-                        time.perf_counter() - t_built))
-    # Visit shapes cheapest bound first: the memory-blind optimum of a shape bounds its
-    # budgeted optimum from below, so once a shape's bound cannot beat the best plan
-    # (ties: the earlier shape wins), no later one can.
-    bounded.sort(key=lambda r: (r[0], r[1]))
-    best = None  # (objective ns, shape index, plan)
-    for bound, idx, s, b, problem, choice, peak, t_build, t_bound in bounded:
-        entry = {"mesh": list(s), "lower_bound_s": bound / NS, "build_time_s": t_build}
-        if best is not None and (bound, idx) >= best[:2]:
-            tried.append({**entry, "modelled_step_time_s": None, "pruned": True, "solve_time_s": t_bound})
+        candidates.append(_Shape(idx, s, b, problem, choice, bound, peak, t_built - t_shape,
+                                 time.perf_counter() - t_built))
+    best = None  # (objective ns, shape index, plan): lexicographically smallest wins
+    for c in sorted(candidates, key=lambda c: (c.bound, c.index)):
+        entry = {"mesh": list(c.mesh), "lower_bound_s": c.bound / NS, "build_time_s": c.build_s}
+        if best is not None and (c.bound, c.index) >= best[:2]:
+            tried.append({**entry, "modelled_step_time_s": None, "pruned": True, "solve_time_s": c.bound_s})
             continue
         t_solve = time.perf_counter()
-        if choice is not None and (problem.budget is None or peak <= problem.budget):
-            sol = Solution(choice, bound, peak, "OPTIMAL", t_bound, sum(len(c) for c in problem.cost if len(c) > 1),
-                           0, "elimination")
+        if c.fits():
+            n_vars = sum(len(k) for k in c.problem.cost if len(k) > 1)
+            sol = Solution(c.choice, c.bound, c.peak, "OPTIMAL", c.bound_s, n_vars, 0, "elimination")
         else:  # the budget binds on this shape: CP-SAT, capped by the best so far
             if best is not None:
-                problem.cap = best[0] - (0 if idx < best[1] else 1)
+                c.problem.cap = best[0] - (0 if c.index < best[1] else 1)
             try:
-                sol = solve(problem, method="cpsat")
+                sol = solve(c.problem, method="cpsat")
             except NoBetterPlan:
                 tried.append({**entry, "modelled_step_time_s": None, "pruned": True,
-                              "solve_time_s": t_bound + time.perf_counter() - t_solve})
+                              "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
                 continue
-            sol.solve_time_s += t_bound
-        plan = make_plan(b, problem, sol, t_build, dtype)
+            sol.solve_time_s += c.bound_s
+        plan = make_plan(c.builder, c.problem, sol, c.build_s, dtype)
         tried.append({**entry, "modelled_step_time_s": plan.modelled_step_time_s, "pruned": False,
                       "peak_memory_bytes": plan.peak_memory_bytes, "solve_time_s": sol.solve_time_s,
                       "method": sol.method})
-        best = (sol.objective_ns, idx, plan)
+        best = (sol.objective_ns, c.index, plan)
     if best is None and infeasible:
         raise InfeasibleBudget(int(budget_bytes), min(infeasible))
     if best is None:

@@ -238,14 +238,14 @@ def is_view_like(node: fx.Node) -> bool:
     return node.target in _VIEWS and node.target is not aten.repeat_interleave.self_int
 
 
-def is_follower(node: fx.Node) -> bool:
-    """One tensor operand and a placement that follows from it: views and unary ops."""
+def is_follower(node: fx.Node, operands: list | None = None) -> bool:
+    """One tensor operand and a placement that follows from it: views and unary ops.
+    ``operands``: the node's ``tensor_operands`` when the caller has them."""
     if node.op != "call_function":
         return False
-    ops = tensor_operands(node)
-    if len(ops) != 1:
+    if not (node.target in _VIEWS or node.target in _UNARY or node.target in _SCALAR_LINEAR):
         return False
-    return node.target in _VIEWS or node.target in _UNARY or node.target in _SCALAR_LINEAR
+    return len(tensor_operands(node) if operands is None else operands) == 1
 
 
 # --------------------------------------------------------------------- enumeration

@@ -46,7 +46,7 @@ def _signature(node, local_index):
     shp = tuple(val.shape) if isinstance(val, torch.Tensor) else None
     args = tuple(local_index.get(a, "ext") for a in node.all_input_nodes)
     consts = tuple(a for a in node.args if not isinstance(a, (fx.Node, list, tuple)))
-    target = str(node.target) if node.op == "call_function" else ""
+    target = node.target if node.op == "call_function" else ""  # op overloads compare by identity
     return (node.op, target, shp, args, consts)
 
 
@@ -153,6 +153,7 @@ class GraphFacts:
     def _items(self, graph):
         memo: dict[tuple, Item] = {}
         self._has_spec: dict = {}
+        self._operands = {n: tensor_operands(n) for n in graph.nodes if n.op == "call_function"}
 
         def use(key, make):
             it = memo.get(key)
@@ -175,9 +176,9 @@ class GraphFacts:
             elif node.op != "call_function":
                 continue
             else:
-                ops = tensor_operands(node)
+                ops = self._operands[node]
                 opi = tuple(self.node_item.get(o) if o not in self.const else None for o in ops)
-                if is_follower(node) and opi[0] is not None:
+                if is_follower(node, ops) and opi[0] is not None:
                     src = opi[0]
                     it = use(("follower", self._rep(node), src),
                              lambda: Item("follower", node, src.group, opi))
@@ -202,7 +203,7 @@ class GraphFacts:
             self._has_spec[rep] = op_spec(rep) is not None
         if not self._has_spec[rep]:
             return None
-        live = tuple(i for i, o in enumerate(tensor_operands(node)) if o not in self.const)
+        live = tuple(i for i, o in enumerate(self._operands[node]) if o not in self.const)
         if not live or any(opi[i] is None for i in live) or len({opi[i].group for i in live}) != 1:
             return None
         return live
