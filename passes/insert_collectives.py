@@ -360,7 +360,7 @@ class _Lowering:
         t = node.target
         if PARTIAL not in out:
             return
-        if t is aten.mean.dim or (t is aten.cross_entropy_loss.default and
+        if t in (aten.mean.dim, aten.mean.default) or (t is aten.cross_entropy_loss.default and
                                   (node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)) == 1):
             n = math.prod(m for m, tok in zip(self.mesh, out) if tok == PARTIAL)
             with self.graph.inserting_after(node):

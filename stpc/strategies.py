@@ -195,7 +195,7 @@ def op_spec(node: fx.Node) -> OpSpec | None:
         # Row-split: each rank's mean over its rows; the pass rescales (mean of means).
         return OpSpec(ins=[rows + ("v",), rows][: len(ops)], out=(), contract=frozenset(rows),
                       fixed=frozenset({"v"}))
-    if t in (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default):
+    if t in (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.mean.default, aten.sum.default):
         x = _labels("d", len(_shape(ops[0])))
         dims = [d % len(x) for d in (node.args[1] if len(node.args) > 1 else range(len(x)))]
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
@@ -225,7 +225,18 @@ def op_spec(node: fx.Node) -> OpSpec | None:
         spec.partial = "all" if (t in _UNARY_LINEAR or t in _SCALAR_LINEAR) else ""
         spec.grid = True
         return spec
+    if _is_pointwise(t) and ops:
+        # Any other elementwise aten op (clamp, softplus, erf, lerp, addcmul, ...): every
+        # dim splits, broadcasting as numpy does; no Partial (it need not be linear).
+        return _broadcast_spec(ops, out_shape)
     return None
+
+
+def _is_pointwise(t) -> bool:
+    """aten's own tag for elementwise ops; seeded-random ones (dropout, bernoulli) are
+    left out: each rank would draw different numbers than one device does."""
+    tags = getattr(t, "tags", ())
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
 
 
 def is_constant_op(node: fx.Node) -> bool:
