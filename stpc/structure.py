@@ -123,6 +123,9 @@ class Item:
 
 @dataclass
 class GraphFacts:
+    """The mesh-independent analysis of one traced graph (see the module docstring);
+    ``GraphFacts.of(tg)`` computes it, every mesh shape's ``planner.Builder`` reads it."""
+
     params: set
     rg: set
     const: set
