@@ -256,3 +256,21 @@ def test_search_equals_cpsat_on_every_shape(name, budget_frac):
     if budget is not None:
         assert got.peak_memory_bytes <= budget
         assert recompute_peak(tg, got) <= budget
+
+
+def test_search_falls_back_to_cpsat_when_too_wide(monkeypatch):
+    """A graph too wide to eliminate is solved by CP-SAT on every shape, same optimum."""
+    import stpc.search as S
+    from stpc.elimination import TooWide
+
+    tg = _meta_trace("gpt-tiny", batch=16, seq=64)
+    want = S.search(tg, 4, "primepar-v100")
+
+    def too_wide(problem):
+        raise TooWide("forced by the test")
+
+    monkeypatch.setattr(S, "solve_unconstrained", too_wide)
+    got = S.search(tg, 4, "primepar-v100")
+    assert round(got.modelled_step_time_s * 1e9) == round(want.modelled_step_time_s * 1e9)
+    methods = {t.get("method") for t in got.stats["mesh_shapes_tried"] if not t.get("pruned")}
+    assert methods == {"cpsat"}
