@@ -145,6 +145,11 @@ def _min_out(x, fs, others, dom, max_table):
         return (u[:, None] + by_other[others[0]]).min(axis=0)
     if not wide and len(others) == 2:
         return _min_plus_two(u, by_other[others[0]], by_other[others[1]])
+    size = 1
+    for v in others:
+        size *= dom[v]
+    if size > max_table:
+        raise TooWide(f"eliminating group {x} needs a table of {size} entries")
     if len(others) == 3:  # (with two, scanning x's choices densely is cheaper)
         fixed = _min_out_fixing(x, fs, others, dom)
         if fixed is not None:
@@ -246,8 +251,8 @@ def _dense(x, fs, others, dom, max_table):
     size = 1
     for v in others:
         size *= dom[v]
-    if size > max_table or size * dom[x] > 50 * max_table:
-        raise TooWide(f"eliminating group {x} needs a table of {size} x {dom[x]} entries")
+    if size * dom[x] > 50 * max_table:
+        raise TooWide(f"eliminating group {x} needs {size} x {dom[x]} steps")
     shape = [dom[v] for v in others]
     # each factor sliced at every choice of x, laid out to broadcast over others
     placed = [(vs.index(x), t, [dom[v] if v in vs else 1 for v in others]) for vs, t in fs]
