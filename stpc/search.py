@@ -27,8 +27,9 @@ from stpc.cost_models import CostModel, get_cluster
 from stpc.hints import preset
 from stpc.elimination import TooWide
 from stpc.plan import Plan
-from stpc.planner import NS, HintUnsatisfiable, Hints, build_problem, make_plan
-from stpc.solver import InfeasibleBudget, NoBetterPlan, Solution, min_memory, solve, solve_unconstrained
+from stpc.planner import NS, Builder, HintUnsatisfiable, Hints, build_problem, make_plan
+from stpc.solver import (InfeasibleBudget, NoBetterPlan, Problem, Solution, min_memory, solve,
+                         solve_unconstrained)
 from stpc.structure import GraphFacts
 from stpc.trace import TracedGraph
 
@@ -99,8 +100,8 @@ class _Shape:
 
     index: int
     mesh: tuple
-    builder: object
-    problem: object
+    builder: Builder
+    problem: Problem
     choice: list | None      # elimination's optimum (None: too wide to eliminate)
     bound: int               # its objective, ns: a lower bound under the budget
     peak: int | None
