@@ -19,9 +19,9 @@ best plan, no later shape can, and the rest are discarded unsolved.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
-from dataclasses import dataclass
 
 from stpc.cost_models import CostModel, get_cluster
 from stpc.hints import preset
@@ -94,7 +94,7 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
         return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout)
 
 
-@dataclass
+@dataclasses.dataclass
 class _Shape:
     """One mesh shape after the first phase: its problem and memory-blind optimum."""
 
@@ -124,7 +124,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     for idx, s in enumerate(shapes):
         h = preset(hints, s) if isinstance(hints, str) else (hints or Hints())
         if not temporal:
-            h.temporal = False
+            h = dataclasses.replace(h, temporal=False)  # (the caller's Hints stay as they were)
         t_shape = time.perf_counter()
         try:  # groups first: a budget no assignment fits is known before any edge is costed
             b, problem = build_problem(tg, CostModel(cl, s), budget_bytes, h, optimizer_layout, facts, edges=False)
