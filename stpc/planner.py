@@ -92,7 +92,7 @@ class Builder:
         self.fallback: Counter = Counter()
         self._edge_cache: dict = {}             # (producer, consumer, operand) -> per-axis edges
         self._derive_cache: dict = {}
-        self._classes: dict = {}                # (item, [operand,] axis) -> per-choice edge classes
+        self._shared: dict = {}                 # results shared by items of one signature
         self.budget = None
 
     # ---------------------------------------------------------------- per item
@@ -133,19 +133,35 @@ class Builder:
         self._open_group(it, choices, [0.0] * len(choices), mem, [0.0] * len(choices))
         self.place[it] = choices
 
+    def _shared_result(self, key, compute):
+        """Items with one signature (and the same operand placement lists) get the same
+        strategies and costs: compute once per mesh shape, share the objects."""
+        got = self._shared.get(key)
+        if got is None:
+            got = self._shared[key] = compute()
+        return got
+
     def _decision(self, it: Item):
         node = it.node
-        strategies, fb = enumerate_strategies(node, self.mesh, temporal=self.hints.temporal)
+
+        def compute():
+            strategies, fb = enumerate_strategies(node, self.mesh, temporal=self.hints.temporal)
+            grads = [o in self.rg for o in tensor_operands(node)]
+            timer, sizer = NodeTimer(node, self.cm, grads), TransientSizer(node)
+            return (strategies, fb, [timer(s) for s in strategies], [sizer(s, self.mesh) for s in strategies],
+                    [s.out for s in strategies])
+
+        strategies, fb, cost, tr, place = self._shared_result(("decision", it.signature), compute)
         if fb:
             self.fallback[str(node.target)] += 1
-        strategies = self._hinted(node, strategies)
-        ops = tensor_operands(node)
-        grads = [o in self.rg for o in ops]
-        timer, sizer = NodeTimer(node, self.cm, grads), TransientSizer(node)
-        cost = [timer(s) for s in strategies]
-        tr = [sizer(s, self.mesh) for s in strategies]
+        kept = self._hinted(node, strategies)
+        if kept is not strategies:  # a hint narrowed this node: its own lists
+            keep = set(kept)
+            idx = [i for i, s in enumerate(strategies) if s in keep]
+            strategies, cost, tr = kept, [cost[i] for i in idx], [tr[i] for i in idx]
+            place = [s.out for s in strategies]
         self._open_group(it, strategies, cost, [0.0] * len(strategies), tr)
-        self.place[it] = [s.out for s in strategies]
+        self.place[it] = place
 
     def _derived(self, it: Item):
         """A node whose live (non-constant) operands all come from one group — elementwise
@@ -155,59 +171,67 @@ class Builder:
         are, they are gathered to Replicate first. A modelling restriction, like
         followers: such a node never reshards on its own to please its consumers."""
         node, live = it.node, it.live
-        ops = tensor_operands(node)
-        timer = NodeTimer(node, self.cm, [o in self.rg for o in ops])
-        rep_p = tuple(REPLICATE for _ in self.mesh)
-        strategies, extra = [], []
-        cache = {}
-        for c in range(len(self.groups[it.group].cost)):
-            key = tuple(self.place[it.operands[i]][c] for i in live)
-            if key not in cache:
-                s = derive(node, dict(zip(live, key)), self.mesh, self._derive_cache)
-                cost = 0.0
-                if s is None:
-                    for i, p in zip(live, key):
-                        v = ops[i].meta["val"]
-                        cost += reshard_cost(self.cm, p, rep_p, v.numel() * v.element_size(),
-                                             (False,) * len(self.mesh), ops[i] in self.rg)
-                    s = Strategy(out=rep_p, ins=tuple(rep_p for _ in ops))
-                cache[key] = (s, cost + timer(s))
-            s, cost = cache[key]
-            strategies.append(s)
-            extra.append(cost)
-        self.place[it] = [s.out for s in strategies]
-        self.derived[it] = strategies
+        sources = [self.place[it.operands[i]] for i in live]
+
+        def compute():
+            ops = tensor_operands(node)
+            timer = NodeTimer(node, self.cm, [o in self.rg for o in ops])
+            rep_p = tuple(REPLICATE for _ in self.mesh)
+            strategies, extra = [], []
+            cache = {}
+            for key in zip(*sources):  # the live operands' placements under each group choice
+                if key not in cache:
+                    s = derive(node, dict(zip(live, key)), self.mesh, self._derive_cache)
+                    cost = 0.0
+                    if s is None:
+                        for i, p in zip(live, key):
+                            v = ops[i].meta["val"]
+                            cost += reshard_cost(self.cm, p, rep_p, v.numel() * v.element_size(),
+                                                 (False,) * len(self.mesh), ops[i] in self.rg)
+                        s = Strategy(out=rep_p, ins=tuple(rep_p for _ in ops))
+                    cache[key] = (s, cost + timer(s))
+                s, cost = cache[key]
+                strategies.append(s)
+                extra.append(cost)
+            return [s.out for s in strategies], strategies, np.array(extra)
+
+        key = ("derived", it.signature, live, tuple(id(p) for p in sources))
+        self.place[it], self.derived[it], extra = self._shared_result(key, compute)
         self._add_extra(it, extra)
 
     def _follower(self, it: Item):
         node = it.node
-        src = it.operands[0]
-        val, sval = node.meta["val"], src.node.meta["val"]
-        rg = node in self.rg
-        dt = dtype_name(val.dtype)
-        view = is_view_like(node)
-        rep_p = tuple(REPLICATE for _ in self.mesh)
-        outs, extra = [], []
-        rule = follow_rule(node)
-        for p in self.place[src]:
-            q = rule(p, self.mesh)
-            cost = 0.0
-            if q is None:  # cannot keep the layout through this op: gather to Replicate first
-                cost += reshard_cost(self.cm, p, rep_p, sval.numel() * sval.element_size(),
-                                     (False,) * len(self.mesh), rg)
-                q = rep_p
-            if not view:
-                split = shard_factor(q, self.mesh)
-                moved = (node.meta["bytes_read"] + node.meta["bytes_written"]) / split
-                cost += self.cm.compute(node.meta["flops"] / split, moved * (3 if rg else 1), dt)
-            outs.append(q)
-            extra.append(cost)
-        self.place[it] = outs
+        source = self.place[it.operands[0]]
+
+        def compute():
+            val, sval = node.meta["val"], it.operands[0].node.meta["val"]
+            rg = node in self.rg
+            dt = dtype_name(val.dtype)
+            view = is_view_like(node)
+            rep_p = tuple(REPLICATE for _ in self.mesh)
+            outs, extra = [], []
+            rule = follow_rule(node)
+            for p in source:
+                q = rule(p, self.mesh)
+                cost = 0.0
+                if q is None:  # cannot keep the layout through this op: gather to Replicate first
+                    cost += reshard_cost(self.cm, p, rep_p, sval.numel() * sval.element_size(),
+                                         (False,) * len(self.mesh), rg)
+                    q = rep_p
+                if not view:
+                    split = shard_factor(q, self.mesh)
+                    moved = (node.meta["bytes_read"] + node.meta["bytes_written"]) / split
+                    cost += self.cm.compute(node.meta["flops"] / split, moved * (3 if rg else 1), dt)
+                outs.append(q)
+                extra.append(cost)
+            return outs, np.array(extra)
+
+        self.place[it], extra = self._shared_result(("follower", it.signature, id(source)), compute)
         self._add_extra(it, extra)
 
-    def _add_extra(self, it: Item, extra):
-        self.extra[it] = np.array(extra)
-        self.groups[it.group].cost += self.extra[it] * it.count
+    def _add_extra(self, it: Item, extra: np.ndarray):
+        self.extra[it] = extra
+        self.groups[it.group].cost += extra * it.count
 
     # ---------------------------------------------------------------- edges
     def _solver_edges(self) -> list[Edge]:
@@ -234,22 +258,20 @@ class Builder:
     def _operand_edges(self, src: Item, dst: Item, i: int):
         # (Combining the per-axis edges into one transport edge was measured: its tighter
         # LP did not pay for its extra variables on any zoo model.)
-        return [e for e in (self._axis_edge(src, dst, i, a) for a in range(len(self.mesh))) if e[2]]
+        place, strategies = self.place[src], self.groups[dst.group].strategies
+        val = src.node.meta["val"]
+        nbytes, rg = val.numel() * val.element_size(), src.node in self.rg
+        key = ("edges", id(place), nbytes, rg, id(strategies), i)
+        return self._shared_result(key, lambda: [
+            e for e in (self._axis_edge(place, nbytes, rg, strategies, i, a) for a in range(len(self.mesh))) if e[2]])
 
-    def _axis_edge(self, src: Item, dst: Item, i, a):
+    def _axis_edge(self, place, nbytes, rg, strategies, i, a):
         # On axis a the cost sees only the producer's token there and how finely the
         # other axes cut the tensor, and the consumer's token and work split there.
-        key = (src, a)
-        if key not in self._classes:
-            self._classes[key] = _classes((p[a], shard_factor(p, self.mesh, skip_axis=a)) for p in self.place[src])
-        ucls, ucls_keys = self._classes[key]
-        key = (dst, i, a)
-        if key not in self._classes:
-            self._classes[key] = _classes((s.ins[i][a], s.split_axes()[a]) for s in self.groups[dst.group].strategies)
-        vcls, vcls_keys = self._classes[key]
-        val = src.node.meta["val"]
-        nbytes = val.numel() * val.element_size()
-        rg = src.node in self.rg
+        ucls, ucls_keys = self._shared_result(("ucls", id(place), a), lambda: _classes(
+            (p[a], shard_factor(p, self.mesh, skip_axis=a)) for p in place))
+        vcls, vcls_keys = self._shared_result(("vcls", id(strategies), i, a), lambda: _classes(
+            (s.ins[i][a], s.split_axes()[a]) for s in strategies))
         table = {}
         for pc, (tok, sf) in enumerate(ucls_keys):
             for qc, (q, split) in enumerate(vcls_keys):

@@ -109,6 +109,23 @@ def saved_bases(graph: fx.Graph, rg: set, params: set[str]) -> list[fx.Node]:
     return sorted(bases, key=order.__getitem__)
 
 
+def node_signature(node: fx.Node) -> tuple:
+    """Everything a strategy or cost computation reads from a node: its op, arguments
+    (tensors as shape and dtype), output, FLOPs and bytes. Two nodes with one signature
+    have the same strategies and costs on any mesh (for the same operand placements)."""
+    def desc(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            return ("T", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("N", a.name)
+        if isinstance(a, (list, tuple)):
+            return tuple(desc(x) for x in a)
+        return a
+    val = node.meta.get("val")
+    return (node.op, node.target, desc(node.args), tuple(sorted((k, desc(v)) for k, v in node.kwargs.items())),
+            desc(node) if isinstance(val, torch.Tensor) else None,
+            node.meta.get("flops"), node.meta.get("bytes_read"), node.meta.get("bytes_written"))
+
+
 @dataclass(eq=False)
 class Item:
     """One unit of per-mesh work, shared by ``count`` nodes (tied copies)."""
@@ -119,6 +136,7 @@ class Item:
     operands: tuple = ()           # per tensor operand: its Item, or None (constant, no group)
     live: tuple = ()               # derived: indices of the live (non-constant) operands
     count: int = 0
+    signature: tuple = ()          # ``node_signature`` plus which operands and output need grads
 
 
 @dataclass
@@ -162,6 +180,9 @@ class GraphFacts:
             it = memo.get(key)
             if it is None:
                 it = memo[key] = make()
+                if it.kind != "param" and it.kind != "input":
+                    ops = self._operands[it.node]
+                    it.signature = (node_signature(it.node), it.node in self.rg, tuple(o in self.rg for o in ops))
                 self.items.append(it)
                 if it.kind in ("param", "input", "decision"):
                     self.num_groups += 1
@@ -212,4 +233,4 @@ class GraphFacts:
         return live
 
 
-__all__ = ["GraphFacts", "Item", "tie_layers", "layer_of", "requires_grad", "constants", "saved_bases"]
+__all__ = ["GraphFacts", "Item", "node_signature", "tie_layers", "layer_of", "requires_grad", "constants", "saved_bases"]
