@@ -110,16 +110,20 @@ def elimination_order(scopes, dom) -> list[int]:
     best = None
     for rule in (fewest_neighbours, least_fill):
         adj = [set(a) for a in adj0]
-        alive, order, work = set(range(n)), [], 0
-        while alive:
-            x = min(alive, key=lambda v: rule(v, adj))
+        keys = {v: rule(v, adj) for v in range(n)}  # only a step's neighbours change
+        order, work = [], 0
+        while keys:
+            x = min(keys, key=keys.__getitem__)
             nb = adj[x]
             work += dom[x] * prod(dom[o] for o in nb)
             for a in nb:
                 adj[a] |= nb - {a}
                 adj[a].discard(x)
-            alive.discard(x)
+            del keys[x]
             order.append(x)
+            for v in {w for a in nb for w in adj[a]} | nb:  # neighbours and theirs (fill)
+                if v in keys:
+                    keys[v] = rule(v, adj)
         if best is None or work < best[0]:
             best = (work, order)
     return best[1]
@@ -254,14 +258,14 @@ def _dense(x, fs, others, dom, max_table):
     if size * dom[x] > 50 * max_table:
         raise TooWide(f"eliminating group {x} needs {size} x {dom[x]} steps")
     shape = [dom[v] for v in others]
-    # each factor sliced at every choice of x, laid out to broadcast over others
-    placed = [(vs.index(x), t, [dom[v] if v in vs else 1 for v in others]) for vs, t in fs]
+    # each factor with x's axis first (a view), laid out to broadcast over others
+    placed = [(np.moveaxis(t, vs.index(x), 0), [dom[v] if v in vs else 1 for v in others]) for vs, t in fs]
     out = np.empty(shape, dtype=np.int64)
     acc = np.empty(shape, dtype=np.int64)
     for i in range(dom[x]):
         acc.fill(0)
-        for ax, t, sh in placed:
-            acc += np.take(t, i, axis=ax).reshape(sh)  # vs and others both sorted: axes line up
+        for t, sh in placed:
+            acc += t[i].reshape(sh)  # vs and others both sorted: axes line up
         if i == 0:
             out[...] = acc
         else:

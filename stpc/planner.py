@@ -93,6 +93,7 @@ class Builder:
         self._edge_cache: dict = {}             # (producer, consumer, operand) -> per-axis edges
         self._derive_cache: dict = {}
         self._shared: dict = {}                 # results shared by items of one signature
+        self._reshard: dict = {}                # axis_reshard by its arguments
         self.budget = None
 
     # ---------------------------------------------------------------- per item
@@ -268,17 +269,31 @@ class Builder:
     def _axis_edge(self, place, nbytes, rg, strategies, i, a):
         # On axis a the cost sees only the producer's token there and how finely the
         # other axes cut the tensor, and the consumer's token and work split there.
-        ucls, ucls_keys = self._shared_result(("ucls", id(place), a), lambda: _classes(
-            (p[a], shard_factor(p, self.mesh, skip_axis=a)) for p in place))
-        vcls, vcls_keys = self._shared_result(("vcls", id(strategies), i, a), lambda: _classes(
-            (s.ins[i][a], s.split_axes()[a]) for s in strategies))
+        ucls, ucls_keys = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))[a]
+        vcls, vcls_keys = self._shared_result(("vcls", id(strategies), i), lambda: [
+            _classes((s.ins[i][b], s.split_axes()[b]) for s in strategies) for b in range(len(self.mesh))])[a]
         table = {}
+        memo = self._reshard
         for pc, (tok, sf) in enumerate(ucls_keys):
             for qc, (q, split) in enumerate(vcls_keys):
-                c = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg)
+                key = (a, tok, q, nbytes / sf, split, rg)
+                c = memo.get(key)
+                if c is None:
+                    c = memo[key] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg)
                 if c:
                     table[(pc, qc)] = c
         return _merge_classes(ucls, vcls, table)
+
+    def _producer_classes(self, place):
+        """Per axis: producers alike on that axis (its token, and how finely the other
+        axes cut the tensor) share a class."""
+        keys = [[] for _ in self.mesh]
+        for p in place:
+            f = [n if t[0] in "SBXW" else 1 for t, n in zip(p, self.mesh)]
+            total = math.prod(f)
+            for a in range(len(self.mesh)):
+                keys[a].append((p[a], total // f[a]))
+        return [_classes(k) for k in keys]
 
     def _saved_memory(self):
         """Activations kept for backward, charged to the group of the tensor's owner."""

@@ -324,11 +324,11 @@ def solve_unconstrained(p: Problem) -> list[int]:
     for e in p.edges:
         if not e.table:
             continue
-        t = np.zeros((max(max(e.ucls), *(k[0] for k in e.table)) + 1,
-                      max(max(e.vcls), *(k[1] for k in e.table)) + 1), dtype=np.int64)
-        for (a, b), c in e.table.items():
-            t[a, b] = c
-        m = t[np.asarray(e.ucls)][:, np.asarray(e.vcls)]
+        keys = np.array(list(e.table), dtype=np.intp)
+        ucls, vcls = np.asarray(e.ucls, dtype=np.intp), np.asarray(e.vcls, dtype=np.intp)
+        t = np.zeros((max(ucls.max(), keys[:, 0].max()) + 1, max(vcls.max(), keys[:, 1].max()) + 1), dtype=np.int64)
+        t[keys[:, 0], keys[:, 1]] = np.fromiter(e.table.values(), dtype=np.int64, count=len(keys))
+        m = t[ucls][:, vcls]
         ub += int(m.max())
         if e.u == e.v:
             unary[e.u] = unary[e.u] + np.diag(m)

@@ -90,20 +90,23 @@ def constants(graph: fx.Graph) -> set[fx.Node]:
     return const
 
 
-def saved_bases(graph: fx.Graph, rg: set, params: set[str]) -> list[fx.Node]:
-    """Tensors kept for backward, as the nodes that own their storage (views resolved)."""
+def saved_bases(graph: fx.Graph, rg: set, params: set[str], operands: dict | None = None) -> list[fx.Node]:
+    """Tensors kept for backward, as the nodes that own their storage (views resolved).
+    ``operands``: ``tensor_operands`` of every call_function node, if already known."""
+    ops = operands if operands is not None else {
+        n: tensor_operands(n) for n in graph.nodes if n.op == "call_function"}
     saved = set()
     for n in graph.nodes:
         if n.op != "call_function" or n not in rg:
             continue
         if n.target in SAVES_INPUTS:
-            saved.update(o for o in tensor_operands(n) if o.name not in params)
+            saved.update(o for o in ops[n] if o.name not in params)
         if n.target in SAVES_OUTPUT:
             saved.add(n)
     bases = {}
     for t in saved:
-        while t.op == "call_function" and is_view_like(t) and tensor_operands(t):
-            t = tensor_operands(t)[0]
+        while t.op == "call_function" and is_view_like(t) and ops[t]:
+            t = ops[t][0]
         bases[t] = None
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(bases, key=order.__getitem__)
@@ -161,8 +164,9 @@ class GraphFacts:
         params = set(tg.param_fqns)
         rg = requires_grad(graph, params)
         f = cls(params, rg, constants(graph), tie_layers(graph), [], {}, Counter(), Counter())
+        f._operands = {n: tensor_operands(n) for n in graph.nodes if n.op == "call_function"}
         f._items(graph)
-        for t in saved_bases(graph, rg, params):
+        for t in saved_bases(graph, rg, params, f._operands):
             it = f.node_item.get(t)
             if it is not None and it.kind != "param" and isinstance(t.meta["val"], torch.Tensor):
                 f.saved_uses[it] += 1
@@ -174,7 +178,6 @@ class GraphFacts:
     def _items(self, graph):
         memo: dict[tuple, Item] = {}
         self._has_spec: dict = {}
-        self._operands = {n: tensor_operands(n) for n in graph.nodes if n.op == "call_function"}
 
         def use(key, make):
             it = memo.get(key)
