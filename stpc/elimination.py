@@ -227,26 +227,52 @@ def _min_plus_two_classes(u, ra, ca, b):
 
 
 def _min_plus(x, y):
-    """C[i, j] = min_k x[i, k] + y[k, j], one k at a time: the working set stays a
-    cache-sized I x J block instead of an I x K x J temporary."""
+    """C[i, j] = min_k x[i, k] + y[k, j], a block of k at a time: the working set stays
+    a cache-sized (block x I x J) temporary instead of an I x K x J one."""
     xt = np.ascontiguousarray(x.T)
-    out = xt[0][:, None] + y[0][None, :]
-    tmp = np.empty_like(out)
-    for k in range(1, len(xt)):
-        np.add(xt[k][:, None], y[k][None, :], out=tmp)
-        np.minimum(out, tmp, out=out)
+    step = max(1, _BLOCK // max(1, x.shape[0] * y.shape[1]))
+    out = None
+    for k in range(0, len(xt), step):
+        part = (xt[k:k + step, :, None] + y[k:k + step, None, :]).min(axis=0)
+        out = part if out is None else np.minimum(out, part, out=out)
     return out
 
 
+_BLOCK = 1 << 17  # elements of one (min, +) block: 1 MiB of int64
+
+
 def _row_classes(m):
-    """(distinct rows of m in first-seen order, index of each row's class). Hashing the
-    rows' bytes is several times faster than np.unique's sort of structured rows."""
+    """(distinct rows of m in first-seen order, index of each row's class).
+
+    Rows are bucketed by a random 64-bit projection (one matrix product), then every
+    row is checked equal to its bucket's first row; only if some bucket mixes rows
+    (a hash collision) are the rows' bytes hashed instead. Exact either way."""
     m = np.ascontiguousarray(m)
+    if m.shape[0] == 0:
+        return m, np.zeros(0, dtype=np.intp)
+    h = m.view(np.uint64) @ _projection(m.shape[1]) if m.dtype == np.int64 else None
+    if h is not None:
+        _, first, inv = np.unique(h, return_index=True, return_inverse=True)
+        if np.array_equal(m, m[first][inv]):
+            order = np.argsort(first, kind="stable")      # classes in first-seen order
+            rank = np.empty_like(order)
+            rank[order] = np.arange(len(order))
+            return m[first[order]], rank[inv].reshape(-1)
     seen: dict[bytes, int] = {}
     inv = np.fromiter((seen.setdefault(r.tobytes(), len(seen)) for r in m), dtype=np.intp, count=len(m))
     first = np.zeros(len(seen), dtype=np.intp)
     first[inv[::-1]] = np.arange(len(m) - 1, -1, -1)
     return m[first], inv
+
+
+_PROJECTIONS: dict[int, np.ndarray] = {}
+
+
+def _projection(n: int) -> np.ndarray:
+    """A fixed pseudo-random uint64 vector of length n (same in every process)."""
+    if n not in _PROJECTIONS:
+        _PROJECTIONS[n] = np.random.default_rng(n).integers(1, 2**63, size=n, dtype=np.uint64) | np.uint64(1)
+    return _PROJECTIONS[n]
 
 
 def _dense(x, fs, others, dom, max_table):
