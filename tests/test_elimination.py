@@ -76,3 +76,14 @@ def test_budget_binding_goes_to_cpsat():
     sol = solve(p)
     assert sol.choice == [1] and sol.method == "cpsat"
     assert solve(Problem(cost=[[1, 9]], mem=[[100, 10]], budget=500)).method == "elimination"
+
+
+def test_row_classes_exact_even_when_the_projection_collides(monkeypatch):
+    import stpc.elimination as E
+
+    m = np.array([[1, 2], [3, 4], [1, 2], [5, 6], [3, 4]], dtype=np.int64)
+    for proj in (E._projection, lambda n: np.zeros(n, dtype=np.uint64)):  # real, then all-colliding
+        monkeypatch.setattr(E, "_projection", proj)
+        rows, inv = E._row_classes(m)
+        assert rows.tolist() == [[1, 2], [3, 4], [5, 6]]
+        assert inv.tolist() == [0, 1, 0, 2, 1]
