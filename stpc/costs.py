@@ -82,16 +82,12 @@ def _work_split(s: Strategy, mesh) -> int:
     return math.prod(n for n, sp in zip(mesh, s.split_axes()) if sp)
 
 
-def node_time(node, s: Strategy, cm: CostModel, operand_grad: list[bool], is_param: list[bool]) -> float:
-    """Modelled seconds of one node under strategy ``s``: forward, backward (dI) and
-    gradient (dW) phases; temporal families include their overlapped ring transfers."""
-    return NodeTimer(node, cm, operand_grad)(s)
-
-
 class NodeTimer:
-    """``node_time`` for one node, over many strategies: the phase times depend on the
-    strategy only through how finely it splits the work, so they are computed once
-    per split (the planner asks for every strategy of every decision node)."""
+    """Modelled seconds of one node under a strategy (``timer(s)``): forward, backward
+    (dI) and gradient (dW) phases; temporal families include their overlapped ring
+    transfers. The phase times depend on the strategy only through how finely it
+    splits the work, so they are computed once per split (the planner asks for every
+    strategy of every decision node)."""
 
     def __init__(self, node, cm: CostModel, operand_grad: list[bool]):
         self.node, self.cm, self.mesh = node, cm, cm.mesh_shape
@@ -157,14 +153,10 @@ def local_bytes(val, placement: tuple[str, ...], mesh) -> float:
     return val.numel() * val.element_size() / shard_factor(placement, mesh)
 
 
-def transient_bytes(node, s: Strategy, mesh) -> float:
-    """Working set while the node runs: its local inputs and output, plus the two
-    in-flight ring buffers of a temporal family."""
-    return TransientSizer(node)(s, mesh)
-
-
 class TransientSizer:
-    """``transient_bytes`` for one node over many strategies (sizes read once)."""
+    """Working set while the node runs under a strategy (``sizer(s, mesh)``): its local
+    inputs and output, plus the two in-flight ring buffers of a temporal family. Sizes
+    are read once per node."""
 
     def __init__(self, node):
         val = node.meta["val"]
@@ -180,5 +172,4 @@ class TransientSizer:
         return total
 
 
-__all__ = ["reshard_cost", "node_time", "NodeTimer", "transient_bytes", "TransientSizer", "local_bytes",
-           "axis_reshard"]
+__all__ = ["reshard_cost", "NodeTimer", "TransientSizer", "local_bytes", "axis_reshard"]

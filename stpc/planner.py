@@ -62,7 +62,6 @@ class Hints:
 class _Group:
     """One set of solver choices, shared by a decision node, its followers and tied copies."""
 
-    rep: object                  # the fx.Node that opened it
     strategies: list             # Strategy per choice (decision) or placement per choice (param/input)
     cost: np.ndarray             # accumulated over every node sharing the group (tied copies too)
     mem: np.ndarray
@@ -99,7 +98,7 @@ class Builder:
     # ---------------------------------------------------------------- per item
     def _open_group(self, it: Item, strategies, cost, mem, transient):
         assert it.group == len(self.groups)
-        self.groups.append(_Group(it.node, strategies, np.array(cost, dtype=float) * it.count,
+        self.groups.append(_Group(strategies, np.array(cost, dtype=float) * it.count,
                                   np.array(mem, dtype=float) * it.count, list(transient),
                                   own_cost=list(cost), own_mem=list(mem)))
 

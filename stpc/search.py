@@ -28,7 +28,7 @@ from stpc.hints import preset
 from stpc.elimination import TooWide
 from stpc.plan import Plan
 from stpc.planner import NS, Builder, HintUnsatisfiable, Hints, build_problem, make_plan
-from stpc.solver import (InfeasibleBudget, NoBetterPlan, Problem, Solution, min_memory, solve,
+from stpc.solver import (InfeasibleBudget, NoBetterPlan, Problem, eliminated, min_memory, solve,
                          solve_unconstrained)
 from stpc.structure import GraphFacts
 from stpc.trace import TracedGraph
@@ -153,8 +153,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             continue
         t_solve = time.perf_counter()
         if c.fits():
-            n_vars = sum(len(k) for k in c.problem.cost if len(k) > 1)
-            sol = Solution(c.choice, c.bound, c.peak, "OPTIMAL", c.bound_s, n_vars, 0, "elimination")
+            sol = eliminated(c.problem, c.choice, c.bound, c.peak, c.bound_s)
         else:  # the budget binds on this shape: CP-SAT, capped by the best so far
             if best is not None:
                 c.problem.cap = best[0] - (0 if c.index < best[1] else 1)

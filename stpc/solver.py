@@ -270,10 +270,7 @@ def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: s
             if p.cap is not None and obj > p.cap:  # a lower bound of the budgeted optimum too
                 raise NoBetterPlan()
             if p.budget is None or peak <= p.budget:
-                n_vars = sum(len(c) for c in p.cost if len(c) > 1)
-                return Solution(choice=choice, objective_ns=obj, peak_bytes=peak, status="OPTIMAL",
-                                solve_time_s=time.perf_counter() - t0, num_variables=n_vars,
-                                num_constraints=0, method="elimination")
+                return eliminated(p, choice, obj, peak, time.perf_counter() - t0)
     full = p
     if prune:
         p, keep = prune_dominated(p)
@@ -294,6 +291,13 @@ def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: s
     return Solution(choice=choice, objective_ns=obj, peak_bytes=peak, status=solver.StatusName(status),
                     solve_time_s=time.perf_counter() - t0, num_variables=len(proto.variables),
                     num_constraints=len(proto.constraints))
+
+
+def eliminated(p: Problem, choice: list[int], objective_ns: int, peak_bytes: int, seconds: float) -> Solution:
+    """The Solution of an elimination optimum that fits the budget (it is optimal)."""
+    return Solution(choice=choice, objective_ns=objective_ns, peak_bytes=peak_bytes, status="OPTIMAL",
+                    solve_time_s=seconds, num_variables=sum(len(c) for c in p.cost if len(c) > 1),
+                    num_constraints=0, method="elimination")
 
 
 def min_memory(p: Problem) -> int:
