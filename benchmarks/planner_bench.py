@@ -45,6 +45,8 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--megatron", action="store_true")
     p.add_argument("--no-budget", action="store_true", help="plan without a memory limit")
+    p.add_argument("--per-shape", action="store_true",
+                   help="after the table, each planned cell's mesh shapes: build and solve ms")
     a = p.parse_args(argv)
     cl = get_cluster("primepar-v100")
     budget = None if a.no_budget else cl.device.mem_bytes
@@ -53,6 +55,7 @@ def main(argv=None):
     print("| model | devices | trace s | search s | total s | PrimePar search s | mesh | modelled step s "
           "| peak GiB | families |" + (" Megatron modelled s | speedup (modelled) |" if a.megatron else ""))
     print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if a.megatron else ""))
+    shapes = []  # (model, devices, mesh_shapes_tried) of every planned cell
     for name in a.models:
         cfg = models.get_config(name)
         t0 = time.perf_counter()
@@ -74,6 +77,7 @@ def main(argv=None):
                        f"| infeasible | - | needs {err.min_budget / 2**30:.1f} | - |")
                 print(row + (" - | - |" if a.megatron else ""), flush=True)
                 continue
+            shapes.append((name, n, plan.stats["mesh_shapes_tried"]))
             fams = ", ".join(f"{k} {v}" for k, v in plan.strategy_counts().items())
             row = (f"| {name} | {n} | {t_trace:.2f} | {t_search:.3f} | {t_trace + t_search:.2f} | {ref:.3f} | "
                    f"{'x'.join(map(str, plan.mesh_shape))} | {plan.modelled_step_time_s:.3f} | "
@@ -86,6 +90,16 @@ def main(argv=None):
                 except InfeasibleBudget:
                     row += " infeasible | - |"
             print(row, flush=True)
+    if a.per_shape:
+        print("\nper mesh shape (ms): build = strategies + costs + edges; solve = memory check + "
+              "elimination (+ CP-SAT where the budget binds); pruned = its bound could not win\n")
+        print("| model | devices | mesh | build ms | solve ms | outcome |")
+        print("|---|---|---|---|---|---|")
+        for name, n, tried in shapes:
+            for t in tried:
+                outcome = "pruned" if t.get("pruned") else t.get("method", "-")
+                print(f"| {name} | {n} | {'x'.join(map(str, t['mesh']))} | {1e3 * t.get('build_time_s', 0):.1f} "
+                      f"| {1e3 * t['solve_time_s']:.1f} | {outcome} |")
 
 
 if __name__ == "__main__":
