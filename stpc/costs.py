@@ -100,6 +100,7 @@ class NodeTimer:
         self.grad_w = len(operand_grad) > 1 and operand_grad[1]
         self.needs_bwd = any(operand_grad)
         self._phases: dict[int, tuple[float, float, float]] = {}
+        self._spatial: dict[tuple, float] = {}   # split flags per axis -> spatial seconds
         self.out_bytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
     def phases(self, split: int) -> tuple[float, float, float]:
@@ -118,9 +119,13 @@ class NodeTimer:
 
     def __call__(self, s: Strategy) -> float:
         mesh, cm = self.mesh, self.cm
+        split = s.split_axes()
+        if s.kind == "spatial" or s.kind == "replicate-fallback":  # a function of the split alone
+            got = self._spatial.get(split)
+            if got is None:
+                got = self._spatial[split] = sum(self.phases(_work_split(s, mesh)))
+            return got
         fwd, bwd, grad = self.phases(_work_split(s, mesh))
-        if s.kind in ("spatial", "replicate-fallback"):
-            return fwd + bwd + grad
         node = self.node
         a = s.axis
         n = mesh[a]

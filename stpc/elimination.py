@@ -154,17 +154,53 @@ def _min_out(x, fs, others, dom, max_table):
         size *= dom[v]
     if size > max_table:
         raise TooWide(f"eliminating group {x} needs a table of {size} entries")
-    if len(others) == 3:  # (with two, scanning x's choices densely is cheaper)
-        fixed = _min_out_fixing(x, fs, others, dom)
-        if fixed is not None:
-            return fixed
+    if len(others) == 3:  # two ways to reduce it to two-neighbour steps: the cheaper one
+        plans = [p for p in (_split_plan(x, fs, others, dom), _fixing_plan(x, fs, others, dom)) if p]
+        if plans:
+            return min(plans, key=lambda p: p[0])[1]()
     return _dense(x, fs, others, dom, max_table)
 
 
-def _min_out_fixing(x, fs, others, dom):
+# Work of a step is counted in (min, +) entries; one numpy round of the fixing loop
+# costs about as much as this many entries (measured: ~0.2 ms).
+_ROUND = 200_000
+
+
+def _split_plan(x, fs, others, dom):
+    """Three neighbours that fall into two sides no factor spans, {a, b} and {c}: the
+    pair is one neighbour with dom[a] * dom[b] choices, and the step is a single
+    two-neighbour (min, +) step. (estimate, compute), or None when every split is spanned."""
+    for c in sorted(others, key=lambda v: (-dom[v], v)):  # the largest alone: the pair side stays small
+        pair = [v for v in others if v != c]
+        if any(c in vs and len(vs) > 2 for vs, _ in fs):
+            continue
+        u = np.zeros(dom[x], dtype=np.int64)
+        left = np.zeros((dom[x], dom[pair[0]], dom[pair[1]]), dtype=np.int64)
+        right = np.zeros((dom[x], dom[c]), dtype=np.int64)
+        for vs, t in fs:
+            t = np.moveaxis(t, vs.index(x), 0)
+            rest = [v for v in vs if v != x]
+            if not rest:
+                u = u + t
+            elif rest == [c]:
+                right += t
+            else:  # over x and one or both of the pair, axes in sorted order
+                left += t.reshape([dom[x]] + [dom[v] if v in rest else 1 for v in pair])
+        left = left.reshape(dom[x], -1)
+        lc, rc = _row_classes(left), _row_classes(right)
+
+        def compute():
+            r = _min_plus_two(u, left, right, lc, rc)   # (pair choices, c choices)
+            axes = pair + [c]
+            return np.transpose(r.reshape(dom[pair[0]], dom[pair[1]], dom[c]), [axes.index(v) for v in others])
+        return min(len(lc[0]), len(rc[0])) * left.shape[1] * dom[c], compute
+    return None
+
+
+def _fixing_plan(x, fs, others, dom):
     """Three neighbours: fix the one with the fewest choices, a; for each of its values
     the rest is a two-neighbour step (``_min_plus_two``). Needs every factor on x to
-    hold at most one neighbour besides a; returns None otherwise."""
+    hold at most one neighbour besides a. (estimate, compute), or None."""
     a = min(others, key=lambda v: (dom[v], v))
     rest_vars = [v for v in others if v != a]
     if any(len([v for v in vs if v not in (x, a)]) > 1 for vs, _ in fs):
@@ -183,22 +219,26 @@ def _min_out_fixing(x, fs, others, dom):
             m0[o] = m0[o] + (t if vs[0] == x else t.T)
     static = {o for o in rest_vars if not any(o in vs for vs, _ in with_a)}
     classes = {o: _row_classes(m0[o]) for o in static}
-    out = np.empty([dom[a]] + [dom[o] for o in rest_vars], dtype=np.int64)
-    for val in range(dom[a]):
-        u, m = u0, dict(m0)
-        for vs, t in with_a:
-            t = np.take(t, val, axis=vs.index(a))
-            rest = tuple(v for v in vs if v != a)
-            if len(rest) == 1:
-                u = u + t
-            else:
-                o = rest[0] if rest[1] == x else rest[1]
-                m[o] = m[o] + (t if rest[0] == x else t.T)
-        b, c = rest_vars
-        out[val] = _min_plus_two(u, m[b], m[c], classes.get(b), classes.get(c))
-    # out's axes are (a, *rest); the factor's axes go in the sorted order of others
-    axes = [a] + rest_vars
-    return np.transpose(out, [axes.index(v) for v in others])
+    b, c = rest_vars
+    rows = min([len(classes[o][0]) for o in static], default=dom[x])
+
+    def compute():
+        out = np.empty([dom[a]] + [dom[o] for o in rest_vars], dtype=np.int64)
+        for val in range(dom[a]):
+            u, m = u0, dict(m0)
+            for vs, t in with_a:
+                t = np.take(t, val, axis=vs.index(a))
+                rest = tuple(v for v in vs if v != a)
+                if len(rest) == 1:
+                    u = u + t
+                else:
+                    o = rest[0] if rest[1] == x else rest[1]
+                    m[o] = m[o] + (t if rest[0] == x else t.T)
+            out[val] = _min_plus_two(u, m[b], m[c], classes.get(b), classes.get(c))
+        # out's axes are (a, *rest); the factor's axes go in the sorted order of others
+        axes = [a] + rest_vars
+        return np.transpose(out, [axes.index(v) for v in others])
+    return dom[a] * (rows * dom[b] * dom[c] + _ROUND), compute
 
 
 def _min_plus_two(u, a, b, a_classes=None, b_classes=None):
@@ -227,14 +267,15 @@ def _min_plus_two_classes(u, ra, ca, b):
 
 
 def _min_plus(x, y):
-    """C[i, j] = min_k x[i, k] + y[k, j], a block of k at a time: the working set stays
-    a cache-sized (block x I x J) temporary instead of an I x K x J one."""
-    xt = np.ascontiguousarray(x.T)
-    step = max(1, _BLOCK // max(1, x.shape[0] * y.shape[1]))
-    out = None
-    for k in range(0, len(xt), step):
-        part = (xt[k:k + step, :, None] + y[k:k + step, None, :]).min(axis=0)
-        out = part if out is None else np.minimum(out, part, out=out)
+    """C[i, j] = min_k x[i, k] + y[k, j], a tile of rows at a time: the working set stays
+    a cache-sized (rows x K x J) temporary instead of an I x K x J one."""
+    y = np.ascontiguousarray(y)  # (a transposed view here would make every tile strided)
+    rows = max(1, _BLOCK // max(1, x.shape[1] * y.shape[1]))
+    if rows >= x.shape[0]:
+        return (x[:, :, None] + y[None]).min(axis=1)
+    out = np.empty((x.shape[0], y.shape[1]), dtype=np.int64)
+    for i in range(0, x.shape[0], rows):
+        np.min(x[i:i + rows, :, None] + y[None], axis=1, out=out[i:i + rows])
     return out
 
 

@@ -66,7 +66,10 @@ def local_shape(shape: tuple[int, ...], placement: tuple[str, ...], mesh: tuple[
 
 def shard_factor(placement, mesh, skip_axis: int = -1) -> int:
     """How many pieces the tensor's data is cut into (R and P keep it whole)."""
-    return _shard_factor(tuple(placement), tuple(mesh), skip_axis)
+    try:
+        return _shard_factor(placement, mesh, skip_axis)
+    except TypeError:  # a list: unhashable
+        return _shard_factor(tuple(placement), tuple(mesh), skip_axis)
 
 
 @lru_cache(maxsize=None)  # the planner asks the same few questions hundreds of thousands of times
@@ -80,7 +83,10 @@ def _shard_factor(placement: tuple[str, ...], mesh: tuple[int, ...], skip_axis: 
 
 def fits(shape, placement, mesh) -> bool:
     """Every split divides its dim evenly (the runtime shards evenly)."""
-    return _fits(tuple(shape), tuple(placement), tuple(mesh))
+    try:
+        return _fits(shape, placement, mesh)
+    except TypeError:  # a list: unhashable
+        return _fits(tuple(shape), tuple(placement), tuple(mesh))
 
 
 @lru_cache(maxsize=None)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from stpc.cost_models import CostModel, bytes_per_param
-from stpc.costs import NodeTimer, TransientSizer, axis_reshard, dtype_name, local_bytes, reshard_cost
+from stpc.costs import NodeTimer, TransientSizer, axis_reshard, dtype_name, reshard_cost
 from stpc.placement import REPLICATE, shard_factor
 from stpc.plan import NodePlan, Plan
 from stpc.solver import Edge, Problem, Solution, solve
@@ -81,7 +81,7 @@ class Builder:
         self.mesh = cm.mesh_shape
         self.graph = tg.graph
         self.bpp = sum(bytes_per_param(optimizer_layout))
-        self.facts = facts or GraphFacts.of(tg)
+        self.facts = facts or tg.analyse()
         self.params, self.rg, self.const, self.tie = (self.facts.params, self.facts.rg, self.facts.const,
                                                       self.facts.tie)
         self.groups: list[_Group] = []
@@ -93,6 +93,7 @@ class Builder:
         self._derive_cache: dict = {}
         self._shared: dict = {}                 # results shared by items of one signature
         self._reshard: dict = {}                # axis_reshard by its arguments
+        self._axis_keys: dict = {}              # placement -> per-axis producer class key
         self.budget = None
 
     # ---------------------------------------------------------------- per item
@@ -209,9 +210,11 @@ class Builder:
             dt = dtype_name(val.dtype)
             view = is_view_like(node)
             rep_p = tuple(REPLICATE for _ in self.mesh)
-            outs, extra = [], []
             rule = follow_rule(node)
+            by_input = {}  # many group choices share an output placement: one answer each
             for p in source:
+                if p in by_input:
+                    continue
                 q = rule(p, self.mesh)
                 cost = 0.0
                 if q is None:  # cannot keep the layout through this op: gather to Replicate first
@@ -222,9 +225,8 @@ class Builder:
                     split = shard_factor(q, self.mesh)
                     moved = (node.meta["bytes_read"] + node.meta["bytes_written"]) / split
                     cost += self.cm.compute(node.meta["flops"] / split, moved * (3 if rg else 1), dt)
-                outs.append(q)
-                extra.append(cost)
-            return outs, np.array(extra)
+                by_input[p] = (q, cost)
+            return [by_input[p][0] for p in source], np.array([by_input[p][1] for p in source])
 
         self.place[it], extra = self._shared_result(("follower", it.signature, id(source)), compute)
         self._add_extra(it, extra)
@@ -269,8 +271,8 @@ class Builder:
         # On axis a the cost sees only the producer's token there and how finely the
         # other axes cut the tensor, and the consumer's token and work split there.
         ucls, ucls_keys = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))[a]
-        vcls, vcls_keys = self._shared_result(("vcls", id(strategies), i), lambda: [
-            _classes((s.ins[i][b], s.split_axes()[b]) for s in strategies) for b in range(len(self.mesh))])[a]
+        vcls, vcls_keys = self._shared_result(("vcls", id(strategies), i), lambda: self._consumer_classes(
+            strategies, i))[a]
         table = {}
         memo = self._reshard
         for pc, (tok, sf) in enumerate(ucls_keys):
@@ -286,19 +288,31 @@ class Builder:
     def _producer_classes(self, place):
         """Per axis: producers alike on that axis (its token, and how finely the other
         axes cut the tensor) share a class."""
-        keys = [[] for _ in self.mesh]
+        memo = self._axis_keys
+        rows = []
         for p in place:
-            f = [n if t[0] in "SBXW" else 1 for t, n in zip(p, self.mesh)]
-            total = math.prod(f)
-            for a in range(len(self.mesh)):
-                keys[a].append((p[a], total // f[a]))
-        return [_classes(k) for k in keys]
+            k = memo.get(p)
+            if k is None:
+                f = [n if t[0] in "SBXW" else 1 for t, n in zip(p, self.mesh)]
+                total = math.prod(f)
+                k = memo[p] = tuple([(t, total // fa) for t, fa in zip(p, f)])
+            rows.append(k)
+        return [_classes([r[a] for r in rows]) for a in range(len(self.mesh))]
+
+    def _consumer_classes(self, strategies, i):
+        """Per axis: consumers alike on that axis for operand i (the token they need
+        there, and whether they split their work there) share a class."""
+        rows = [(s.ins[i], s.split_axes()) for s in strategies]
+        return [_classes([(p[a], sp[a]) for p, sp in rows]) for a in range(len(self.mesh))]
 
     def _saved_memory(self):
         """Activations kept for backward, charged to the group of the tensor's owner."""
         for it, count in self.facts.saved_uses.items():
             val = it.node.meta["val"]
-            self.groups[it.group].mem += count * np.array([local_bytes(val, p, self.mesh) for p in self.place[it]])
+            place, nbytes = self.place[it], val.numel() * val.element_size()
+            local = self._shared_result(("local", id(place), nbytes), lambda: np.array(
+                [nbytes / shard_factor(p, self.mesh) for p in place]))
+            self.groups[it.group].mem += count * local
 
     # ---------------------------------------------------------------- build
     def build(self, budget: float | None, edges: bool = True) -> Problem:
@@ -384,19 +398,23 @@ class Builder:
             grp = self.groups[it.group]
             if it.kind != "decision" or len(grp.strategies) < 2:
                 continue
-            scored = []
-            for c, s in enumerate(grp.strategies):
-                t = grp.own_cost[c]
-                for u, (ucls, vcls, table) in by_consumer[it]:
-                    uc = c if u == it.group else choice[u]
-                    t += table.get((ucls[uc], vcls[c]), 0.0)
-                scored.append((t, s.describe()))
-            scored.sort()
+            scored = np.array(grp.own_cost, dtype=float)
+            for u, (ucls, vcls, table) in by_consumer[it]:
+                if u == it.group:  # the node feeds itself (both operands one tensor)
+                    scored += [table.get((ucls[c], vcls[c]), 0.0) for c in range(len(scored))]
+                    continue
+                row = ucls[choice[u]]  # the producer as planned: one row of the class table
+                per_class = np.array([table.get((row, q), 0.0) for q in range(max(vcls) + 1)])
+                scored += per_class[np.asarray(vcls)]
+            # rank by (time, description) the strategies at or below the top-th time
+            cut = np.partition(scored, top - 1)[top - 1] if len(scored) > top else np.inf
+            desc = {c: grp.strategies[c].describe() for c in np.flatnonzero(scored <= cut).tolist()}
+            keep = sorted(desc, key=lambda c: (scored[c], desc[c]))[:top]
             chosen = grp.strategies[choice[it.group]].describe()
-            keep = scored[:top]
-            if chosen not in [d for _, d in keep]:
-                keep.append(next(x for x in scored if x[1] == chosen))
-            res[it.node.name] = [(d, t) for t, d in keep]
+            if chosen not in [desc[c] for c in keep]:  # its best-scored strategy of that description
+                keep.append(min((c for c, s in enumerate(grp.strategies) if s.describe() == chosen),
+                                key=lambda c: scored[c]))
+            res[it.node.name] = [(grp.strategies[c].describe(), float(scored[c])) for c in keep]
         return res
 
 
@@ -407,7 +425,7 @@ def _op_name(node) -> str:
 def _classes(keys) -> tuple[tuple[int, ...], list]:
     """Number distinct keys in first-seen order: (class per item, key per class)."""
     seen: dict = {}
-    return tuple(seen.setdefault(k, len(seen)) for k in keys), list(seen)
+    return tuple([seen.setdefault(k, len(seen)) for k in keys]), list(seen)
 
 
 def _merge_classes(ucls, vcls, table):

@@ -30,7 +30,6 @@ from stpc.plan import Plan
 from stpc.planner import NS, Builder, HintUnsatisfiable, Hints, build_problem, make_plan
 from stpc.solver import (InfeasibleBudget, NoBetterPlan, Problem, eliminated, min_memory, solve,
                          solve_unconstrained)
-from stpc.structure import GraphFacts
 from stpc.trace import TracedGraph
 
 
@@ -119,7 +118,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     shapes = [shape] if shape else mesh_shapes(n)
     if hints == "megatron" and shape is None:
         shapes = [s for s in shapes if len(s) <= 2]  # Megatron's DP x TP
-    facts = GraphFacts.of(tg)
+    facts = tg.analyse()  # (done by ``trace``: mesh-independent)
     tried, infeasible, candidates = [], [], []
     for idx, s in enumerate(shapes):
         h = preset(hints, s) if isinstance(hints, str) else (hints or Hints())

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from stpc.placement import PARTIAL, REPLICATE, block, fits, parse, shard
+from stpc.placement import PARTIAL, REPLICATE, _fits, block, fits, parse, shard
 
 aten = torch.ops.aten
 
@@ -53,8 +53,7 @@ class Strategy:
         """Per axis: is the work divided (any operand or the output not replicated)?"""
         got = self.__dict__.get("_split_axes")  # memoised: the planner asks per edge and axis
         if got is None:
-            got = tuple(self.out[a] != REPLICATE or any(p[a] != REPLICATE for p in self.ins)
-                        for a in range(len(self.out)))
+            got = tuple([col.count(REPLICATE) != len(col) for col in zip(self.out, *self.ins)])
             object.__setattr__(self, "_split_axes", got)
         return got
 
@@ -303,15 +302,17 @@ def _axis_options(spec: OpSpec, shapes_in, out_shape, axis_size: int):
 
 def enumerate_spatial(spec: OpSpec, shapes_in, out_shape, mesh: tuple[int, ...]) -> list[Strategy]:
     per_axis = [_axis_options(spec, shapes_in, out_shape, n) for n in mesh]
+    shapes_in, out_shape, mesh = [tuple(s) for s in shapes_in], tuple(out_shape), tuple(mesh)
     out = []
     for combo in itertools.product(*per_axis):
-        o = tuple(c[0] for c in combo)
-        ins = tuple(tuple(c[1][i] for c in combo) for i in range(len(spec.ins)))
-        if o.count(PARTIAL) and any(t[0] in "BXW" for t in o):
+        o = tuple([c[0] for c in combo])
+        if PARTIAL in o and any(t[0] in "BXW" for t in o):
             continue
-        if not fits(out_shape, o, mesh) or not all(fits(s, p, mesh) for s, p in zip(shapes_in, ins)):
+        if not _fits(out_shape, o, mesh):
             continue
-        out.append(Strategy(out=o, ins=ins))
+        ins = tuple(zip(*[c[1] for c in combo]))  # per operand: its token on each axis
+        if all(_fits(sh, p, mesh) for sh, p in zip(shapes_in, ins)):
+            out.append(Strategy(o, ins))
     return out
 
 
@@ -322,21 +323,24 @@ def derive(node: fx.Node, live: dict[int, tuple[str, ...]], mesh: tuple[int, ...
     option whose tokens for those operands are theirs. None when no option keeps them
     (they must be gathered to Replicate first). Constant operands take whatever the
     option asks: they are computed replicated, so slicing them (or R -> P) is free."""
-    table = _derive_table(node, tuple(sorted(live)), mesh, {} if cache is None else cache)
+    order = tuple(sorted(live))
+    table = _derive_table(node, order, mesh, {} if cache is None else cache)
     if table is None:
         return None
+    per_axis, _, shapes_in, out_shape = table
+    places = [live[k] for k in order]
     picks = []
-    for a in range(len(mesh)):
-        pick = table[0][a].get(tuple(live[k][a] for k in sorted(live)))
+    for a, options in enumerate(per_axis):
+        pick = options.get(tuple([p[a] for p in places]))
         if pick is None:
             return None
         picks.append(pick)
-    s = Strategy(out=tuple(o for o, _ in picks),
-                 ins=tuple(tuple(i[k] for _, i in picks) for k in range(table[1])))
-    shapes_in, out_shape = table[2], table[3]
-    if not fits(out_shape, s.out, mesh) or not all(fits(sh, q, mesh) for sh, q in zip(shapes_in, s.ins)):
+    out = tuple([o for o, _ in picks])
+    ins = tuple(zip(*[i for _, i in picks]))  # per operand: its token on each axis
+    mesh = tuple(mesh)
+    if not _fits(out_shape, out, mesh) or not all(_fits(sh, q, mesh) for sh, q in zip(shapes_in, ins)):
         return None
-    return s
+    return Strategy(out, ins)
 
 
 def _derive_table(node, live: tuple[int, ...], mesh, cache: dict):

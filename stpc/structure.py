@@ -43,33 +43,31 @@ def layer_of(node: fx.Node) -> int | None:
 
 def _signature(node, local_index):
     val = node.meta.get("val")
-    shp = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-    args = tuple(local_index.get(a, "ext") for a in node.all_input_nodes)
-    consts = tuple(a for a in node.args if not isinstance(a, (fx.Node, list, tuple)))
+    shp = val.shape if isinstance(val, torch.Tensor) else None  # (a torch.Size compares as a tuple)
+    args = tuple([local_index.get(a, "ext") for a in node.all_input_nodes])
+    consts = tuple([a for a in node.args if not isinstance(a, (fx.Node, list, tuple))])
     target = node.target if node.op == "call_function" else ""  # op overloads compare by identity
     return (node.op, target, shp, args, consts)
 
 
-def tie_layers(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+def tie_layers(graph: fx.Graph, layer: dict | None = None) -> dict[fx.Node, fx.Node]:
     """Map every node of a repeated layer to its representative in the first
-    identical layer (same ops, shapes and internal wiring, in order)."""
+    identical layer (same ops, shapes and internal wiring, in order).
+    ``layer``: ``layer_of`` of every node, if already known."""
     layers: dict[int, list[fx.Node]] = defaultdict(list)
     for n in graph.nodes:
-        li = layer_of(n)
+        li = layer_of(n) if layer is None else layer[n]
         if li is not None:
             layers[li].append(n)
     tie: dict[fx.Node, fx.Node] = {}
-    reps: list[tuple[tuple, list[fx.Node]]] = []
+    reps: dict[tuple, list[fx.Node]] = {}
     for li in sorted(layers):
         nodes = layers[li]
         idx = {n: i for i, n in enumerate(nodes)}
-        sig = tuple(_signature(n, idx) for n in nodes)
-        for rsig, rnodes in reps:
-            if rsig == sig:
-                tie.update(zip(nodes, rnodes))
-                break
-        else:
-            reps.append((sig, nodes))
+        sig = tuple([_signature(n, idx) for n in nodes])
+        rnodes = reps.setdefault(sig, nodes)
+        if rnodes is not nodes:
+            tie.update(zip(nodes, rnodes))
     return tie
 
 
@@ -157,13 +155,15 @@ class GraphFacts:
     saved_uses: Counter            # Item owning a tensor kept for backward -> count
     num_groups: int = 0
     group_items: list = field(default_factory=list)  # group -> the Item that opened it
+    num_nodes: int = 0             # of the graph analysed (``TracedGraph.analyse`` checks it)
 
     @classmethod
     def of(cls, tg: TracedGraph) -> "GraphFacts":
         graph = tg.graph
         params = set(tg.param_fqns)
         rg = requires_grad(graph, params)
-        f = cls(params, rg, constants(graph), tie_layers(graph), [], {}, Counter(), Counter())
+        f = cls(params, rg, constants(graph), tie_layers(graph), [], {}, Counter(), Counter(),
+                num_nodes=len(graph.nodes))
         f._operands = {n: tensor_operands(n) for n in graph.nodes if n.op == "call_function"}
         f._items(graph)
         for t in saved_bases(graph, rg, params, f._operands):

@@ -7,6 +7,7 @@ export signature), then the user inputs. Built on ``meta`` tensors it plans a
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,7 @@ class TracedGraph:
     user_outputs: list[str]
     model_name: str = ""
     meta: dict = field(default_factory=dict)
+    facts: object = None  # stpc.structure.GraphFacts: the mesh-independent analysis (``analyse``)
 
     @property
     def graph(self) -> fx.Graph:
@@ -53,9 +55,22 @@ class TracedGraph:
     def total_flops(self) -> int:
         return sum(n.meta.get("flops", 0) for n in self.gm.graph.nodes)
 
+    def analyse(self):
+        """The graph's mesh-independent facts (``stpc.structure.GraphFacts``: gradients,
+        constants, saved tensors, tied layers, work items), computed once and reused by
+        every mesh shape and every search; recomputed if the graph's nodes changed."""
+        from stpc.structure import GraphFacts
+
+        if self.facts is None or self.facts.num_nodes != len(self.gm.graph.nodes):
+            t0 = time.perf_counter()
+            self.facts = GraphFacts.of(self)
+            self.meta["analysis_s"] = time.perf_counter() - t0
+        return self.facts
+
 
 def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> TracedGraph:
-    """Export ``model`` at the aten level (training IR) and annotate every node.
+    """Export ``model`` at the aten level (training IR), annotate every node and
+    analyse the graph (``TracedGraph.analyse``).
 
     Works with parameters and inputs on ``meta``: nothing is computed, shapes
     propagate through FakeTensors.
@@ -93,4 +108,5 @@ def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> TracedGrap
         model_name=name or type(model).__name__,
     )
     annotate(gm, tg.param_fqns, tg.buffer_fqns)
+    tg.analyse()  # part of annotating: it does not depend on the mesh
     return tg

@@ -87,3 +87,41 @@ def test_row_classes_exact_even_when_the_projection_collides(monkeypatch):
         rows, inv = E._row_classes(m)
         assert rows.tolist() == [[1, 2], [3, 4], [5, 6]]
         assert inv.tolist() == [0, 1, 0, 2, 1]
+
+
+@st.composite
+def three_neighbour_steps(draw):
+    """Group 0 with neighbours 1, 2, 3: binary factors, optionally one ternary (0, 1, 2)."""
+    dom = [draw(st.integers(1, 6)) for _ in range(4)]
+    hi = draw(st.sampled_from([2, 1000]))
+
+    def table(*shape):
+        return np.array(draw(st.lists(st.integers(0, hi), min_size=int(np.prod(shape)),
+                                      max_size=int(np.prod(shape))))).reshape(shape).astype(np.int64)
+    fs = [((0,), table(dom[0]))] + [((0, v), table(dom[0], dom[v])) for v in (1, 2, 3)]
+    if draw(st.booleans()):
+        fs.append(((0, 1, 2), table(dom[0], dom[1], dom[2])))
+    return dom, fs
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(three_neighbour_steps())
+def test_both_three_neighbour_plans_equal_the_dense_scan(step):
+    from stpc.elimination import _dense, _fixing_plan, _split_plan
+
+    dom, fs = step
+    want = _dense(0, fs, (1, 2, 3), dom, 10**6)
+    plans = [p for p in (_split_plan(0, fs, (1, 2, 3), dom), _fixing_plan(0, fs, (1, 2, 3), dom)) if p]
+    assert plans  # with at most one ternary factor, some plan applies
+    for estimate, compute in plans:
+        assert estimate > 0
+        np.testing.assert_array_equal(compute(), want)
+
+
+def test_min_plus_in_row_tiles_equals_the_broadcast():
+    from stpc.elimination import _BLOCK, _min_plus
+
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 1 << 40, (3 * _BLOCK // (7 * 11) + 5, 7))  # several row tiles
+    y = rng.integers(0, 1 << 40, (11, 7)).T                          # a transposed (strided) view
+    np.testing.assert_array_equal(_min_plus(x, y), (x[:, :, None] + y[None]).min(axis=1))
