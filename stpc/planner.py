@@ -94,6 +94,7 @@ class Builder:
         self._shared: dict = {}                 # results shared by items of one signature
         self._reshard: dict = {}                # axis_reshard by its arguments
         self._axis_keys: dict = {}              # placement -> per-axis producer class key
+        self._axis_tables: dict = {}            # per-axis class keys -> merged edge table
         self.budget = None
 
     # ---------------------------------------------------------------- per item
@@ -273,17 +274,23 @@ class Builder:
         ucls, ucls_keys = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))[a]
         vcls, vcls_keys = self._shared_result(("vcls", id(strategies), i), lambda: self._consumer_classes(
             strategies, i))[a]
-        table = {}
-        memo = self._reshard
-        for pc, (tok, sf) in enumerate(ucls_keys):
-            for qc, (q, split) in enumerate(vcls_keys):
-                key = (a, tok, q, nbytes / sf, split, rg)
-                c = memo.get(key)
-                if c is None:
-                    c = memo[key] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg)
-                if c:
-                    table[(pc, qc)] = c
-        return _merge_classes(ucls, vcls, table)
+        # Edges of many operands see the same class keys on an axis: one table for all.
+        key = (a, tuple(ucls_keys), tuple(vcls_keys), nbytes, rg)
+        merged = self._axis_tables.get(key)
+        if merged is None:
+            table = {}
+            memo = self._reshard
+            for pc, (tok, sf) in enumerate(ucls_keys):
+                for qc, (q, split) in enumerate(vcls_keys):
+                    k = (a, tok, q, nbytes / sf, split, rg)
+                    c = memo.get(k)
+                    if c is None:
+                        c = memo[k] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg)
+                    if c:
+                        table[(pc, qc)] = c
+            merged = self._axis_tables[key] = _merge_classes(len(ucls_keys), len(vcls_keys), table)
+        rmap, cmap, table = merged
+        return tuple([rmap[c] for c in ucls]), tuple([cmap[c] for c in vcls]), table
 
     def _producer_classes(self, place):
         """Per axis: producers alike on that axis (its token, and how finely the other
@@ -342,41 +349,41 @@ class Builder:
     def to_plan(self, choice: list[int], sol, problem: Problem, meta: dict) -> Plan:
         nodes: dict[str, NodePlan] = {}
         edge_s = self._edge_seconds(choice)
+        rep_out = [REPLICATE] * len(self.mesh)
+        done: dict = {}  # item -> its NodePlan fields (tied copies differ only in tied_to)
         for node in self.graph.nodes:
-            it = self.facts.node_item.get(node)
-            tied = self.tie.get(node)
-            tied_to = tied.name if tied else ""
-            if node.op == "call_function" and node in self.const:
-                if isinstance(node.meta.get("val"), torch.Tensor):
-                    nodes[node.name] = NodePlan(role="const", op=_op_name(node), kind="spatial",
-                                                out=[REPLICATE] * len(self.mesh))
+            if node in self.const:
+                if node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor):
+                    nodes[node.name] = NodePlan("const", _op_name(node), "spatial", list(rep_out))
                 continue
+            it = self.facts.node_item.get(node)
             if it is None:
                 continue
-            c = choice[it.group]
-            grp = self.groups[it.group]
-            if it.kind in ("param", "input"):
-                nodes[node.name] = NodePlan(role=it.kind, op="placeholder", kind="spatial",
-                                            out=list(self.place[it][c]), mem_bytes=float(grp.own_mem[c]))
-            elif it.kind == "derived":
-                # Planned through its operand; to the passes it is a decision like any other.
-                s = self.derived[it][c]
-                nodes[node.name] = NodePlan(role="decision", op=_op_name(node), kind=s.kind, out=list(s.out),
-                                            ins=[list(p) for p in s.ins], time_s=float(self.extra[it][c]),
-                                            tied_to=tied_to)
-            elif it.kind == "decision":
-                s: Strategy = grp.strategies[c]
-                nodes[node.name] = NodePlan(role="decision", op=_op_name(node), kind=s.kind, out=list(s.out),
-                                            ins=[list(p) for p in s.ins], axis=s.axis, time_s=grp.own_cost[c],
-                                            comm_s=edge_s.get(it, 0.0), tied_to=tied_to)
-            else:
-                nodes[node.name] = NodePlan(role="follower", op=_op_name(node), kind="spatial",
-                                            out=list(self.place[it][c]), time_s=float(self.extra[it][c]),
-                                            tied_to=tied_to)
+            f = done.get(it)
+            if f is None:
+                f = done[it] = self._node_fields(it, choice[it.group], edge_s)
+            role, kind, out, ins, axis, time_s, comm_s, mem = f
+            tied = self.tie.get(node) if role != "param" and role != "input" else None
+            nodes[node.name] = NodePlan(role, "placeholder" if node.op == "placeholder" else _op_name(node), kind,
+                                        list(out), [list(p) for p in ins], axis, time_s, comm_s, mem,
+                                        tied.name if tied else "")
         return Plan(model=self.tg.model_name, mesh_shape=list(self.mesh), cluster=self.cm.cluster.name,
                     dtype=meta.get("dtype", "fp32"), budget_bytes=meta.get("budget"), nodes=nodes,
                     modelled_step_time_s=sol.objective_ns / NS, peak_memory_bytes=float(sol.peak_bytes),
                     stats=meta.get("stats", {}), alternatives=self._alternatives(choice))
+
+    def _node_fields(self, it: Item, c: int, edge_s: dict) -> tuple:
+        """(role, kind, out, ins, axis, time_s, comm_s, mem_bytes) of item ``it`` under choice c."""
+        grp = self.groups[it.group]
+        if it.kind in ("param", "input"):
+            return it.kind, "spatial", self.place[it][c], (), -1, 0.0, 0.0, float(grp.own_mem[c])
+        if it.kind == "derived":  # planned through its operand; to the passes a decision like any other
+            s = self.derived[it][c]
+            return "decision", s.kind, s.out, s.ins, -1, float(self.extra[it][c]), 0.0, 0.0
+        if it.kind == "decision":
+            s = grp.strategies[c]
+            return "decision", s.kind, s.out, s.ins, s.axis, grp.own_cost[c], edge_s.get(it, 0.0), 0.0
+        return "follower", "spatial", self.place[it][c], (), -1, float(self.extra[it][c]), 0.0, 0.0
 
     def _edge_seconds(self, choice) -> dict:
         """Per consumer item: modelled seconds of its input edges (one copy's worth)."""
@@ -428,18 +435,19 @@ def _classes(keys) -> tuple[tuple[int, ...], list]:
     return tuple([seen.setdefault(k, len(seen)) for k in keys]), list(seen)
 
 
-def _merge_classes(ucls, vcls, table):
+def _merge_classes(num_rows: int, num_cols: int, table: dict):
     """Classes whose cost rows (columns) are identical are interchangeable for the solver:
-    merge them so the edge has as few class pairs as its costs really distinguish."""
-    P, Q = sorted(set(ucls)), sorted(set(vcls))
+    merge them so the edge has as few class pairs as its costs really distinguish.
+    Returns (new row class per old one, new column class per old one, the merged table)."""
+    P, Q = range(num_rows), range(num_cols)
     first: dict = {}
-    rmap = {p: first.setdefault(tuple(table.get((p, q), 0.0) for q in Q), p) for p in P}
+    rmap = [first.setdefault(tuple([table.get((p, q), 0.0) for q in Q]), p) for p in P]
     first = {}
-    cmap = {q: first.setdefault(tuple(table.get((p, q), 0.0) for p in P), q) for q in Q}
-    pr = {p: i for i, p in enumerate(sorted(set(rmap.values())))}
-    qr = {q: i for i, q in enumerate(sorted(set(cmap.values())))}
-    new_table = {(pr[rmap[p]], qr[cmap[q]]): c for (p, q), c in table.items()}
-    return (tuple(pr[rmap[p]] for p in ucls), tuple(qr[cmap[q]] for q in vcls), new_table)
+    cmap = [first.setdefault(tuple([table.get((p, q), 0.0) for p in P]), q) for q in Q]
+    pr = {p: i for i, p in enumerate(sorted(set(rmap)))}
+    qr = {q: i for i, q in enumerate(sorted(set(cmap)))}
+    rows, cols = [pr[r] for r in rmap], [qr[c] for c in cmap]
+    return rows, cols, {(rows[p], cols[q]): c for (p, q), c in table.items()}
 
 
 def build_problem(tg: TracedGraph, cm: CostModel, budget: float | None = None, hints: Hints | None = None,

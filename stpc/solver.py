@@ -324,29 +324,27 @@ def solve_unconstrained(p: Problem) -> list[int]:
     n = len(p.cost)
     pairs: dict[tuple[int, int], np.ndarray] = {}
     unary = [np.asarray(c, dtype=np.int64) for c in p.cost]
-    ub = sum(int(u.max()) for u in unary)
+    # Lexicographic key cost * scale + quantised memory, with the memory sum < scale,
+    # when every sum stays in int64 (ub bounds the objective of any assignment).
+    ub = sum(int(u.max()) for u in unary) + sum(max(0, *e.table.values()) for e in p.edges if e.table)
+    scale = 1 << 20 if (ub + 1) * (1 << 20) < (1 << 58) else 1
+    if scale > 1:
+        unit = -(-(sum(max(m) for m in p.mem) + 1) // (scale - 1))
+        unary = [u * scale + np.asarray(m, dtype=np.int64) // unit for u, m in zip(unary, p.mem)]
     for e in p.edges:
         if not e.table:
             continue
         keys = np.array(list(e.table), dtype=np.intp)
         ucls, vcls = np.asarray(e.ucls, dtype=np.intp), np.asarray(e.vcls, dtype=np.intp)
         t = np.zeros((max(ucls.max(), keys[:, 0].max()) + 1, max(vcls.max(), keys[:, 1].max()) + 1), dtype=np.int64)
-        t[keys[:, 0], keys[:, 1]] = np.fromiter(e.table.values(), dtype=np.int64, count=len(keys))
+        t[keys[:, 0], keys[:, 1]] = np.fromiter(e.table.values(), dtype=np.int64, count=len(keys)) * scale
         m = t[ucls][:, vcls]
-        ub += int(m.max())
         if e.u == e.v:
             unary[e.u] = unary[e.u] + np.diag(m)
         elif e.u < e.v:
             pairs[(e.u, e.v)] = pairs[(e.u, e.v)] + m if (e.u, e.v) in pairs else m
         else:
             pairs[(e.v, e.u)] = pairs[(e.v, e.u)] + m.T if (e.v, e.u) in pairs else m.T
-    # Lexicographic key cost * scale + quantised memory, with the memory sum < scale.
-    scale = 1 << 20
-    if (ub + 1) * scale < (1 << 58):
-        mem_total = sum(max(m) for m in p.mem) + 1
-        unit = -(-mem_total // (scale - 1))
-        unary = [u * scale + np.asarray(m, dtype=np.int64) // unit for u, m in zip(unary, p.mem)]
-        pairs = {k: v * scale for k, v in pairs.items()}
     _, choice = eliminate(unary, pairs)
     assert len(choice) == n
     return choice
