@@ -1,20 +1,24 @@
 """Planner search time on the PrimePar models and device counts, measured on this machine.
 
-    .venv/bin/python benchmarks/planner_bench.py [--models ...] [--sizes 4 8 16 32] [--megatron]
+    .venv/bin/python benchmarks/planner_bench.py [--models ...] [--sizes 4 8 16 32] [--megatron] [--repeat 5]
 
-For each model: trace once on meta tensors (timed), then for each device count
-search every logical mesh shape (``stpc.search``) on the ``primepar-v100``
+For each model: trace once on meta tensors (timed; it includes the mesh-independent
+graph analysis, ``TracedGraph.analyse``, also shown on its own), then for each device
+count search every logical mesh shape (``stpc.search``) on the ``primepar-v100``
 cluster (8 nodes x 4 V100, NVLink / InfiniBand), fp16 mixed precision, global
 batch 8 x sequence 2048, budget 32 GB per device (--no-budget: none). "search" is strategy
-enumeration + costing + CP-SAT over all mesh shapes, after tracing; "total" adds
-the trace. A cell whose budget is infeasible reports the time to prove it.
-With --megatron it also plans the Megatron TP+SP baseline (best DP x TP) on the
-same cost model and prints the modelled speedup. Prints markdown.
+enumeration + costing + solving over all mesh shapes + reading the plan back, after
+tracing: the median of --repeat runs, and the first (cold) run on its own; "total" is
+the trace plus the first run (what one ``stpc plan`` call pays). A cell whose budget
+is infeasible reports the time to prove it. With --megatron it also plans the Megatron
+TP+SP baseline (best DP x TP) on the same cost model and prints the modelled speedup.
+Prints markdown.
 """
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
 import time
 
@@ -45,6 +49,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--megatron", action="store_true")
     p.add_argument("--no-budget", action="store_true", help="plan without a memory limit")
+    p.add_argument("--repeat", type=int, default=5, help="searches per cell (median reported)")
     p.add_argument("--per-shape", action="store_true",
                    help="after the table, each planned cell's mesh shapes: build and solve ms")
     a = p.parse_args(argv)
@@ -52,9 +57,10 @@ def main(argv=None):
     budget = None if a.no_budget else cl.device.mem_bytes
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"python {sys.version.split()[0]}, budget {'none' if budget is None else f'{budget / 1e9:.0f} GB'}\n")
-    print("| model | devices | trace s | search s | total s | PrimePar search s | mesh | modelled step s "
-          "| peak GiB | families |" + (" Megatron modelled s | speedup (modelled) |" if a.megatron else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if a.megatron else ""))
+    print(f"| model | devices | trace s | analysis ms | search s (median of {a.repeat}) | first run s | total s "
+          "| PrimePar search s | median <= PrimePar | mesh | modelled step s | peak GiB | families |"
+          + (" Megatron modelled s | speedup (modelled) |" if a.megatron else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if a.megatron else ""))
     shapes = []  # (model, devices, mesh_shapes_tried) of every planned cell
     for name in a.models:
         cfg = models.get_config(name)
@@ -63,24 +69,28 @@ def main(argv=None):
             m = models.build(cfg).to(torch.float16)
         tg = trace(m, models.example_inputs(cfg, a.batch, min(a.seq, cfg.max_seq)), name=name)
         t_trace = time.perf_counter() - t0
+        t_analysis = tg.meta["analysis_s"]
         for n in a.sizes:
-            t1 = time.perf_counter()
-            try:
-                plan = search(tg, n, cl, budget_bytes=budget, dtype="fp16", optimizer_layout="mixed-adam")
-                err = None
-            except InfeasibleBudget as e:
-                plan, err = None, e
-            t_search = time.perf_counter() - t1
+            times = []
+            for _ in range(a.repeat):
+                t1 = time.perf_counter()
+                try:
+                    plan = search(tg, n, cl, budget_bytes=budget, dtype="fp16", optimizer_layout="mixed-adam")
+                    err = None
+                except InfeasibleBudget as e:
+                    plan, err = None, e
+                times.append(time.perf_counter() - t1)
+            t_search, t_first = statistics.median(times), times[0]
             ref = PRIMEPAR_MS[family(name)][n] / 1e3 if n in PRIMEPAR_MS[family(name)] else float("nan")
+            head = (f"| {name} | {n} | {t_trace:.2f} | {1e3 * t_analysis:.1f} | {t_search:.3f} | {t_first:.3f} "
+                    f"| {t_trace + t_first:.2f} | {ref:.3f} | {'yes' if t_search <= ref else 'no'} |")
             if plan is None:
-                row = (f"| {name} | {n} | {t_trace:.2f} | {t_search:.3f} | {t_trace + t_search:.2f} | {ref:.3f} "
-                       f"| infeasible | - | needs {err.min_budget / 2**30:.1f} | - |")
+                row = head + f" infeasible | - | needs {err.min_budget / 2**30:.1f} | - |"
                 print(row + (" - | - |" if a.megatron else ""), flush=True)
                 continue
             shapes.append((name, n, plan.stats["mesh_shapes_tried"]))
             fams = ", ".join(f"{k} {v}" for k, v in plan.strategy_counts().items())
-            row = (f"| {name} | {n} | {t_trace:.2f} | {t_search:.3f} | {t_trace + t_search:.2f} | {ref:.3f} | "
-                   f"{'x'.join(map(str, plan.mesh_shape))} | {plan.modelled_step_time_s:.3f} | "
+            row = (head + f" {'x'.join(map(str, plan.mesh_shape))} | {plan.modelled_step_time_s:.3f} | "
                    f"{plan.peak_memory_bytes / 2**30:.1f} | {fams} |")
             if a.megatron:
                 try:

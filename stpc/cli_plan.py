@@ -41,7 +41,8 @@ def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int
     plan = search(tg, mesh, cl, budget_bytes=budget, hints=hints, temporal=temporal, dtype=dtype,
                   optimizer_layout="fp32-adam" if dtype == "fp32" else "mixed-adam")
     t2 = time.perf_counter()
-    plan.stats.update(trace_time_s=t1 - t0, total_time_s=t2 - t0, batch=batch, seq=seq)
+    plan.stats.update(trace_time_s=t1 - t0, analysis_time_s=tg.meta.get("analysis_s"), total_time_s=t2 - t0,
+                      batch=batch, seq=seq)
     return plan, tg
 
 
@@ -51,7 +52,8 @@ def summary(plan) -> dict:
             "cluster": plan.cluster, "modelled_step_time_s": plan.modelled_step_time_s,
             "peak_memory_bytes": plan.peak_memory_bytes, "budget_bytes": plan.budget_bytes,
             "search_time_s": s["search_time_s"], "solve_time_s": s["solve_time_s"],
-            "trace_time_s": s.get("trace_time_s"), "total_time_s": s.get("total_time_s"),
+            "trace_time_s": s.get("trace_time_s"), "analysis_time_s": s.get("analysis_time_s"),
+            "total_time_s": s.get("total_time_s"),
             "num_nodes": s["num_nodes"], "num_groups": s["num_groups"], "num_variables": s["num_variables"],
             "strategy_counts": plan.strategy_counts(), "fallback_ops": s["fallback_ops"],
             "mesh_shapes_tried": s["mesh_shapes_tried"], "batch": s.get("batch"), "seq": s.get("seq")}

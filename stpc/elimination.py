@@ -306,14 +306,17 @@ def _row_classes(m):
     return m[first], inv
 
 
-_PROJECTIONS: dict[int, np.ndarray] = {}
+_PROJECTION = np.random.default_rng(0).integers(1, 2**63, size=1024, dtype=np.uint64) | np.uint64(1)
 
 
 def _projection(n: int) -> np.ndarray:
-    """A fixed pseudo-random uint64 vector of length n (same in every process)."""
-    if n not in _PROJECTIONS:
-        _PROJECTIONS[n] = np.random.default_rng(n).integers(1, 2**63, size=n, dtype=np.uint64) | np.uint64(1)
-    return _PROJECTIONS[n]
+    """A pseudo-random uint64 vector of length n. It only buckets rows: classes are
+    checked exactly and numbered in first-seen order, so no result depends on it."""
+    global _PROJECTION
+    if n > len(_PROJECTION):  # (rare: rows wider than any seen so far)
+        more = np.random.default_rng(n).integers(1, 2**63, size=n - len(_PROJECTION), dtype=np.uint64)
+        _PROJECTION = np.concatenate([_PROJECTION, more | np.uint64(1)])
+    return _PROJECTION[:n]
 
 
 def _dense(x, fs, others, dom, max_table):

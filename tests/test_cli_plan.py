@@ -14,6 +14,9 @@ def test_plan_cli_json(tmp_path):
                 "num_nodes", "num_variables", "strategy_counts", "search_time_s"):
         assert key in d, key
     assert d["total_time_s"] >= d["search_time_s"] >= d["solve_time_s"] > 0
+    # the mesh-independent analysis is part of the trace, timed on its own
+    assert d["trace_time_s"] > d["analysis_time_s"] > 0
+    assert d["total_time_s"] >= d["trace_time_s"] + d["search_time_s"]
     assert sum(d["strategy_counts"].values()) > 0 and len(d["plan_hash"]) == 64
     from stpc.plan import Plan
     assert Plan.load(str(tmp_path / "p.plan.json")).hash() == d["plan_hash"]

@@ -89,3 +89,17 @@ def test_tensor_constant_in_forward_is_a_clear_error():
     with pytest.raises(ValueError, match=r"tensor constant .*register_buffer") as e:
         trace(C(), (torch.ones(3, 2),))
     assert "test_trace.py:" in str(e.value)
+
+
+def test_trace_analyses_the_graph_once_and_again_when_it_changes():
+    m = models.build("gpt-tiny")
+    tg = trace(m, models.example_inputs("gpt-tiny", 2, 16, device="cpu"))
+    facts = tg.facts
+    assert facts is not None and tg.meta["analysis_s"] > 0
+    assert facts.num_nodes == len(tg.graph.nodes) and facts.tie  # gpt-tiny's layers are tied
+    assert tg.analyse() is facts  # every mesh shape and search reuses it
+    g = tg.graph
+    out = next(n for n in g.nodes if n.op == "output")
+    with g.inserting_before(out):
+        g.call_function(torch.ops.aten.zeros.default, ([1],))
+    assert tg.analyse() is not facts and tg.facts.num_nodes == len(g.nodes)
