@@ -95,6 +95,7 @@ class Builder:
         self._reshard: dict = {}                # axis_reshard by its arguments
         self._axis_keys: dict = {}              # placement -> per-axis producer class key
         self._axis_tables: dict = {}            # per-axis class keys -> merged edge table
+        self._by_key: dict = {}                 # derived/follower answers per signature and input
         self.budget = None
 
     # ---------------------------------------------------------------- per item
@@ -180,7 +181,9 @@ class Builder:
             timer = NodeTimer(node, self.cm, [o in self.rg for o in ops])
             rep_p = tuple(REPLICATE for _ in self.mesh)
             strategies, extra = [], []
-            cache = {}
+            # the answer for a key depends on the node's signature alone: items of one
+            # signature (RMSNorm's ops before attention and before the MLP) share it
+            cache = self._by_key.setdefault(("derived", it.signature, live), {})
             for key in zip(*sources):  # the live operands' placements under each group choice
                 if key not in cache:
                     s = derive(node, dict(zip(live, key)), self.mesh, self._derive_cache)
@@ -212,7 +215,8 @@ class Builder:
             view = is_view_like(node)
             rep_p = tuple(REPLICATE for _ in self.mesh)
             rule = follow_rule(node)
-            by_input = {}  # many group choices share an output placement: one answer each
+            # many group choices share an output placement, many items a signature: one answer each
+            by_input = self._by_key.setdefault(("follower", it.signature), {})
             for p in source:
                 if p in by_input:
                     continue
@@ -351,21 +355,19 @@ class Builder:
         edge_s = self._edge_seconds(choice)
         rep_out = [REPLICATE] * len(self.mesh)
         done: dict = {}  # item -> its NodePlan fields (tied copies differ only in tied_to)
+        item_of, tie_of, const = self.facts.node_item.get, self.tie.get, self.const
         for node in self.graph.nodes:
-            if node in self.const:
-                if node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor):
-                    nodes[node.name] = NodePlan("const", _op_name(node), "spatial", list(rep_out))
-                continue
-            it = self.facts.node_item.get(node)
+            it = item_of(node)
             if it is None:
+                if node in const and node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor):
+                    nodes[node.name] = NodePlan("const", _op_name(node), "spatial", list(rep_out))
                 continue
             f = done.get(it)
             if f is None:
                 f = done[it] = self._node_fields(it, choice[it.group], edge_s)
-            role, kind, out, ins, axis, time_s, comm_s, mem = f
-            tied = self.tie.get(node) if role != "param" and role != "input" else None
-            nodes[node.name] = NodePlan(role, "placeholder" if node.op == "placeholder" else _op_name(node), kind,
-                                        list(out), [list(p) for p in ins], axis, time_s, comm_s, mem,
+            role, op, kind, out, ins, axis, time_s, comm_s, mem = f
+            tied = tie_of(node) if op != "placeholder" else None
+            nodes[node.name] = NodePlan(role, op, kind, list(out), [list(p) for p in ins], axis, time_s, comm_s, mem,
                                         tied.name if tied else "")
         return Plan(model=self.tg.model_name, mesh_shape=list(self.mesh), cluster=self.cm.cluster.name,
                     dtype=meta.get("dtype", "fp32"), budget_bytes=meta.get("budget"), nodes=nodes,
@@ -373,17 +375,19 @@ class Builder:
                     stats=meta.get("stats", {}), alternatives=self._alternatives(choice))
 
     def _node_fields(self, it: Item, c: int, edge_s: dict) -> tuple:
-        """(role, kind, out, ins, axis, time_s, comm_s, mem_bytes) of item ``it`` under choice c."""
+        """(role, op, kind, out, ins, axis, time_s, comm_s, mem_bytes) of item ``it`` under
+        choice c (every node of an item runs one op)."""
         grp = self.groups[it.group]
         if it.kind in ("param", "input"):
-            return it.kind, "spatial", self.place[it][c], (), -1, 0.0, 0.0, float(grp.own_mem[c])
+            return it.kind, "placeholder", "spatial", self.place[it][c], (), -1, 0.0, 0.0, float(grp.own_mem[c])
+        op = _op_name(it.node)
         if it.kind == "derived":  # planned through its operand; to the passes a decision like any other
             s = self.derived[it][c]
-            return "decision", s.kind, s.out, s.ins, -1, float(self.extra[it][c]), 0.0, 0.0
+            return "decision", op, s.kind, s.out, s.ins, -1, float(self.extra[it][c]), 0.0, 0.0
         if it.kind == "decision":
             s = grp.strategies[c]
-            return "decision", s.kind, s.out, s.ins, s.axis, grp.own_cost[c], edge_s.get(it, 0.0), 0.0
-        return "follower", "spatial", self.place[it][c], (), -1, float(self.extra[it][c]), 0.0, 0.0
+            return "decision", op, s.kind, s.out, s.ins, s.axis, grp.own_cost[c], edge_s.get(it, 0.0), 0.0
+        return "follower", op, "spatial", self.place[it][c], (), -1, float(self.extra[it][c]), 0.0, 0.0
 
     def _edge_seconds(self, choice) -> dict:
         """Per consumer item: modelled seconds of its input edges (one copy's worth)."""
