@@ -23,6 +23,8 @@ caller to use CP-SAT instead.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -49,7 +51,16 @@ def eliminate(unary: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray],
             touching[v].add(vs)
     eliminated: list[tuple[int, list[tuple[tuple[int, ...], np.ndarray]]]] = []
     total = 0
-    for x in elimination_order([vs for vs in factors if len(vs) > 1], dom):
+    order = elimination_order([vs for vs in factors if len(vs) > 1], dom)
+    i = 0
+    while i < len(order):
+        x, plan = _pick(order, i, factors, touching, dom, max_table)
+        if x != order[i]:  # a tie went the other way: the greedy order continues from here
+            done = set(order[:i]) | {x}
+            scopes = [vs for vs in factors if len(vs) > 1 and x not in vs]
+            scopes.append(tuple(sorted({v for vs in touching[x] for v in vs if v != x})))
+            order = order[:i] + [x] + [v for v in elimination_order(scopes, dom) if v not in done]
+        i += 1
         fs = [(vs, factors.pop(vs)) for vs in sorted(touching[x])]
         for vs, _ in fs:
             for v in vs:
@@ -58,7 +69,7 @@ def eliminate(unary: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray],
         touching[x].clear()
         eliminated.append((x, fs))
         others = tuple(sorted({v for vs, _ in fs for v in vs if v != x}))
-        table = _min_out(x, fs, others, dom, max_table)
+        table = plan[1]() if plan else _min_out(x, fs, others, dom, max_table)
         if not others:
             total += int(table)
             continue
@@ -77,6 +88,33 @@ def eliminate(unary: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray],
 
 def _add_factor(factors, vs, table):
     factors[vs] = factors[vs] + table if vs in factors else table
+
+
+def _pick(order, i, factors, touching, dom, max_table):
+    """The group to eliminate at step i: ``order[i]``, unless that is a three-neighbour
+    step and another remaining group's step ties with it on the greedy rules' terms
+    (three neighbours, the same table size) but its tables make it cheaper (the
+    estimate of ``_three_plan``; the rules see only the graph, not the tables).
+    Returns (group, its plan or None)."""
+    def size_of(y):  # (neighbours, table size) of y's step
+        others = tuple(sorted({v for vs in touching[y] for v in vs if v != y}))
+        return others, dom[y] * math.prod(dom[v] for v in others)
+
+    def plan_of(y, others):
+        if math.prod(dom[v] for v in others) > max_table:
+            return None  # (too wide: _min_out says so)
+        return _three_plan(y, [(vs, factors[vs]) for vs in sorted(touching[y])], others, dom)
+
+    x = order[i]
+    others, size = size_of(x)
+    best = plan_of(x, others) if len(others) == 3 else None
+    if best is None:
+        return x, None
+    for y in order[i + 1:]:
+        others_y, size_y = size_of(y)
+        if len(others_y) == 3 and size_y == size and (plan := plan_of(y, others_y)) and plan[0] < best[0]:
+            x, best = y, plan
+    return x, best
 
 
 def elimination_order(scopes, dom) -> list[int]:
@@ -154,11 +192,18 @@ def _min_out(x, fs, others, dom, max_table):
         size *= dom[v]
     if size > max_table:
         raise TooWide(f"eliminating group {x} needs a table of {size} entries")
-    if len(others) == 3:  # two ways to reduce it to two-neighbour steps: the cheaper one
-        plans = [p for p in (_split_plan(x, fs, others, dom), _fixing_plan(x, fs, others, dom)) if p]
-        if plans:
-            return min(plans, key=lambda p: p[0])[1]()
+    if len(others) == 3:
+        plan = _three_plan(x, fs, others, dom)
+        if plan:
+            return plan[1]()
     return _dense(x, fs, others, dom, max_table)
+
+
+def _three_plan(x, fs, others, dom):
+    """Three neighbours: two ways to reduce the step to two-neighbour steps, the one of
+    smaller estimate; (estimate, compute) or None when neither applies."""
+    plans = [p for p in (_split_plan(x, fs, others, dom), _fixing_plan(x, fs, others, dom)) if p]
+    return min(plans, key=lambda p: p[0]) if plans else None
 
 
 # Work of a step is counted in (min, +) entries; one numpy round of the fixing loop
