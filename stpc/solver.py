@@ -334,10 +334,12 @@ def solve_unconstrained(p: Problem) -> list[int]:
     for e in p.edges:
         if not e.table:
             continue
-        keys = np.array(list(e.table), dtype=np.intp)
-        ucls, vcls = np.asarray(e.ucls, dtype=np.intp), np.asarray(e.vcls, dtype=np.intp)
-        t = np.zeros((max(ucls.max(), keys[:, 0].max()) + 1, max(vcls.max(), keys[:, 1].max()) + 1), dtype=np.int64)
-        t[keys[:, 0], keys[:, 1]] = np.fromiter(e.table.values(), dtype=np.int64, count=len(keys)) * scale
+        ucls = np.fromiter(e.ucls, dtype=np.intp, count=len(e.ucls))
+        vcls = np.fromiter(e.vcls, dtype=np.intp, count=len(e.vcls))
+        t = np.zeros((max(int(ucls.max()), *(a for a, _ in e.table)) + 1,
+                      max(int(vcls.max()), *(b for _, b in e.table)) + 1), dtype=np.int64)
+        for (a, b), c in e.table.items():  # (a few dozen class pairs)
+            t[a, b] = c * scale
         m = t[ucls][:, vcls]
         if e.u == e.v:
             unary[e.u] = unary[e.u] + np.diag(m)
