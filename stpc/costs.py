@@ -101,7 +101,15 @@ class NodeTimer:
         self.needs_bwd = any(operand_grad)
         self._phases: dict[int, tuple[float, float, float]] = {}
         self._spatial: dict[tuple, float] = {}   # split flags per axis -> spatial seconds
+        self._arg_nbytes: dict[int, int] = {}    # positional tensor argument -> its bytes
         self.out_bytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+    def _arg_bytes(self, i: int) -> int:
+        got = self._arg_nbytes.get(i)
+        if got is None:
+            v = self.node.args[i].meta["val"]
+            got = self._arg_nbytes[i] = v.numel() * v.element_size()
+        return got
 
     def phases(self, split: int) -> tuple[float, float, float]:
         got = self._phases.get(split)
@@ -126,11 +134,9 @@ class NodeTimer:
                 got = self._spatial[split] = sum(self.phases(_work_split(s, mesh)))
             return got
         fwd, bwd, grad = self.phases(_work_split(s, mesh))
-        node = self.node
         a = s.axis
         n = mesh[a]
-        x_val = node.args[0].meta["val"]
-        x_local = x_val.numel() * x_val.element_size() / shard_factor(s.ins[0], mesh)
+        x_local = self._arg_bytes(0) / shard_factor(s.ins[0], mesh)
         out_local = self.out_bytes / shard_factor(s.out, mesh)
         if s.kind == "ag_ring":
             # n steps; each moves one block of x (fwd, and again for dW) or of dI (bwd).
@@ -142,8 +148,7 @@ class NodeTimer:
             return n * (cm.ring_step(fwd / n, step) + cm.ring_step((bwd + grad) / n, step))
         if s.kind == "p2x2":
             g = math.isqrt(n)
-            w_val = node.args[1].meta["val"]
-            w_local = w_val.numel() * w_val.element_size() / shard_factor(s.ins[1], mesh)
+            w_local = self._arg_bytes(1) / shard_factor(s.ins[1], mesh)
             # Per step both an activation block and a weight block move (fwd: I and W;
             # bwd: dO and W; grad: I and dO), on different neighbours, in parallel.
             step_f = cm.p2p(max(x_local, w_local), a)
