@@ -16,8 +16,11 @@ only for the distinct columns on each side.
 
 Everything is int64 (nanoseconds, or the solver's lexicographic cost-then-memory
 key): exact, and ties resolve to the lowest choice index, so the result is the
-same in every process. A group left with three neighbours fixes the smallest one
-and does two-neighbour steps; wider steps scan x's choices densely while the
+same in every process. A group left with three neighbours (the tied embedding of
+OPT and BLOOM closes a second cycle) becomes two-neighbour work one of two ways:
+two neighbours joined into one, or the smallest fixed value by value, whichever
+the tables' distinct rows make cheaper; of two such steps the greedy order cannot
+tell apart, the cheaper goes first. Wider steps scan x's choices densely while the
 table stays under ``max_table`` entries; beyond that :class:`TooWide` tells the
 caller to use CP-SAT instead.
 """
