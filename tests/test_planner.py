@@ -175,6 +175,45 @@ def test_plan_json_roundtrip_hash_and_explain(tmp_path):
     assert "modelled step" in plan.table()
 
 
+@pytest.mark.parametrize("name,mesh", [("gpt-tiny", (2, 2)), ("llama-tiny", (2, 2, 2))])
+def test_alternatives_rank_every_strategy_by_node_and_input_edge_time(name, mesh):
+    """plan.explain's ranking against a plain recomputation: for each decision, every
+    strategy scored as its own time plus its input edges with the neighbours as chosen
+    (any choice: here a random one); the top six by (time, description), plus the
+    chosen strategy's description if it is not among them."""
+    import random
+
+    from stpc.planner import Hints, build_problem
+
+    tg = _meta_trace(name)
+    b, problem = build_problem(tg, CostModel(get_cluster("primepar-v100"), mesh), None, Hints())
+    rnd = random.Random(0)
+    choice = [rnd.randrange(len(c)) for c in problem.cost]
+    got = b._alternatives(choice)
+    inputs = {}
+    for (src, dst, _), edges in b._edge_cache.items():
+        inputs.setdefault(dst, []).extend((src.group, e) for e in edges)
+    checked = 0
+    for it in tg.facts.group_items:
+        grp = b.groups[it.group]
+        if it.kind != "decision" or len(grp.strategies) < 2:
+            continue
+        scored = []
+        for c, s in enumerate(grp.strategies):
+            t = grp.own_cost[c]
+            for u, (ucls, vcls, table) in inputs.get(it, []):
+                t += table.get((ucls[c if u == it.group else choice[u]], vcls[c]), 0.0)
+            scored.append((t, s.describe()))
+        scored.sort()
+        want = scored[:6]
+        chosen = grp.strategies[choice[it.group]].describe()
+        if chosen not in [d for _, d in want]:
+            want.append(next(x for x in scored if x[1] == chosen))
+        assert got[it.node.name] == [(d, t) for t, d in want], it.node.name
+        checked += 1
+    assert checked >= 5
+
+
 _DET = """
 import torch
 from stpc import models, trace
