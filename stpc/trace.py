@@ -58,13 +58,16 @@ class TracedGraph:
     def analyse(self):
         """The graph's mesh-independent facts (``stpc.structure.GraphFacts``: gradients,
         constants, saved tensors, tied layers, work items), computed once and reused by
-        every mesh shape and every search; recomputed if the graph's nodes changed."""
+        every mesh shape and every search; recomputed when the graph changed (its node
+        count or its recompiled code: every stpc pass lints and recompiles)."""
         from stpc.structure import GraphFacts
 
-        if self.facts is None or self.facts.num_nodes != len(self.gm.graph.nodes):
+        key = (len(self.gm.graph.nodes), self.gm.code)
+        if self.facts is None or self.meta.get("analysed") != key:
             t0 = time.perf_counter()
             self.facts = GraphFacts.of(self)
             self.meta["analysis_s"] = time.perf_counter() - t0
+            self.meta["analysed"] = key
         return self.facts
 
 

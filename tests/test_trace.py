@@ -99,6 +99,13 @@ def test_trace_analyses_the_graph_once_and_again_when_it_changes():
     assert facts.num_nodes == len(tg.graph.nodes) and facts.tie  # gpt-tiny's layers are tied
     assert tg.analyse() is facts  # every mesh shape and search reuses it
     g = tg.graph
+    # the same number of nodes, rewired (a pass lints and recompiles): analysed again
+    add = next(n for n in g.nodes if n.target == torch.ops.aten.add.Tensor
+               and all(isinstance(a, torch.fx.Node) for a in n.args[:2]))
+    add.args = (add.args[1], add.args[0]) + tuple(add.args[2:])
+    tg.gm.recompile()
+    assert tg.analyse() is not facts
+    facts = tg.facts
     out = next(n for n in g.nodes if n.op == "output")
     with g.inserting_before(out):
         g.call_function(torch.ops.aten.zeros.default, ([1],))
