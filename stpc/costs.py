@@ -159,10 +159,6 @@ class NodeTimer:
         raise ValueError(f"unknown strategy family {s.kind!r}")
 
 
-def local_bytes(val, placement: tuple[str, ...], mesh) -> float:
-    return val.numel() * val.element_size() / shard_factor(placement, mesh)
-
-
 class TransientSizer:
     """Working set while the node runs under a strategy (``sizer(s, mesh)``): its local
     inputs and output, plus the two in-flight ring buffers of a temporal family. Sizes
@@ -182,4 +178,4 @@ class TransientSizer:
         return total
 
 
-__all__ = ["reshard_cost", "NodeTimer", "TransientSizer", "local_bytes", "axis_reshard"]
+__all__ = ["reshard_cost", "NodeTimer", "TransientSizer", "axis_reshard"]

@@ -134,19 +134,13 @@ def elimination_order(scopes, dom) -> list[int]:
         for a in vs:
             adj0[a].update(v for v in vs if v != a)
 
-    def prod(vals):
-        p = 1
-        for v in vals:
-            p *= v
-        return p
-
     def fewest_neighbours(v, adj):
-        return (len(adj[v]), prod(dom[o] for o in adj[v]), v)
+        return (len(adj[v]), math.prod(dom[o] for o in adj[v]), v)
 
     def least_fill(v, adj):
         nb = sorted(adj[v])
         fill = sum(dom[a] * dom[b] for i, a in enumerate(nb) for b in nb[i + 1:] if b not in adj[a])
-        return (fill, dom[v] * prod(dom[o] for o in nb), v)
+        return (fill, dom[v] * math.prod(dom[o] for o in nb), v)
 
     best = None
     for rule in (fewest_neighbours, least_fill):
@@ -156,7 +150,7 @@ def elimination_order(scopes, dom) -> list[int]:
         while keys:
             x = min(keys, key=keys.__getitem__)
             nb = adj[x]
-            work += dom[x] * prod(dom[o] for o in nb)
+            work += dom[x] * math.prod(dom[o] for o in nb)
             for a in nb:
                 adj[a] |= nb - {a}
                 adj[a].discard(x)
@@ -190,9 +184,7 @@ def _min_out(x, fs, others, dom, max_table):
         return (u[:, None] + by_other[others[0]]).min(axis=0)
     if not wide and len(others) == 2:
         return _min_plus_two(u, by_other[others[0]], by_other[others[1]])
-    size = 1
-    for v in others:
-        size *= dom[v]
+    size = math.prod(dom[v] for v in others)
     if size > max_table:
         raise TooWide(f"eliminating group {x} needs a table of {size} entries")
     if len(others) == 3:
@@ -370,9 +362,7 @@ def _projection(n: int) -> np.ndarray:
 def _dense(x, fs, others, dom, max_table):
     """Three or more neighbours: accumulate the minimum over x one choice at a time,
     so memory stays at the size of the result table."""
-    size = 1
-    for v in others:
-        size *= dom[v]
+    size = math.prod(dom[v] for v in others)
     if size * dom[x] > 50 * max_table:
         raise TooWide(f"eliminating group {x} needs {size} x {dom[x]} steps")
     shape = [dom[v] for v in others]

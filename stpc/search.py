@@ -21,15 +21,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import time
 
 from stpc.cost_models import CostModel, get_cluster
 from stpc.hints import preset
-from stpc.elimination import TooWide
 from stpc.plan import Plan
 from stpc.planner import NS, Builder, HintUnsatisfiable, Hints, build_problem, make_plan
-from stpc.solver import (InfeasibleBudget, NoBetterPlan, Problem, eliminated, min_memory, solve,
-                         solve_unconstrained)
+from stpc.solver import (InfeasibleBudget, NoBetterPlan, Problem, eliminated, memory_blind_optimum, min_memory,
+                         solve)
 from stpc.trace import TracedGraph
 
 
@@ -58,16 +58,10 @@ def parse_mesh(spec) -> tuple[tuple[int, ...] | None, int]:
         return None, spec
     if isinstance(spec, (tuple, list)):
         shape = tuple(int(x) for x in spec)
-        return shape, _prod(shape)
+        return shape, math.prod(shape)
     parts = [int(x) for x in str(spec).lower().split("x")]
-    return (None, parts[0]) if len(parts) == 1 else (tuple(parts), _prod(parts))
+    return (None, parts[0]) if len(parts) == 1 else (tuple(parts), math.prod(parts))
 
-
-def _prod(xs):
-    p = 1
-    for x in xs:
-        p *= x
-    return p
 
 
 @contextlib.contextmanager
@@ -137,11 +131,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             continue
         b.add_edges(problem)
         t_built = time.perf_counter()
-        try:
-            choice = solve_unconstrained(problem)
-            bound, peak = problem.evaluate(choice)
-        except TooWide:
-            choice, bound, peak = None, 0, None
+        choice, bound, peak = memory_blind_optimum(problem)
         candidates.append(_Shape(idx, s, b, problem, choice, bound, peak, t_built - t_shape,
                                  time.perf_counter() - t_built))
     best = None  # (objective ns, shape index, plan): lexicographically smallest wins

@@ -261,12 +261,8 @@ def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: s
             need = min_memory(p)
             if need > p.budget:
                 raise InfeasibleBudget(p.budget, need)
-        try:
-            choice = solve_unconstrained(p)
-        except TooWide:
-            choice = None
+        choice, obj, peak = memory_blind_optimum(p)
         if choice is not None:
-            obj, peak = p.evaluate(choice)
             if p.cap is not None and obj > p.cap:  # a lower bound of the budgeted optimum too
                 raise NoBetterPlan()
             if p.budget is None or peak <= p.budget:
@@ -291,6 +287,17 @@ def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: s
     return Solution(choice=choice, objective_ns=obj, peak_bytes=peak, status=solver.StatusName(status),
                     solve_time_s=time.perf_counter() - t0, num_variables=len(proto.variables),
                     num_constraints=len(proto.constraints))
+
+
+def memory_blind_optimum(p: Problem) -> tuple[list[int] | None, int, int | None]:
+    """(choice, objective ns, peak bytes) of :func:`solve_unconstrained`'s optimum: a
+    lower bound of the budgeted optimum. ``(None, 0, None)`` when the graph is too
+    wide to eliminate (the bound is then 0)."""
+    try:
+        choice = solve_unconstrained(p)
+    except TooWide:
+        return None, 0, None
+    return (choice, *p.evaluate(choice))
 
 
 def eliminated(p: Problem, choice: list[int], objective_ns: int, peak_bytes: int, seconds: float) -> Solution:

@@ -155,15 +155,13 @@ class GraphFacts:
     saved_uses: Counter            # Item owning a tensor kept for backward -> count
     num_groups: int = 0
     group_items: list = field(default_factory=list)  # group -> the Item that opened it
-    num_nodes: int = 0             # of the graph analysed (``TracedGraph.analyse`` checks it)
 
     @classmethod
     def of(cls, tg: TracedGraph) -> "GraphFacts":
         graph = tg.graph
         params = set(tg.param_fqns)
         rg = requires_grad(graph, params)
-        f = cls(params, rg, constants(graph), tie_layers(graph), [], {}, Counter(), Counter(),
-                num_nodes=len(graph.nodes))
+        f = cls(params, rg, constants(graph), tie_layers(graph), [], {}, Counter(), Counter())
         f._operands = {n: tensor_operands(n) for n in graph.nodes if n.op == "call_function"}
         f._items(graph)
         for t in saved_bases(graph, rg, params, f._operands):

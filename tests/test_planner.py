@@ -300,6 +300,7 @@ def test_search_equals_cpsat_on_every_shape(name, budget_frac):
 def test_search_falls_back_to_cpsat_when_too_wide(monkeypatch):
     """A graph too wide to eliminate is solved by CP-SAT on every shape, same optimum."""
     import stpc.search as S
+    import stpc.solver
     from stpc.elimination import TooWide
 
     tg = _meta_trace("gpt-tiny", batch=16, seq=64)
@@ -308,7 +309,7 @@ def test_search_falls_back_to_cpsat_when_too_wide(monkeypatch):
     def too_wide(problem):
         raise TooWide("forced by the test")
 
-    monkeypatch.setattr(S, "solve_unconstrained", too_wide)
+    monkeypatch.setattr(stpc.solver, "solve_unconstrained", too_wide)
     got = S.search(tg, 4, "primepar-v100")
     assert round(got.modelled_step_time_s * 1e9) == round(want.modelled_step_time_s * 1e9)
     methods = {t.get("method") for t in got.stats["mesh_shapes_tried"] if not t.get("pruned")}

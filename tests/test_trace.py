@@ -96,7 +96,7 @@ def test_trace_analyses_the_graph_once_and_again_when_it_changes():
     tg = trace(m, models.example_inputs("gpt-tiny", 2, 16, device="cpu"))
     facts = tg.facts
     assert facts is not None and tg.meta["analysis_s"] > 0
-    assert facts.num_nodes == len(tg.graph.nodes) and facts.tie  # gpt-tiny's layers are tied
+    assert facts.tie  # gpt-tiny's layers are tied
     assert tg.analyse() is facts  # every mesh shape and search reuses it
     g = tg.graph
     # the same number of nodes, rewired (a pass lints and recompiles): analysed again
@@ -109,4 +109,4 @@ def test_trace_analyses_the_graph_once_and_again_when_it_changes():
     out = next(n for n in g.nodes if n.op == "output")
     with g.inserting_before(out):
         g.call_function(torch.ops.aten.zeros.default, ([1],))
-    assert tg.analyse() is not facts and tg.facts.num_nodes == len(g.nodes)
+    assert tg.analyse() is not facts and tg.analyse() is tg.facts
