@@ -9,10 +9,13 @@ of a CP-SAT search.
 
 Eliminating group x with neighbours a and b:
     R[a, b] = min_x U[x] + A[x, a] + B[x, b]
-Many choices of x look alike to a neighbour (a per-axis edge only sees the
-token on its axis), so x's choices are grouped by their row of A: a segmented
-minimum of U + B over each group, then one (min, +) product over the groups,
-only for the distinct columns on each side.
+Many choices look alike to an edge (a per-axis edge only sees the token on its
+axis), so every pair factor is a small table indexed by the classes of its two
+ends, as the edges come (the choice-by-choice matrix is never written). Several
+tables on one side meet in their joint classes; x's choices are grouped by their
+class on A's side: a segmented minimum of U + B over each class, then one
+(min, +) product over the classes, for the classes of a and of b. R is again a
+class table.
 
 Everything is int64 (nanoseconds, or the solver's lexicographic cost-then-memory
 key): exact, and ties resolve to the lowest choice index, so the result is the
@@ -35,65 +38,183 @@ class TooWide(Exception):
     """Some elimination step would need a table larger than ``max_table`` entries."""
 
 
-def eliminate(unary: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray],
+def eliminate(unary: list[np.ndarray], pairs: dict[tuple[int, int], object],
               max_table: int = 4_000_000) -> tuple[int, list[int]]:
     """Minimise ``sum_g unary[g][c_g] + sum_(a,b) pairs[a,b][c_a, c_b]`` exactly.
 
-    ``pairs`` is keyed by ``(a, b)`` with ``a < b``, each matrix ``len(unary[a]) x
-    len(unary[b])``. Returns ``(minimum, choice per group)``.
+    ``pairs`` is keyed by ``(a, b)`` with ``a < b``; each value is a matrix
+    ``len(unary[a]) x len(unary[b])`` or a list of class tables ``(a's class per
+    choice, b's class per choice, table)`` whose entries add up, the form edges come
+    in (the matrix is never written). Returns ``(minimum, choice per group)``.
     """
     n = len(unary)
     dom = [len(u) for u in unary]
-    # factors: variables (sorted tuple) -> table with one axis per variable
-    factors: dict[tuple[int, ...], np.ndarray] = {(g,): np.asarray(u, dtype=np.int64) for g, u in enumerate(unary)}
+    unary = [np.asarray(u, dtype=np.int64) for u in unary]
+    factors: dict[tuple[int, ...], list[_Factor]] = {}  # scope (sorted groups) -> tables that add up
     for (a, b), m in pairs.items():
-        _add_factor(factors, (a, b), np.asarray(m, dtype=np.int64))
+        if isinstance(m, list) and m and isinstance(m[0], tuple):
+            factors[(a, b)] = [_Factor((np.asarray(ca, dtype=np.intp), np.asarray(cb, dtype=np.intp)),
+                                       np.asarray(t, dtype=np.int64)) for ca, cb, t in m]
+        else:
+            factors[(a, b)] = [_Factor((None, None), np.asarray(m, dtype=np.int64))]
     touching: list[set] = [set() for _ in range(n)]
     for vs in factors:
         for v in vs:
             touching[v].add(vs)
-    eliminated: list[tuple[int, list[tuple[tuple[int, ...], np.ndarray]]]] = []
+
+    def dense_fs(y):  # y's unary and its factors as dense tables, one per scope
+        return [((y,), unary[y])] + [(vs, sum(f.dense() for f in factors[vs])) for vs in sorted(touching[y])]
+
+    eliminated: list[tuple[int, np.ndarray, list[tuple[tuple[int, ...], _Factor]]]] = []
     total = 0
-    order = elimination_order([vs for vs in factors if len(vs) > 1], dom)
+    order = elimination_order(list(factors), dom)
     i = 0
     while i < len(order):
-        x, plan = _pick(order, i, factors, touching, dom, max_table)
+        x, plan = _pick(order, i, dense_fs, touching, dom, max_table)
         if x != order[i]:  # a tie went the other way: the greedy order continues from here
             done = set(order[:i]) | {x}
-            scopes = [vs for vs in factors if len(vs) > 1 and x not in vs]
+            scopes = [vs for vs in factors if x not in vs]
             scopes.append(tuple(sorted({v for vs in touching[x] for v in vs if v != x})))
             order = order[:i] + [x] + [v for v in elimination_order(scopes, dom) if v not in done]
         i += 1
-        fs = [(vs, factors.pop(vs)) for vs in sorted(touching[x])]
+        others = tuple(sorted({v for vs in touching[x] for v in vs if v != x}))
+        two_way = len(others) <= 2 and all(len(vs) == 2 for vs in touching[x])
+        if plan is None and not two_way:
+            fs_dense = dense_fs(x)
+        fs = [(vs, f) for vs in sorted(touching[x]) for f in factors.pop(vs)]
         for vs, _ in fs:
             for v in vs:
                 if v != x:
                     touching[v].discard(vs)
         touching[x].clear()
-        eliminated.append((x, fs))
-        others = tuple(sorted({v for vs, _ in fs for v in vs if v != x}))
-        table = plan[1]() if plan else _min_out(x, fs, others, dom, max_table)
+        eliminated.append((x, unary[x], fs))
+        if plan is not None:
+            out = _Factor((None,) * len(others), plan[1]())
+        elif two_way:
+            out = _class_step(x, unary[x], fs, others, dom)
+        else:
+            out = _Factor((None,) * len(others), _min_out(x, fs_dense, others, dom, max_table))
         if not others:
-            total += int(table)
-            continue
-        _add_factor(factors, others, table)
-        for v in others:
-            touching[v].add(others)
+            total += int(out.table)
+        elif len(others) == 1:
+            unary[others[0]] = unary[others[0]] + out.dense()
+        else:
+            factors.setdefault(others, []).append(out)
+            for v in others:
+                touching[v].add(others)
     choice = [0] * n
-    for x, fs in reversed(eliminated):  # back-substitute: neighbours are already chosen
-        val = np.zeros(dom[x], dtype=np.int64)
-        for vs, t in fs:
-            idx = tuple(slice(None) if v == x else choice[v] for v in vs)
-            val = val + t[idx]
+    for x, u, fs in reversed(eliminated):  # back-substitute: neighbours are already chosen
+        val = u
+        for vs, f in fs:
+            idx = []
+            for v, c in zip(vs, f.cls):
+                if v == x:
+                    idx.append(slice(None) if c is None else c)
+                else:
+                    idx.append(choice[v] if c is None else c[choice[v]])
+            val = val + f.table[tuple(idx)]
         choice[x] = int(np.argmin(val))
     return total, choice
 
 
-def _add_factor(factors, vs, table):
-    factors[vs] = factors[vs] + table if vs in factors else table
+class _Factor:
+    """A cost table over a scope of groups, indexed per group by the class of its
+    choice: value(c_1, ..., c_k) = table[cls_1[c_1], ..., cls_k[c_k]]; a None class map
+    is the identity. An edge sees few classes of its ends (a per-axis edge, one token
+    per axis), so its table stays small and the choice-by-choice matrix is not built."""
+
+    __slots__ = ("cls", "table")
+
+    def __init__(self, cls: tuple, table: np.ndarray):
+        self.cls, self.table = cls, table
+
+    def dense(self) -> np.ndarray:
+        t = self.table
+        for axis, c in enumerate(self.cls):
+            if c is not None:
+                t = np.take(t, c, axis=axis)
+        return t
 
 
-def _pick(order, i, factors, touching, dom, max_table):
+def _class_step(x, u, fs, others, dom) -> _Factor:
+    """Eliminate x when every factor on it is a pair, with at most two neighbours,
+    working on classes: per side, the joint classes of x and of the neighbour over that
+    side's tables; the minimum over x runs over the classes of one side (a segmented
+    minimum of u plus the other side's table), then a (min, +) product over them."""
+    sides: dict[int, list] = {o: [] for o in others}
+    for vs, f in fs:
+        if vs[0] == x:
+            sides[vs[1]].append((f.cls[0], f.cls[1], f.table))
+        else:
+            sides[vs[0]].append((f.cls[1], f.cls[0], f.table.T))
+    if not others:
+        return _Factor((), u.min())
+    if dom[x] * math.prod(dom[o] for o in others) <= _DENSE_STEP:  # small: one dense broadcast
+        mats = [sum(_Factor((cx, co), t).dense() for cx, co, t in sides[o]) for o in others]
+        if len(mats) == 1:
+            return _Factor((None,), (u[:, None] + mats[0]).min(axis=0))
+        return _Factor((None, None), (mats[0][:, :, None] + mats[1][:, None, :] + u[:, None, None]).min(axis=0))
+    side = {o: _side(parts, dom[x], dom[o]) for o, parts in sides.items()}
+    if len(others) == 1:
+        (o,) = others
+        jx, jo, t = side[o]
+        present, h = _segment_min(u[:, None], jx)
+        return _Factor((jo,), (h + t[present]).min(axis=0))
+    a, b = sorted(others, key=lambda o: _num_classes(side[o][0], dom[x]))  # rows: fewer x classes
+    jxa, joa, ta = side[a]
+    jxb, job, tb = side[b]
+    present, h = _segment_min(u[:, None] + (tb if jxb is None else tb[jxb]), jxa)  # (x classes of a, b's)
+    r = _min_plus(np.ascontiguousarray(ta[present].T), h)                              # (a's classes, b's)
+    return _Factor((joa, job), r) if a < b else _Factor((job, joa), r.T)
+
+
+def _side(parts, dx, do):
+    """(x's class per choice, the neighbour's, table over them) of one side's tables:
+    the joint classes when several tables meet there."""
+    if len(parts) == 1:
+        return parts[0]
+    jx, rx = _joint_classes([p[0] for p in parts], dx)
+    jo, ro = _joint_classes([p[1] for p in parts], do)
+    t = sum(tt[np.ix_(_at(cx, rx, dx), _at(co, ro, do))] for cx, co, tt in parts)
+    return jx, jo, t
+
+
+def _at(cls, rep, d):
+    """The classes (table indices) of the representative choices ``rep`` (None: all)."""
+    if rep is None:
+        return np.arange(d) if cls is None else cls
+    return rep if cls is None else cls[rep]
+
+
+def _joint_classes(maps, d):
+    """(joint class per choice, a representative choice per joint class) of choices that
+    share a class in every map; (None, None) when some map is the identity."""
+    if any(m is None for m in maps):
+        return None, None
+    key = maps[0]
+    for m in maps[1:]:
+        key = key * (int(m.max()) + 1) + m
+        if int(key.max()) > 1 << 40:  # keep the combined key small
+            key = np.unique(key, return_inverse=True)[1].reshape(-1)
+    _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    return inv.reshape(-1), first
+
+
+def _num_classes(cls, d):
+    return d if cls is None else int(cls.max()) + 1
+
+
+def _segment_min(m, cls):
+    """(the classes present, per class the row-wise minimum of m over its rows)."""
+    if cls is None:
+        return slice(None), m
+    order = np.argsort(cls, kind="stable")
+    sc = cls[order]
+    starts = np.flatnonzero(np.r_[True, sc[1:] != sc[:-1]])
+    return sc[starts], np.minimum.reduceat(m[order], starts, axis=0)
+
+
+def _pick(order, i, dense_fs, touching, dom, max_table):
     """The group to eliminate at step i: ``order[i]``, unless that is a three-neighbour
     step and another remaining group's step ties with it on the greedy rules' terms
     (three neighbours, the same table size) but its tables make it cheaper (the
@@ -106,7 +227,7 @@ def _pick(order, i, factors, touching, dom, max_table):
     def plan_of(y, others):
         if math.prod(dom[v] for v in others) > max_table:
             return None  # (too wide: _min_out says so)
-        return _three_plan(y, [(vs, factors[vs]) for vs in sorted(touching[y])], others, dom)
+        return _three_plan(y, dense_fs(y), others, dom)
 
     x = order[i]
     others, size = size_of(x)
@@ -165,25 +286,9 @@ def elimination_order(scopes, dom) -> list[int]:
 
 
 def _min_out(x, fs, others, dom, max_table):
-    """The table over ``others`` of min over x of the sum of the factors ``fs``."""
-    by_other: dict[int, np.ndarray] = {}  # neighbour -> summed (x, neighbour) matrix
-    u = np.zeros(dom[x], dtype=np.int64)
-    wide = False
-    for vs, t in fs:
-        if len(vs) == 1:
-            u = u + t
-        elif len(vs) == 2:
-            o = vs[0] if vs[1] == x else vs[1]
-            m = t if vs[0] == x else t.T
-            by_other[o] = by_other[o] + m if o in by_other else m
-        else:
-            wide = True
-    if not others:
-        return u.min()
-    if not wide and len(others) == 1:
-        return (u[:, None] + by_other[others[0]]).min(axis=0)
-    if not wide and len(others) == 2:
-        return _min_plus_two(u, by_other[others[0]], by_other[others[1]])
+    """The dense table over ``others`` of min over x of the sum of the dense factors
+    ``fs``: the steps :func:`_class_step` does not take (three or more neighbours, or a
+    factor over three groups)."""
     size = math.prod(dom[v] for v in others)
     if size > max_table:
         raise TooWide(f"eliminating group {x} needs a table of {size} entries")
@@ -287,12 +392,18 @@ def _min_plus_two(u, a, b, a_classes=None, b_classes=None):
     With p the class of x's row of a: h[p, j] = min over x in class p of u[x] + b[x, j]
     (a segmented minimum), then R[i, j] = min_p a_p[i] + h[p, j], a (min, +) product
     over the classes only; a and b swap roles when b has fewer distinct rows.
-    ``*_classes``: the rows' classes when the caller already has them."""
+    ``*_classes``: the rows' classes when the caller already has them. A small step is
+    one dense broadcast: finding classes costs ~0.1 ms, more than it would save."""
+    if len(u) * a.shape[1] * b.shape[1] <= _DENSE_STEP:
+        return (a[:, :, None] + b[:, None, :] + u[:, None, None]).min(axis=0)
     ra, ca = a_classes or _row_classes(a)
     rb, cb = b_classes or _row_classes(b)
     if len(rb) < len(ra):
         return _min_plus_two_classes(u, rb, cb, a).T
     return _min_plus_two_classes(u, ra, ca, b)
+
+
+_DENSE_STEP = 65_536  # entries (x, i, j) of a step scanned densely (~0.1 ms, measured)
 
 
 def _min_plus_two_classes(u, ra, ca, b):

@@ -329,7 +329,7 @@ def solve_unconstrained(p: Problem) -> list[int]:
     among equal-cost optima, one of least persistent memory (quantised to fit a
     lexicographic int64 key). Raises ``elimination.TooWide`` on too wide a graph."""
     n = len(p.cost)
-    pairs: dict[tuple[int, int], np.ndarray] = {}
+    pairs: dict[tuple[int, int], list] = {}  # class tables per pair of groups (elimination's form)
     unary = [np.asarray(c, dtype=np.int64) for c in p.cost]
     # Lexicographic key cost * scale + quantised memory, with the memory sum < scale,
     # when every sum stays in int64 (ub bounds the objective of any assignment).
@@ -347,13 +347,12 @@ def solve_unconstrained(p: Problem) -> list[int]:
                       max(int(vcls.max()), *(b for _, b in e.table)) + 1), dtype=np.int64)
         for (a, b), c in e.table.items():  # (a few dozen class pairs)
             t[a, b] = c * scale
-        m = t[ucls][:, vcls]
-        if e.u == e.v:
-            unary[e.u] = unary[e.u] + np.diag(m)
+        if e.u == e.v:  # both ends take the same choice
+            unary[e.u] = unary[e.u] + t[ucls, vcls]
         elif e.u < e.v:
-            pairs[(e.u, e.v)] = pairs[(e.u, e.v)] + m if (e.u, e.v) in pairs else m
+            pairs.setdefault((e.u, e.v), []).append((ucls, vcls, t))
         else:
-            pairs[(e.v, e.u)] = pairs[(e.v, e.u)] + m.T if (e.v, e.u) in pairs else m.T
+            pairs.setdefault((e.v, e.u), []).append((vcls, ucls, t.T))
     _, choice = eliminate(unary, pairs)
     assert len(choice) == n
     return choice

@@ -150,3 +150,53 @@ def test_elimination_exact_whichever_tied_step_goes_first(fg, rnd):
     assert value == _brute(unary, pairs)
     assert value == sum(int(u[i]) for u, i in zip(unary, choice)) + sum(
         int(m[choice[a], choice[b]]) for (a, b), m in pairs.items())
+
+
+@st.composite
+def class_table_graphs(draw):
+    """Pairs given as lists of class tables (the solver's form), some as plain matrices."""
+    n = draw(st.integers(1, 6))
+    dom = [draw(st.integers(1, 6)) for _ in range(n)]
+    hi = draw(st.sampled_from([3, 1000]))
+    unary = [np.array([draw(st.integers(0, hi)) for _ in range(d)]) for d in dom]
+    pairs = {}
+    for a, b in itertools.combinations(range(n), 2):
+        if not draw(st.booleans()):
+            continue
+        if draw(st.booleans()):
+            pairs[(a, b)] = np.array([[draw(st.integers(0, hi)) for _ in range(dom[b])] for _ in range(dom[a])])
+            continue
+        tables = []
+        for _ in range(draw(st.integers(1, 3))):
+            pa, pb = draw(st.integers(1, dom[a])), draw(st.integers(1, dom[b]))
+            ca = np.array([draw(st.integers(0, pa - 1)) for _ in range(dom[a])])
+            cb = np.array([draw(st.integers(0, pb - 1)) for _ in range(dom[b])])
+            t = np.array([[draw(st.integers(0, hi)) for _ in range(pb)] for _ in range(pa)])
+            tables.append((ca, cb, t))
+        pairs[(a, b)] = tables
+    return unary, pairs
+
+
+def _expanded(pairs):
+    return {ab: m if isinstance(m, np.ndarray) else sum(t[ca][:, cb] for ca, cb, t in m)
+            for ab, m in pairs.items()}
+
+
+@pytest.mark.parametrize("dense_step", [0, None])
+@settings(max_examples=250, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(fg=class_table_graphs())
+def test_class_tables_equal_brute_force(fg, dense_step, monkeypatch):  # (the patch is the same every input)
+    """Pair costs as class tables (several per pair, joint classes) eliminate exactly;
+    with dense_step 0 every two-neighbour step takes the class path, however small."""
+    import stpc.elimination as E
+
+    if dense_step is not None:
+        monkeypatch.setattr(E, "_DENSE_STEP", dense_step)
+    unary, pairs = fg
+    dense = _expanded(pairs)
+    value, choice = eliminate(unary, pairs)
+    assert value == _brute(unary, dense)
+    assert value == sum(int(u[i]) for u, i in zip(unary, choice)) + sum(
+        int(m[choice[a], choice[b]]) for (a, b), m in dense.items())
+    assert choice == eliminate(unary, dense)[1]  # the same optimum as from the matrices
