@@ -91,6 +91,7 @@ class Builder:
         self.fallback: Counter = Counter()
         self._edge_cache: dict = {}             # (producer, consumer, operand) -> per-axis edges
         self._derive_cache: dict = {}
+        self._enum_cache: dict = {}             # strategies by op spec and divisibility
         self._shared: dict = {}                 # results shared by items of one signature
         self._reshard: dict = {}                # axis_reshard by its arguments
         self._axis_keys: dict = {}              # placement -> per-axis producer class key
@@ -148,11 +149,11 @@ class Builder:
         node = it.node
 
         def compute():
-            strategies, fb = enumerate_strategies(node, self.mesh, temporal=self.hints.temporal)
+            strategies, fb = enumerate_strategies(node, self.mesh, self.hints.temporal, self._enum_cache)
             grads = [o in self.rg for o in tensor_operands(node)]
             timer, sizer = NodeTimer(node, self.cm, grads), TransientSizer(node)
-            return (strategies, fb, [timer(s) for s in strategies], [sizer(s, self.mesh) for s in strategies],
-                    [s.out for s in strategies])
+            place = self._shared_result(("place", id(strategies)), lambda: [s.out for s in strategies])
+            return strategies, fb, [timer(s) for s in strategies], [sizer(s, self.mesh) for s in strategies], place
 
         strategies, fb, cost, tr, place = self._shared_result(("decision", it.signature), compute)
         if fb:

@@ -405,8 +405,14 @@ def _linear_temporal(node: fx.Node, spatial: list[Strategy], mesh, shapes_in, ou
     return res
 
 
-def enumerate_strategies(node: fx.Node, mesh: tuple[int, ...], temporal: bool = True) -> tuple[list[Strategy], bool]:
-    """All strategies of a decision node; the bool says the op had no rule (fallback)."""
+def enumerate_strategies(node: fx.Node, mesh: tuple[int, ...], temporal: bool = True,
+                         cache: dict | None = None) -> tuple[list[Strategy], bool]:
+    """All strategies of a decision node; the bool says the op had no rule (fallback).
+
+    ``cache``: nodes whose op spec is the same and whose dims divide alike on this mesh
+    (q, k, v, o and the MLP's linears) get the same list, computed once (treat it as
+    read-only). A dim's divisibility by any product of mesh axes is set by its gcd with
+    the device count, so that gcd stands for the dim in the key."""
     ops = tensor_operands(node)
     shapes_in = [_shape(o) for o in ops]
     val = node.meta.get("val")
@@ -415,9 +421,20 @@ def enumerate_strategies(node: fx.Node, mesh: tuple[int, ...], temporal: bool = 
     spec = op_spec(node) if isinstance(val, torch.Tensor) else None
     if spec is None or len(spec.ins) != len(ops):
         return [Strategy(out=rep.out, ins=rep.ins, kind="replicate-fallback")], True
+    key = None
+    if cache is not None:
+        n = math.prod(mesh)
+        key = (tuple(spec.ins), spec.out, spec.contract, spec.fixed, spec.partial, spec.grid, spec.kind,
+               spec.additive, tuple(mesh), temporal,
+               tuple(tuple(math.gcd(d, n) for d in sh) for sh in [*shapes_in, out_shape]))
+        got = cache.get(key)
+        if got is not None:
+            return got, False
     strategies = enumerate_spatial(spec, shapes_in, out_shape, mesh)
     if temporal and spec.kind == "linear":
         strategies += _linear_temporal(node, strategies, mesh, shapes_in, out_shape)
+    if key is not None:
+        cache[key] = strategies
     return strategies, False
 
 
