@@ -129,6 +129,11 @@ class CostModel:
         a, b = self._alpha_beta(axis, kind)
         return Link(a, 1.0 / b)
 
+    def axis_signature(self, axis: int) -> tuple:
+        """What every cost on ``axis`` depends on: axes with equal signatures (the two
+        intra-node axes of a 2x2x2 mesh) cost alike, so callers may share memos."""
+        return self._axis(axis)
+
     def axis_size(self, axis: int) -> int:
         return self._axis(axis)[0]
 

@@ -280,14 +280,16 @@ class Builder:
         vcls, vcls_keys = self._shared_result(("vcls", id(strategies), i), lambda: self._consumer_classes(
             strategies, i))[a]
         # Edges of many operands see the same class keys on an axis: one table for all.
-        key = (a, tuple(ucls_keys), tuple(vcls_keys), nbytes, rg)
+        # (Axes of one signature cost alike: they share tables and costs.)
+        sig = self.cm.axis_signature(a)
+        key = (sig, tuple(ucls_keys), tuple(vcls_keys), nbytes, rg)
         merged = self._axis_tables.get(key)
         if merged is None:
             table = {}
             memo = self._reshard
             for pc, (tok, sf) in enumerate(ucls_keys):
                 for qc, (q, split) in enumerate(vcls_keys):
-                    k = (a, tok, q, nbytes / sf, split, rg)
+                    k = (sig, tok, q, nbytes / sf, split, rg)
                     c = memo.get(k)
                     if c is None:
                         c = memo[k] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg)
