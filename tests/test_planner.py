@@ -68,6 +68,33 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
     return static + act + trans
 
 
+def test_enumeration_shared_only_where_dims_divide_alike():
+    """Nodes of one op spec share the cached strategy list only when every dim divides
+    the mesh alike; each answer equals its own uncached enumeration."""
+    import torch.nn as nn
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 6)
+
+        def forward(self, x):
+            return self.c(self.b(self.a(x)))
+
+    with torch.device("meta"):
+        m = Two()
+    from stpc import trace
+    tg = trace(m, (torch.zeros(4, 8, device="meta"),), name="two")
+    lins = [n for n in tg.graph.nodes if n.target is torch.ops.aten.linear.default][:3]
+    for mesh in [(4,), (2, 2), (8,)]:
+        cache = {}
+        got = [enumerate_strategies(n, mesh, True, cache)[0] for n in lins]
+        for n, g in zip(lins, got):
+            assert g == enumerate_strategies(n, mesh)[0]
+        assert got[0] is got[1]                  # 8 -> 8 twice: one list
+        assert got[2] is not got[0] and got[2] != got[0]   # 6 outputs divide differently
+
+
 def test_linear_strategy_space_has_every_family():
     tg = _meta_trace("llama-tiny")
     lin = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.linear.default)
