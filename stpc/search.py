@@ -63,7 +63,6 @@ def parse_mesh(spec) -> tuple[tuple[int, ...] | None, int]:
     return (None, parts[0]) if len(parts) == 1 else (tuple(parts), math.prod(parts))
 
 
-
 @contextlib.contextmanager
 def _no_gc():
     """The search allocates many small short-lived objects next to a traced graph of

@@ -97,9 +97,6 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
           aten.permute.default, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
           aten.expand.default, aten.slice.Tensor, aten.select.int, aten.repeat_interleave.self_int,
           aten.flatten.using_ints}
-_CONSTANT = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
-             aten.zeros.default, aten.full.default, aten.scalar_tensor.default, aten.empty.memory_format,
-             aten.tensor.default if hasattr(aten, "tensor") else aten.ones.default}
 _MATMUL = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default}
 
 # Ops whose backward keeps (some of) their inputs: used for activation memory.
@@ -236,10 +233,6 @@ def _is_pointwise(t) -> bool:
     left out: each rank would draw different numbers than one device does."""
     tags = getattr(t, "tags", ())
     return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
-
-
-def is_constant_op(node: fx.Node) -> bool:
-    return node.target in _CONSTANT
 
 
 def is_view_like(node: fx.Node) -> bool:
