@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from stpc.calibrate import calibrate, measure_collectives
+from stpc.cli.calibrate import calibrate, measure_collectives
 from stpc.cost_models import CostModel, get_cluster
 from stpc.cost_models.profile import predict
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/memory_check.py
 
-Estimate: stpc.memory_estimate.estimate_training_peak (shapes only, FakeTensors).
+Estimate: memory_tools.estimate_training_peak (shapes only, FakeTensors).
 Measured: torch.distributed._tools.mem_tracker.MemTracker over 2 real steps on CPU.
 A second table sets the graph-derived saved activations beside the closed-form
 per-layer formula (cost_models.estimator, fp32 activations) as a cross-check.
@@ -16,7 +16,8 @@ import torch
 
 from stpc import models
 from stpc.cost_models.estimator import closed_form_memory
-from stpc.memory_estimate import estimate_training_peak, measure_training_peak
+
+from memory_tools import estimate_training_peak, measure_training_peak  # (this folder)
 
 CASES = [("gpt-tiny", 8, 64), ("llama-tiny", 8, 64), ("gpt-50m", 8, 256)]
 MiB = 2**20

@@ -4,7 +4,7 @@
 
 For each model: trace once on meta tensors (timed; it includes the mesh-independent
 graph analysis, ``TracedGraph.analyse``, also shown on its own), then for each device
-count search every logical mesh shape (``stpc.search``) on the ``primepar-v100``
+count search every logical mesh shape (``stpc.planner.search``) on the ``primepar-v100``
 cluster (8 nodes x 4 V100, NVLink / InfiniBand), fp16 mixed precision, global
 batch 8 x sequence 2048, budget 32 GB per device (--no-budget: none). "search" is strategy
 enumeration + costing + solving over all mesh shapes + reading the plan back, after
@@ -26,8 +26,8 @@ import torch
 
 from stpc import models, trace
 from stpc.cost_models import get_cluster
-from stpc.search import search
-from stpc.solver import InfeasibleBudget
+from stpc.planner import search
+from stpc.planner.solver import InfeasibleBudget
 
 PRIMEPAR_MS = {  # published search time (ms, one Xeon thread), REFERENCES.md
     "opt": {4: 85, 8: 87, 16: 171, 32: 5357},

@@ -18,7 +18,6 @@ Latencies (alpha) are typical per-hop NCCL figures: a few microseconds inside a 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from .devices import DeviceSpec, get_device
@@ -94,16 +93,3 @@ CLUSTERS: dict[str, Cluster] = {
     "cpu-local": Cluster("cpu-local", get_device("CPU"), nodes=1, devices_per_node=4,
                          intra=Link(50e-6, 2e9), inter=Link(50e-6, 2e9)),
 }
-
-
-def get_cluster(name_or_profile_path: str) -> Cluster:
-    """A preset by name, or a calibration profile (a ``.json`` path written by
-    ``python -m stpc calibrate``)."""
-    if name_or_profile_path in CLUSTERS:
-        return CLUSTERS[name_or_profile_path]
-    if name_or_profile_path.endswith(".json") or os.path.exists(name_or_profile_path):
-        from .profile import load_profile  # late: profile imports this module
-
-        return load_profile(name_or_profile_path)
-    raise KeyError(f"unknown cluster {name_or_profile_path!r}: not a preset "
-                   f"({', '.join(CLUSTERS)}) nor a profile .json path")

@@ -54,7 +54,7 @@ class ClosedForm:
 
 
 def param_count_expr(cfg) -> sp_.Expr:
-    """Symbolic parameter count of a zoo config (matches ``stpc.models.num_params``)."""
+    """Symbolic parameter count of a zoo config (matches ``stpc.frontend.models.num_params``)."""
     if getattr(cfg, "family", "") == "llama":
         layer = h * h + 2 * h * (k * h / a) + h * h + 3 * h * f + 2 * h
         return V * h * (1 if cfg.tied_head else 2) + L * layer + h

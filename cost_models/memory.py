@@ -1,5 +1,22 @@
-"""Memory formulas (bytes, per device). Pure arithmetic: the torch-side measurement of
-which tensors autograd saves lives in ``stpc.memory_estimate``.
+"""The memory model (bytes, per device): the one place that says what a plan holds.
+
+:class:`MemoryModel` is what the planner charges every choice with, so it is what
+``Plan.peak_memory_bytes``, ``plan.table()``, the CLI and the benchmarks report:
+
+    peak = sum of persistent bytes + the largest transient working set
+
+* persistent: each parameter's weight, gradient and optimizer state under its
+  placement (:meth:`MemoryModel.param_bytes`), and each tensor backward keeps, at its
+  owner's placement (:meth:`MemoryModel.saved_bytes`; training peaks at the end of
+  forward, when all of them are alive);
+* transient: while a node runs, its local inputs and output, plus for a ring
+  (spatial-temporal) schedule the two in-flight blocks of its double buffer
+  (:meth:`MemoryModel.transient_bytes`).
+
+The solver encodes exactly this sum (``Problem.mem`` per choice, ``Problem.transient``
+per choice, peak = sum + max). The closed-form estimator (``estimator.py``) takes its
+bytes per parameter from here and is held against the planner in the tests; measured
+peaks (MemTracker) live with the benchmarks and tests that measure.
 
 Persistent state per parameter (``optimizer_state_bytes``):
 
@@ -65,37 +82,52 @@ def optimizer_state_bytes(numel: float, layout: str = "fp32-adam", zero_shards: 
                        optimizer=numel * o / z)
 
 
-def sharded_bytes(full_bytes: float, shards: float = 1) -> float:
-    """Bytes one device holds of a tensor of ``full_bytes`` split ``shards`` ways
-    (the product of the mesh sizes of the axes it is Shard()-ed on; 1 if replicated)."""
-    return full_bytes / shards
-
-
 @dataclass(frozen=True)
-class NodeMemory:
-    """Per-device memory of one graph node under a sharding.
+class MemoryModel:
+    """Per-device bytes of a training step under a plan (see the module docstring).
 
-    saved:         bytes the node keeps alive for its backward (until its backward runs)
-    fwd_transient: working set while the forward runs: inputs + outputs (+ scratch)
-    bwd_transient: working set while its backward runs: grads of outputs + grads of inputs
+    ``layout`` is the optimizer layout of :data:`LAYOUTS` (``"fp32-adam"``: 16 B per
+    parameter; ``"mixed-adam"``: 18 B).
     """
 
-    saved: float
-    fwd_transient: float
-    bwd_transient: float
+    layout: str = "fp32-adam"
+    fp32_grad_accum: bool = True
 
+    def __post_init__(self):
+        bytes_per_param(self.layout, self.fp32_grad_accum)  # an unknown layout fails here, not mid-plan
 
-def node_memory(input_bytes: float, output_bytes: float, saved_bytes: float,
-                shards: float = 1, scratch_bytes: float = 0.0) -> NodeMemory:
-    """Memory of a node whose full (unsharded) inputs, outputs and saved tensors have the
-    given sizes, when its work is split ``shards`` ways (all sizes in bytes).
+    @property
+    def bytes_per_param(self) -> int:
+        """Weight + gradient + optimizer bytes of one unsharded parameter."""
+        return sum(bytes_per_param(self.layout, self.fp32_grad_accum))
 
-    A ring (spatial-temporal) schedule additionally holds one in-flight block per
-    double buffer: pass it as ``scratch_bytes`` (already per device)."""
-    s = float(shards)
-    return NodeMemory(saved=saved_bytes / s,
-                      fwd_transient=(input_bytes + output_bytes) / s + scratch_bytes,
-                      bwd_transient=(output_bytes + input_bytes) / s + scratch_bytes)
+    def param_bytes(self, numel: float, shards: float = 1) -> float:
+        """Weight, gradient and optimizer state of a parameter of ``numel`` elements whose
+        placement splits it ``shards`` ways (product of the mesh sizes of its split axes)."""
+        return numel * self.bytes_per_param / shards
+
+    def param_parts(self, numel: float, shards: float = 1, zero_shards: int = 1,
+                    zero_stage: int = 2) -> MemoryParts:
+        """:meth:`param_bytes` split into weight, gradient and optimizer state, with ZeRO
+        sharding of ``zero_stage`` over ``zero_shards`` data-parallel ranks."""
+        return optimizer_state_bytes(numel / shards, self.layout, zero_shards, zero_stage, self.fp32_grad_accum)
+
+    @staticmethod
+    def saved_bytes(nbytes: float, shards: float = 1) -> float:
+        """A tensor of ``nbytes`` kept for backward, split ``shards`` ways."""
+        return nbytes / shards
+
+    @staticmethod
+    def transient_bytes(local_inputs, local_output: float, ring_block: float = 0.0) -> float:
+        """Working set of a node while it runs: its local operands and output, plus two
+        in-flight ring blocks of ``ring_block`` bytes (the double buffer of a temporal
+        schedule; 0 for a spatial one)."""
+        return sum(local_inputs, local_output) + 2 * ring_block
+
+    @staticmethod
+    def peak(persistent, transients) -> float:
+        """The step's peak: every persistent term at once plus the largest transient."""
+        return sum(persistent) + max(transients, default=0.0)
 
 
 def adamw_step_transient_bytes(param_bytes: list[float] | tuple[float, ...], impl: str = "single") -> float:

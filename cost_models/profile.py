@@ -1,6 +1,7 @@
 """Calibration profiles: least-squares alpha-beta fits and the JSON file format.
 
-Pure numpy; the measurement itself (torch.distributed) is ``stpc.calibrate``.
+Pure numpy; the measurement itself (torch.distributed) is ``stpc.cli.calibrate``. Also
+:func:`get_cluster`, which resolves a preset name or a profile path to a Cluster.
 
 Profile JSON (version 1)::
 
@@ -31,7 +32,7 @@ import os
 
 import numpy as np
 
-from .cluster import Cluster, Link
+from .cluster import CLUSTERS, Cluster, Link
 from .devices import DeviceSpec
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
@@ -151,3 +152,14 @@ def load_profile(path: str) -> Cluster:
              for kind, c in p["collectives"].items() if c.get("bands")}
     return Cluster(p["name"], device, nodes=1, devices_per_node=int(p["ranks"]), intra=link,
                    inter=link, collective_links=per_kind, collective_bands=bands)
+
+
+def get_cluster(name_or_profile_path: str) -> Cluster:
+    """A preset by name (``cluster.CLUSTERS``), or a calibration profile (a ``.json`` path
+    written by ``python -m stpc calibrate``)."""
+    if name_or_profile_path in CLUSTERS:
+        return CLUSTERS[name_or_profile_path]
+    if name_or_profile_path.endswith(".json") or os.path.exists(name_or_profile_path):
+        return load_profile(name_or_profile_path)
+    raise KeyError(f"unknown cluster {name_or_profile_path!r}: not a preset "
+                   f"({', '.join(CLUSTERS)}) nor a profile .json path")

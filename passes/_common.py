@@ -14,7 +14,9 @@ import math
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from stpc.frontend.annotate import source_of
 from stpc.placement import local_shape
 
 
@@ -25,7 +27,6 @@ class LoweringError(RuntimeError):
 def where(node: fx.Node) -> str:
     src = node.meta.get("source") or ""
     if not src:
-        from stpc.annotate import source_of
         src = source_of(node)
     return f"node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)}" \
            f"{', at ' + src if src else ''})"
@@ -40,7 +41,6 @@ def fake_mode_of(gm: fx.GraphModule):
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
             return v.fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 

@@ -12,7 +12,7 @@ model's values under the plan's placements:
     placement is turned into the one the consumer needs by the
     :mod:`stpc.runtime` functions, axis by axis (``reshard_steps``: forward
     collective and the backward dual that the cost model charges — see
-    ``stpc/costs.py`` — including Megatron's "f", identity forward /
+    ``stpc/planner/costs.py`` — including Megatron's "f", identity forward /
     all-reduce backward, where a consumer splits its work on an axis but
     reads a Replicate operand, so replicated parameters get complete,
     identical gradients);
@@ -44,7 +44,7 @@ import torch.fx as fx
 from ._common import fail, fake_mode_of, finish, is_tensor_node, set_local
 from stpc import runtime
 from stpc.placement import PARTIAL, REPLICATE, fmt, local_shape, parse
-from stpc.strategies import Strategy, follow, tensor_operands
+from stpc.planner.strategies import Strategy, follow, tensor_operands
 
 aten = torch.ops.aten
 
@@ -81,7 +81,7 @@ def reshard_steps(src, dst, mesh, consumer_split=None, needs_grad=True) -> list[
     partial sums or exchanges them directly (all-to-all, the PrimePar skew,
     reduce-scatter) when no other changing axis touches the same dims;
     phase B (outermost first) slices or makes Partial. Backward duals
-    (``grad=``) follow ``stpc.costs``: a Replicate result whose consumer splits
+    (``grad=``) follow ``stpc.planner.costs``: a Replicate result whose consumer splits
     its work on the axis receives a partial gradient.
     """
     nd = len(mesh)

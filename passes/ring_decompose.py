@@ -7,7 +7,7 @@ the plan as its spatial equivalent, tagged ``meta["ring"]``:
   rs_ring   aten.linear(x, w)     -> reduce_scatter(dim=m) [-> add(b)]
   p2x2      runtime.grid_linear(x, w)
 
-Guarantees: each pattern becomes the runtime op of ``stpc.ops.ring`` that runs
+Guarantees: each pattern becomes the runtime op of ``stpc.runtime.ops.ring`` that runs
 the same product as a schedule of P2P steps (each transfer hidden behind a
 partial matmul; backward is the op's dual schedule):
 
@@ -29,7 +29,7 @@ import operator
 import torch
 import torch.fx as fx
 
-import stpc.ops  # noqa: F401  (registers torch.ops.stpc.*)
+import stpc.runtime.ops  # noqa: F401  (registers torch.ops.stpc.*)
 from stpc import runtime
 from ._common import fail, fake, fake_mode_of, finish
 

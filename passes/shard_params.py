@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ._common import default_groups, fake_mode_of, finish, mesh_of, set_local
+from ._common import default_groups, fail, fake_mode_of, finish, mesh_of, set_local
 from stpc.placement import fits, fmt
 
 
@@ -44,7 +44,6 @@ def shard_params(gm: fx.GraphModule, plan, *, groups: list[str] | None = None,
             np = plan.nodes.get(node.name)
             placement = tuple(np.out) if np is not None else ("R",) * len(mesh)
             if not fits(tuple(val.shape), placement, mesh):
-                from ._common import fail
                 raise fail(node, f"shape {tuple(val.shape)} does not split evenly as {fmt(placement)} "
                                  f"on mesh {mesh}", "choose batch/sequence sizes divisible by the mesh, "
                                  "or re-plan for this shape")

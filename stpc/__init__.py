@@ -1,10 +1,13 @@
 """stpc: a spatial-temporal partitioning compiler for PyTorch training.
 
-Pipeline (one stage a module): trace -> annotate -> strategies -> solve -> passes -> lower -> run.
+The pipeline, one subpackage a stage (data flows one way):
+frontend (trace, annotate) -> planner (analyse, strategies, solve -> Plan)
+-> passes (``stpc.passes``: Plan + graph -> SPMD graph) -> runtime (on every rank);
+``stpc.compile`` strings them together, ``stpc.cli`` is ``python -m stpc``.
 """
-from stpc.dump import dump
-from stpc.trace import TracedGraph, trace
-from stpc.compile import DistributedModel, compile  # noqa: A004 (stpc.compile is the entry point)
+from stpc.compile import DistributedModel, compile, trace  # noqa: A004 (stpc.compile is the entry point)
+from stpc.frontend import TracedGraph, dump, models
+from stpc.planner import Hints, Plan, search
 
-__all__ = ["trace", "TracedGraph", "dump", "compile", "DistributedModel"]
+__all__ = ["compile", "trace", "DistributedModel", "TracedGraph", "Plan", "Hints", "search", "dump", "models"]
 __version__ = "0.1.0"

@@ -4,9 +4,9 @@
     loss = dm(idx, targets)                             # full inputs; each rank slices its own
     loss.backward(); opt = torch.optim.AdamW(dm.local_parameters().values())
 
-trace -> plan (search, unless a Plan is given) -> rank agreement on the plan ->
-passes (shard_params, insert_collectives, ring_decompose, cleanup, verify) ->
-optional torch.compile of the resulting GraphModule.
+trace (frontend) -> analyse + search (planner, unless a Plan is given) -> rank
+agreement on the plan (runtime) -> passes (shard_params, insert_collectives,
+ring_decompose, cleanup, verify) -> optional torch.compile of the resulting GraphModule.
 """
 from __future__ import annotations
 
@@ -17,18 +17,28 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from stpc import runtime
-from stpc.dump import dot as _dot
-from stpc.dump import table as _table
+from stpc import frontend, passes, runtime
+from stpc.frontend.dump import dot as _dot
+from stpc.frontend.dump import table as _table
 from stpc.placement import fmt
-from stpc.plan import Plan
+from stpc.planner import Plan, analyse, search
 
-__all__ = ["compile", "DistributedModel", "run_passes", "make_mesh"]
+__all__ = ["compile", "trace", "DistributedModel", "run_passes", "make_mesh"]
+
+
+def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> frontend.TracedGraph:
+    """Trace ``model`` to an annotated aten graph (``stpc.frontend.trace``) and analyse it
+    for the planner (``stpc.planner.analyse``: mesh-independent, done once and reused by
+    every mesh shape and search). Works on ``meta`` tensors: nothing is allocated."""
+    tg = frontend.trace(model, example_inputs, name)
+    analyse(tg)
+    return tg
 
 
 class _Placements:
-    """Adapter for ``stpc.dump``: a node's placement column after the passes (its local
+    """Adapter for ``stpc.frontend.dump``: a node's placement column after the passes (its local
     placement, and for communication nodes what they do)."""
 
     def __init__(self, gm: fx.GraphModule):
@@ -52,8 +62,6 @@ def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, 
                on_pass=None) -> fx.GraphModule:
     """shard_params -> insert_collectives -> ring_decompose -> cleanup -> verify.
     ``on_pass(name, gm)`` is called after each (e.g. to dump the graph)."""
-    from stpc import passes
-
     if on_pass:
         on_pass("traced", gm)
     gm = passes.shard_params(gm, plan, groups=groups, device=device)
@@ -69,8 +77,6 @@ def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, 
 def make_mesh(mesh, plan_shape):
     """A DeviceMesh of ``plan_shape`` over the ranks of ``mesh`` (a DeviceMesh, whose ranks
     are viewed row-major in the plan's shape, or None for all ranks)."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
     plan_shape = tuple(int(n) for n in plan_shape)
     if mesh is None or not isinstance(mesh, DeviceMesh):
         if math.prod(plan_shape) != dist.get_world_size():
@@ -188,13 +194,9 @@ def compile(model: nn.Module, mesh, example_inputs, *, plan: Plan | None = None,
     """Compile ``model`` for ``mesh`` (a DeviceMesh, or a shape such as ``(2, 2)`` / ``"4"``)
     on every rank; see the module docstring. ``plan`` skips the search (every rank must
     pass the same one: the ranks check it before running)."""
-    from stpc.search import search
-    from stpc.trace import trace
-    from torch.distributed.device_mesh import DeviceMesh
-
     if not dist.is_initialized():
         raise RuntimeError("stpc.compile: torch.distributed is not initialised; call "
-                           "dist.init_process_group (or run under torchrun / stpc.launch.spawn)")
+                           "dist.init_process_group (or run under torchrun / stpc.runtime.launch.spawn)")
     tg = trace(model, tuple(example_inputs))
     if plan is None:
         if isinstance(mesh, DeviceMesh):

@@ -20,7 +20,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_cases(rank, world, cases):
     import stpc
     from stpc import models
-    from stpc.plan import Plan
+    from stpc.planner import Plan
 
     results = []
     for case in cases:
@@ -106,7 +106,7 @@ def family_hints(family: str):
 def make_plan(model: str, mesh, family: str, batch: int, seq: int, **overrides):
     import stpc
     from stpc import models
-    from stpc.search import search
+    from stpc.planner import search
 
     with torch.device("meta"):
         m = models.build(model, **overrides)
@@ -116,7 +116,7 @@ def make_plan(model: str, mesh, family: str, batch: int, seq: int, **overrides):
     cluster = {"solved-h100": "dgx-h100", "solved-v100": "primepar-v100"}.get(family, "cpu-local")
     budget = None
     if family == "solved-budget":  # a third of what the unconstrained plan needs: the solver must shard
-        from stpc.solver import InfeasibleBudget
+        from stpc.planner.solver import InfeasibleBudget
         budget = search(tg, mesh, cluster=cluster).peak_memory_bytes / 3
         try:
             return search(tg, mesh, cluster=cluster, budget_bytes=budget)

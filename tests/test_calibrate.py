@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from stpc.calibrate import calibrate, main_calibrate, measure_collectives
+from stpc.cli.calibrate import calibrate, main_calibrate, measure_collectives
 from stpc.cost_models import CostModel, get_cluster
 
 

@@ -7,7 +7,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from _multirank import make_plan  # noqa: E402
 
-from stpc.launch import spawn  # noqa: E402
+from stpc.runtime.launch import spawn  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -18,7 +18,7 @@ def _worker(rank, world, plan_json):
 
     import stpc
     from stpc import models
-    from stpc.plan import Plan
+    from stpc.planner import Plan
 
     mesh1d = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)

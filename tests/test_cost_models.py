@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stpc import models
-from stpc.cost_models import (CLUSTERS, Cluster, CostModel, DeviceSpec, Link, closed_form_memory,
-                              fit_alpha_beta, get_cluster, get_device, load_profile,
-                              matmul_phase_cost, optimizer_state_bytes, roofline, save_profile)
-from stpc.cost_models.memory import adamw_step_transient_bytes, node_memory, training_step_peak
+from stpc.cost_models import (CLUSTERS, Cluster, CostModel, DeviceSpec, Link, MemoryModel, fit_alpha_beta,
+                              get_cluster, get_device, load_profile, matmul_phase_cost, optimizer_state_bytes,
+                              roofline, save_profile)
+from stpc.cost_models.estimator import closed_form_memory
+from stpc.cost_models.memory import adamw_step_transient_bytes, training_step_peak
 from stpc.cost_models.profile import fit_bands, predict
 
 
@@ -207,8 +208,18 @@ def test_optimizer_layouts():
 
 
 def test_node_and_step_memory():
-    nm = node_memory(input_bytes=100, output_bytes=50, saved_bytes=80, shards=2, scratch_bytes=5)
-    assert (nm.saved, nm.fwd_transient, nm.bwd_transient) == (40, 80, 80)
+    mm = MemoryModel()
+    # a node with 100 B of inputs, 50 B of output and 80 B saved, split 2 ways, plus a ring
+    # whose double buffer holds two 2.5 B blocks
+    assert mm.saved_bytes(80, shards=2) == 40
+    assert mm.transient_bytes([100 / 2], 50 / 2, ring_block=2.5) == 80
+    assert mm.transient_bytes([30, 20], 10) == 60  # spatial: no ring buffer
+    assert mm.param_bytes(1000, shards=4) == 16 * 1000 / 4
+    assert MemoryModel("mixed-adam").param_bytes(1000) == 18 * 1000
+    assert MemoryModel("mixed-adam").param_parts(1000, 2, zero_shards=4, zero_stage=1).optimizer == 12 * 500 / 4
+    assert mm.peak([10, 20], [5, 7]) == 37
+    with pytest.raises(ValueError, match="unknown optimizer layout"):
+        MemoryModel("sgd")
     assert adamw_step_transient_bytes([10, 30, 20]) == 60
     assert adamw_step_transient_bytes([10, 30, 20], "foreach") == 60
     assert training_step_peak(100, 10, 20, 15, 3) == 120

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stpc.elimination import TooWide, eliminate
-from stpc.solver import Edge, Problem, min_memory, solve, solve_unconstrained
+from stpc.planner.elimination import TooWide, eliminate
+from stpc.planner.solver import Edge, Problem, min_memory, solve, solve_unconstrained
 
 
 def _brute(unary, pairs):
@@ -79,7 +79,7 @@ def test_budget_binding_goes_to_cpsat():
 
 
 def test_row_classes_exact_even_when_the_projection_collides(monkeypatch):
-    import stpc.elimination as E
+    import stpc.planner.elimination as E
 
     m = np.array([[1, 2], [3, 4], [1, 2], [5, 6], [3, 4]], dtype=np.int64)
     for proj in (E._projection, lambda n: np.zeros(n, dtype=np.uint64)):  # real, then all-colliding
@@ -107,7 +107,7 @@ def three_neighbour_steps(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(three_neighbour_steps())
 def test_both_three_neighbour_plans_equal_the_dense_scan(step):
-    from stpc.elimination import _dense, _fixing_plan, _split_plan
+    from stpc.planner.elimination import _dense, _fixing_plan, _split_plan
 
     dom, fs = step
     want = _dense(0, fs, (1, 2, 3), dom, 10**6)
@@ -119,7 +119,7 @@ def test_both_three_neighbour_plans_equal_the_dense_scan(step):
 
 
 def test_min_plus_in_row_tiles_equals_the_broadcast():
-    from stpc.elimination import _BLOCK, _min_plus
+    from stpc.planner.elimination import _BLOCK, _min_plus
 
     rng = np.random.default_rng(1)
     x = rng.integers(0, 1 << 40, (3 * _BLOCK // (7 * 11) + 5, 7))  # several row tiles
@@ -133,7 +133,7 @@ def test_elimination_exact_whichever_tied_step_goes_first(fg, rnd):
     """A three-neighbour step may be swapped for another of the same size whose tables
     look cheaper, and the greedy order resumes from there: any such swap stays exact.
     Random estimates make the swaps happen in random places."""
-    import stpc.elimination as E
+    import stpc.planner.elimination as E
 
     unary, pairs = fg
     real = E._three_plan
@@ -189,7 +189,7 @@ def _expanded(pairs):
 def test_class_tables_equal_brute_force(fg, dense_step, monkeypatch):  # (the patch is the same every input)
     """Pair costs as class tables (several per pair, joint classes) eliminate exactly;
     with dense_step 0 every two-neighbour step takes the class path, however small."""
-    import stpc.elimination as E
+    import stpc.planner.elimination as E
 
     if dense_step is not None:
         monkeypatch.setattr(E, "_DENSE_STEP", dense_step)

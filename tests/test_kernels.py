@@ -2,7 +2,7 @@
 under the interpreter in a subprocess.
 
 TRITON_INTERPRET is read when ``@triton.jit`` decorates the kernel, i.e. when
-stpc.ops.kernels is first imported; other tests in this process may already
+stpc.runtime.ops.kernels is first imported; other tests in this process may already
 have imported it, so the only reliable way is a fresh interpreter with the
 variable set in its environment.
 """
@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from stpc.ops.kernels import HAS_TRITON, ring_step_matmul
+from stpc.runtime.ops.kernels import HAS_TRITON, ring_step_matmul
 
 RTOL = ATOL = 1e-5
 
@@ -69,7 +69,7 @@ def test_triton_kernel_under_interpreter():
         sys.path.insert(0, {tests!r})
         import torch
         import triton
-        from stpc.ops import kernels
+        from stpc.runtime.ops import kernels
         from test_kernels import _check
         # the env var took effect: the kernel is the interpreter's, not a GPU JIT
         assert type(kernels._ring_step_mm_kernel).__name__ == "InterpretedFunction", type(kernels._ring_step_mm_kernel)

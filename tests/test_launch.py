@@ -1,4 +1,4 @@
-"""stpc.launch.spawn: results in rank order, failures named, never a hang or an orphan."""
+"""stpc.runtime.launch.spawn: results in rank order, failures named, never a hang or an orphan."""
 import multiprocessing
 import os
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from stpc.launch import SpawnError, SpawnTimeout, free_port, spawn
+from stpc.runtime.launch import SpawnError, SpawnTimeout, free_port, spawn
 
 pytestmark = pytest.mark.multirank
 

@@ -1,17 +1,22 @@
 """The single-device training-step peak estimate against a measured peak.
 
 The estimate comes from shapes only (a FakeTensor forward and a replay of the autograd
-engine's bookkeeping, stpc.memory_estimate); the measurement is MemTracker counting
+engine's bookkeeping, benchmarks/memory_tools.py); the measurement is MemTracker counting
 real tensor storages over real AdamW steps. Nothing is tuned per model.
 """
 from __future__ import annotations
+
+import os
+import sys
 
 import pytest
 import torch
 import torch.nn as nn
 
 from stpc import models
-from stpc.memory_estimate import estimate_training_peak, measure_training_peak
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from memory_tools import estimate_training_peak, measure_training_peak  # noqa: E402
 
 CASES = {  # name: (batch, seq)
     "gpt-tiny": (8, 64),

@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from _multirank import make_plan, run_cases  # noqa: E402
 
-from stpc.launch import spawn  # noqa: E402
+from stpc.runtime.launch import spawn  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -100,7 +100,7 @@ def _disagree(rank, world, plans):
 
     import stpc
     from stpc import models
-    from stpc.plan import Plan
+    from stpc.planner import Plan
     from stpc.runtime import PlanMismatch
 
     torch.manual_seed(0)
@@ -125,7 +125,7 @@ def _dump(rank, world, plan_json, directory):
 
     import stpc
     from stpc import models
-    from stpc.plan import Plan
+    from stpc.planner import Plan
 
     torch.manual_seed(0)
     model = models.build("llama-tiny")

@@ -82,7 +82,7 @@ def test_vocab_split_embedding_and_mean_rescale():
     from stpc.planner import Hints
 
     tg, _ = traced_and_plan("llama-tiny", "4", "dp")
-    from stpc.search import search
+    from stpc.planner import search
     plan = search(tg, (4,), hints=Hints(force=[(r"^embedding$", lambda s: s.ins[0] == ("S0",)),
                                                (r"^cross_entropy", lambda s: s.out == ("P",))]))
     gm = insert_collectives(shard_params(tg.gm, plan), plan)

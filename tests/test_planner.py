@@ -9,13 +9,10 @@ import torch.nn as nn
 
 from stpc import models, trace
 from stpc.cost_models import CostModel, bytes_per_param, get_cluster
-from stpc.hints import megatron
 from stpc.placement import local_shape
-from stpc.plan import Plan
-from stpc.planner import plan_graph
-from stpc.search import mesh_shapes
-from stpc.solver import InfeasibleBudget
-from stpc.strategies import SAVES_INPUTS, SAVES_OUTPUT, enumerate_strategies, tensor_operands
+from stpc.planner import InfeasibleBudget, Plan, mesh_shapes, plan_graph
+from stpc.planner.hints import megatron
+from stpc.planner.strategies import SAVES_INPUTS, SAVES_OUTPUT, enumerate_strategies, tensor_operands
 
 
 def _meta_trace(name, batch=8, seq=64, **overrides):
@@ -244,7 +241,7 @@ def test_alternatives_rank_every_strategy_by_node_and_input_edge_time(name, mesh
 _DET = """
 import torch
 from stpc import models, trace
-from stpc.search import search
+from stpc.planner import search
 with torch.device("meta"):
     m = models.build("llama-tiny")
 tg = trace(m, models.example_inputs("llama-tiny", 8, 64))
@@ -296,9 +293,8 @@ def test_zoo_plans_on_4_to_64_devices(name):
 def test_search_equals_cpsat_on_every_shape(name, budget_frac):
     """The search (bounds, elimination, CP-SAT only where the budget binds) finds the
     plan CP-SAT finds solving every mesh shape to the end."""
-    from stpc.planner import build_problem
-    from stpc.search import search
-    from stpc.solver import NoBetterPlan, solve
+    from stpc.planner import build_problem, search
+    from stpc.planner.solver import NoBetterPlan, solve
 
     tg = _meta_trace(name, batch=16, seq=64)
     cl = get_cluster("primepar-v100")
@@ -326,18 +322,18 @@ def test_search_equals_cpsat_on_every_shape(name, budget_frac):
 
 def test_search_falls_back_to_cpsat_when_too_wide(monkeypatch):
     """A graph too wide to eliminate is solved by CP-SAT on every shape, same optimum."""
-    import stpc.search as S
-    import stpc.solver
-    from stpc.elimination import TooWide
+    import stpc.planner.solver
+    from stpc.planner import search
+    from stpc.planner.elimination import TooWide
 
     tg = _meta_trace("gpt-tiny", batch=16, seq=64)
-    want = S.search(tg, 4, "primepar-v100")
+    want = search(tg, 4, "primepar-v100")
 
     def too_wide(problem):
         raise TooWide("forced by the test")
 
-    monkeypatch.setattr(stpc.solver, "solve_unconstrained", too_wide)
-    got = S.search(tg, 4, "primepar-v100")
+    monkeypatch.setattr(stpc.planner.solver, "solve_unconstrained", too_wide)
+    got = search(tg, 4, "primepar-v100")
     assert round(got.modelled_step_time_s * 1e9) == round(want.modelled_step_time_s * 1e9)
     methods = {t.get("method") for t in got.stats["mesh_shapes_tried"] if not t.get("pruned")}
     assert methods == {"cpsat"}

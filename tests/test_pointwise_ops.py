@@ -13,9 +13,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from stpc import trace  # noqa: E402
 from stpc.cost_models import CostModel, get_cluster  # noqa: E402
-from stpc.launch import spawn  # noqa: E402
+from stpc.runtime.launch import spawn  # noqa: E402
 from stpc.planner import Hints, plan_graph  # noqa: E402
-from stpc.strategies import enumerate_strategies, op_spec  # noqa: E402
+from stpc.planner.strategies import enumerate_strategies, op_spec  # noqa: E402
 
 
 class PointwiseMLP(nn.Module):
@@ -63,7 +63,7 @@ def test_pointwise_ops_have_rules():
 
 def _worker(rank, world, plan_json):
     import stpc
-    from stpc.plan import Plan
+    from stpc.planner import Plan
 
     torch.manual_seed(0)
     model = PointwiseMLP()

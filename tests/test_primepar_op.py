@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-import stpc.ops as O
-from stpc.launch import spawn
+import stpc.runtime.ops as O
+from stpc.runtime.launch import spawn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _opcheck import P2POnly  # noqa: E402
@@ -28,7 +28,7 @@ EXTRA = ["compile_aot_eager", "opcheck_fwd", "opcheck_bwd", "bad_group_k", "bad_
 def _worker(rank, world, k, extras):
     import torch.distributed as dist
 
-    import stpc.ops as O
+    import stpc.runtime.ops as O
 
     name = dist.group.WORLD.group_name
     q = 2 ** k

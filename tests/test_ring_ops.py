@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from stpc.launch import spawn
+from stpc.runtime.launch import spawn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _opcheck import P2POnly as _P2PCounter  # noqa: E402
@@ -42,7 +42,7 @@ def _full(shape, gen):
 def _worker(rank, world, extras, with_inductor):
     import torch.distributed as dist
 
-    import stpc.ops as O
+    import stpc.runtime.ops as O
 
     name = dist.group.WORLD.group_name
     P = world

@@ -1,10 +1,15 @@
 """The solver (elimination first, CP-SAT where the budget binds; and CP-SAT alone)
 against exhaustive enumeration on random problems."""
+import os
+import sys
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stpc.solver import Edge, InfeasibleBudget, Problem, brute_force, solve
+sys.path.insert(0, os.path.dirname(__file__))
+from _oracles import brute_force  # noqa: E402
+from stpc.planner.solver import Edge, InfeasibleBudget, Problem, solve  # noqa: E402
 
 
 @st.composite
@@ -58,7 +63,7 @@ def test_cpsat_equals_brute_force_under_budget(p, method):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_objective_cap_prunes_exactly(p):
-    from stpc.solver import NoBetterPlan
+    from stpc.planner.solver import NoBetterPlan
     best, _ = brute_force(p)
     p.cap = best - 1
     with pytest.raises(NoBetterPlan):
@@ -70,7 +75,7 @@ def test_objective_cap_prunes_exactly(p):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(with_budget=True))
 def test_pruning_keeps_the_optimum(p):
-    from stpc.solver import prune_dominated
+    from stpc.planner.solver import prune_dominated
     q, keep = prune_dominated(p)
     assert all(len(k) >= 1 for k in keep)
     a, b = brute_force(p), brute_force(q)

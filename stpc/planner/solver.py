@@ -2,7 +2,7 @@
 
 The solver sees an abstract :class:`Problem` — integers only, no torch, no
 torch.distributed — so it can be tested against brute force on random
-instances.
+instances (``tests/_oracles.py``).
 
 Integer scaling: times are integer nanoseconds, memory integer bytes. Rounding
 each term to 1 ns changes a step time of milliseconds by far less than the cost
@@ -22,14 +22,13 @@ placements, not with the product of strategy counts.
 """
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 from ortools.sat.python import cp_model
 
-from stpc.elimination import TooWide, eliminate
+from stpc.planner.elimination import TooWide, eliminate
 
 
 @dataclass
@@ -249,7 +248,7 @@ def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: s
     """Exact optimum; deterministic.
 
     ``auto``: an infeasible budget is detected exactly by :func:`min_memory`; then
-    the objective alone is minimised by variable elimination (``stpc.elimination``),
+    the objective alone is minimised by variable elimination (``stpc.planner.elimination``),
     ties going to the least memory. That optimum is a lower bound of the budgeted
     problem, so if it fits the budget it is the answer. Only when the budget binds
     (or the graph is too wide to eliminate) does CP-SAT solve the full model.
@@ -356,15 +355,3 @@ def solve_unconstrained(p: Problem) -> list[int]:
     _, choice = eliminate(unary, pairs)
     assert len(choice) == n
     return choice
-
-
-def brute_force(p: Problem) -> tuple[int, list[int]] | None:
-    """Exhaustive optimum for tiny problems (tests): (objective, choice) or None if infeasible."""
-    best = None
-    for choice in itertools.product(*(range(len(c)) for c in p.cost)):
-        obj, mem = p.evaluate(list(choice))
-        if p.budget is not None and mem > p.budget:
-            continue
-        if best is None or obj < best[0]:
-            best = (obj, list(choice))
-    return best

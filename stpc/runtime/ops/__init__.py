@@ -2,8 +2,8 @@
 
 Importing this package registers the ``torch.ops.stpc.*`` custom ops.
 """
-from stpc.ops import ring
-from stpc.ops.kernels import ring_step_matmul, triton_ring_step_matmul
-from stpc.ops.ring import *  # noqa: F401,F403  (the ring ops, listed once in ring.__all__)
+from stpc.runtime.ops import ring
+from stpc.runtime.ops.kernels import ring_step_matmul, triton_ring_step_matmul
+from stpc.runtime.ops.ring import *  # noqa: F401,F403  (the ring ops, listed once in ring.__all__)
 
 __all__ = ["ring_step_matmul", "triton_ring_step_matmul", *ring.__all__]

@@ -1,7 +1,7 @@
-"""structure: what the planner knows about a graph before it knows the mesh.
+"""analysis: what the planner knows about a graph before it knows the mesh.
 
-Computed once per traced graph (:meth:`GraphFacts.of`) and shared by every
-mesh shape the search tries:
+Computed once per traced graph (:func:`analyse`, cached on the TracedGraph) and
+shared by every mesh shape the search tries:
   * which nodes need gradients, which are constants, which tensors backward keeps;
   * identical transformer layers tied to their first copy (``tie_layers``);
   * the graph's *work items*. Each node is a parameter, a user input, a
@@ -17,15 +17,16 @@ mesh shape the search tries:
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from stpc.strategies import (SAVES_INPUTS, SAVES_OUTPUT, aten, is_follower, is_view_like, op_spec,
-                             tensor_operands)
-from stpc.trace import TracedGraph
+from stpc.frontend.trace import TracedGraph
+from stpc.planner.strategies import (SAVES_INPUTS, SAVES_OUTPUT, aten, is_follower, is_view_like, op_spec,
+                                     tensor_operands)
 
 # Ops whose choices are real even with one live operand (the solver keeps them).
 _NOT_DERIVED = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
@@ -234,4 +235,18 @@ class GraphFacts:
         return live
 
 
-__all__ = ["GraphFacts", "Item", "node_signature", "tie_layers", "layer_of", "requires_grad", "constants", "saved_bases"]
+def analyse(tg: TracedGraph) -> GraphFacts:
+    """The graph's mesh-independent facts, computed once and reused by every mesh shape
+    and every search (cached in ``tg.facts``; ``tg.meta["analysis_s"]`` says how long it
+    took); recomputed when the graph changed (its node count or its recompiled code:
+    every stpc pass lints and recompiles)."""
+    key = (len(tg.gm.graph.nodes), tg.gm.code)
+    if tg.facts is None or tg.meta.get("analysed") != key:
+        t0 = time.perf_counter()
+        tg.facts = GraphFacts.of(tg)
+        tg.meta["analysis_s"] = time.perf_counter() - t0
+        tg.meta["analysed"] = key
+    return tg.facts
+
+
+__all__ = ["analyse", "GraphFacts", "Item", "node_signature", "tie_layers", "layer_of", "requires_grad", "constants", "saved_bases"]

@@ -13,26 +13,18 @@ import argparse
 import json
 import time
 
+from stpc.cli._common import meta_trace
+from stpc.cost_models import get_cluster
+from stpc.frontend import dump
+from stpc.planner import InfeasibleBudget, search
+
 
 def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int | None = None,
                seq: int | None = None, dtype: str = "fp32", budget_gib: float | None = None,
                hints: str | None = None, temporal: bool = True, use_budget: bool = True):
-    """Trace ``model`` on meta tensors and search; returns (plan, trace seconds, search seconds)."""
-    import torch
-
-    from stpc import models, trace
-    from stpc.__main__ import DEFAULT_BATCH, DEFAULT_SEQ
-    from stpc.cost_models import get_cluster
-    from stpc.search import search
-
-    cfg = models.get_config(model)
-    batch = batch or DEFAULT_BATCH
-    seq = min(seq or DEFAULT_SEQ, cfg.max_seq)
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    """Trace ``model`` on meta tensors and search; returns (plan, traced graph)."""
     t0 = time.perf_counter()
-    with torch.device("meta"):
-        m = models.build(cfg).to(torch_dtype)
-    tg = trace(m, models.example_inputs(cfg, batch, seq, device="meta"), name=model)
+    tg, batch, seq = meta_trace(model, batch, seq, dtype)
     t1 = time.perf_counter()
     cl = get_cluster(cluster)
     budget = None
@@ -75,7 +67,6 @@ def main_plan(argv: list[str]) -> int:
     p.add_argument("--json", default=None, help="write the summary (and the plan beside it) here")
     p.add_argument("--dump", default=None, help="write the per-node plan table here (+ .dot)")
     a = p.parse_args(argv)
-    from stpc.solver import InfeasibleBudget
     try:
         plan, tg = plan_model(a.model, a.mesh, a.cluster, a.batch, a.seq, a.dtype, a.budget_gib, a.hints,
                               not a.no_temporal, use_budget=not a.no_budget)
@@ -97,7 +88,6 @@ def main_plan(argv: list[str]) -> int:
         plan.save(a.json.removesuffix(".json") + ".plan.json")
         print(f"wrote {a.json}")
     if a.dump:
-        from stpc import dump
         with open(a.dump, "w") as f:
             f.write(plan.table())
         dump(tg, a.dump.removesuffix(".txt") + ".graph.txt", plan=plan)

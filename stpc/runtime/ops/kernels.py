@@ -1,6 +1,6 @@
 """The fused partial matmul of one ring step: ``out (+)= a @ b``.
 
-Every ring schedule in :mod:`stpc.ops.ring` is a loop of "multiply the block I
+Every ring schedule in :mod:`stpc.runtime.ops.ring` is a loop of "multiply the block I
 hold into one slice of the output (or of an accumulator)". Doing that with
 ``out[slice] = a @ b`` allocates a temporary per step and copies it; the
 kernel here writes (or accumulates) straight into the strided output slice,

@@ -1,4 +1,14 @@
-"""Peak-memory estimate of one single-device training step, from shapes alone.
+"""Memory cross-checks of single-device training, for the benchmarks and tests that measure.
+
+Two tools, neither part of the planner (whose one memory model is
+``stpc.cost_models.MemoryModel``):
+
+* :func:`measure_training_peak`: the measured peak of real AdamW steps, counted by
+  ``torch.distributed._tools.mem_tracker.MemTracker``;
+* :func:`estimate_training_peak`: an independent oracle of the same peak from shapes
+  alone, described below, used to check the measurement and the closed form.
+
+Peak-memory estimate of one single-device training step, from shapes alone.
 
 The model runs forward once on FakeTensors (no real memory). Then, instead of running
 backward, we *walk* the autograd graph it built and replay the autograd engine's
@@ -36,6 +46,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._pytree import tree_flatten
 
 from stpc.cost_models.memory import adamw_step_transient_bytes, training_step_peak
@@ -308,8 +319,6 @@ def measure_training_peak(model: torch.nn.Module, example_inputs, steps: int = 3
     """Measured peak bytes over ``steps`` real AdamW training steps, tracked by
     ``torch.distributed._tools.mem_tracker.MemTracker`` (a dispatch mode counting live
     tensor storages; it rounds each storage up to 512 B like the CUDA allocator)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     mt = MemTracker()
     mt.track_external(model, opt)

@@ -1,6 +1,7 @@
-"""A small multi-rank launcher: run a function on N real gloo processes.
+"""A small multi-rank launcher: run a function on N real gloo (or NCCL) processes.
 
-Used by the multi-rank tests, the demo and calibration. It is deliberately
+The one launcher of stpc: the multi-rank tests, the demo and calibration all use
+it. It is deliberately
 not torchrun: tests need the per-rank return values back in the parent, a
 hard timeout, and a failure report that names the rank.
 
@@ -8,7 +9,8 @@ hard timeout, and a failure report that names the rank.
 
 runs ``fn(rank, world_size, *args)`` in ``world_size`` processes started with
 the "spawn" method (never fork: the parent may hold threads / OpenMP pools),
-each with a gloo process group on ``tcp://127.0.0.1:<free port>``. ``fn`` and
+each with a process group (``backend``: gloo, or NCCL with rank i on GPU i) on
+``tcp://127.0.0.1:<free port>`` and ``threads_per_rank`` intra-op threads. ``fn`` and
 ``args`` must be picklable (a module-level function). Returns the list of
 per-rank return values (picklable), in rank order.
 
@@ -26,6 +28,7 @@ rank on a small machine and buys nothing here.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import pickle
@@ -36,6 +39,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["spawn", "free_port", "SpawnError", "SpawnTimeout"]
@@ -67,17 +72,16 @@ def free_port() -> int:
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
-            timeout_s: float, results: Any) -> None:
-    # One thread per rank: ranks share the machine's few cores, and OpenMP
+            timeout_s: float, results: Any, backend: str, threads: int) -> None:
+    # Few threads per rank: ranks share the machine's cores, and OpenMP
     # oversubscription makes start-up and every matmul slower, not faster.
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     initialised = False
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -107,8 +111,6 @@ def _fast_exit(results: Any, code: int) -> None:
     (seconds per rank on a loaded machine), but only after the report is
     flushed to the parent and the atexit handlers (e.g. inductor's compile
     worker pools, so no grandchild is orphaned) have run."""
-    import atexit
-
     results.close()
     results.join_thread()  # the report is in the pipe
     try:
@@ -132,8 +134,9 @@ def _kill_all(procs: list) -> None:
             p.join(timeout=5.0)
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, backend: str = "gloo",
+          threads_per_rank: int = 1) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
 
     Raises :class:`SpawnError` naming the first rank that failed (with its
     traceback), or :class:`SpawnTimeout` if not all ranks returned within
@@ -142,6 +145,12 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120) -> 
     """
     if world_size < 1:
         raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"spawn: backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"spawn: {world_size} NCCL ranks need {world_size} GPUs, this machine has "
+                         f"{torch.cuda.device_count()}; use backend='gloo' or fewer ranks")
+    threads = max(1, int(threads_per_rank))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -149,13 +158,13 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120) -> 
     # Children inherit the environment at start: OMP_NUM_THREADS must be set
     # before torch is imported there, which happens while unpickling fn.
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["MKL_NUM_THREADS"] = "1"
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MKL_NUM_THREADS"] = str(threads)
     try:
         for rank in range(world_size):
             p = ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, port, args, timeout_s, results),
+                args=(fn, rank, world_size, port, args, timeout_s, results, backend, threads),
                 name=f"stpc-rank{rank}",
             )
             p.start()

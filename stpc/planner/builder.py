@@ -1,4 +1,4 @@
-"""The planner: an annotated graph becomes a solver problem, its solution a Plan.
+"""builder: an analysed graph becomes a solver problem on one mesh shape, its solution a Plan.
 
 Size control (none of it gives up exactness for the graph as modelled):
   * followers (views, unary elementwise ops) get no variables: their placement
@@ -8,11 +8,11 @@ Size control (none of it gives up exactness for the graph as modelled):
   * identical transformer layers are tied: the nodes of layer i > 0 reuse the
     choices of the first layer with the same signature, their costs add up;
   * nodes that do the same work on every mesh share one work item
-    (``stpc.structure``): a mesh shape costs each item once, times its count.
+    (``stpc.planner.analysis``): a mesh shape costs each item once, times its count.
 
-Memory per device = parameters + gradients + optimizer state (under their
-placements) + activations saved for backward (at the end of forward, where
-training peaks) + the largest transient working set of any node.
+Memory per device is ``cost_models.MemoryModel``'s: parameters + gradients +
+optimizer state (under their placements) + activations saved for backward (at the
+end of forward, where training peaks) + the largest transient working set of any node.
 """
 from __future__ import annotations
 
@@ -25,37 +25,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from stpc.cost_models import CostModel, bytes_per_param
-from stpc.costs import NodeTimer, TransientSizer, axis_reshard, dtype_name, reshard_cost
+from stpc.cost_models import CostModel, MemoryModel
+from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, shard_factor
-from stpc.plan import NodePlan, Plan
-from stpc.solver import Edge, Problem, Solution, solve
-from stpc.strategies import (Strategy, derive, enumerate_strategies, follow_rule, is_view_like, placement_choices,
-                             tensor_operands)
-from stpc.structure import GraphFacts, Item
-from stpc.trace import TracedGraph
+from stpc.planner.analysis import GraphFacts, Item, analyse
+from stpc.planner.costs import NodeTimer, axis_reshard, dtype_name, reshard_cost, transient_bytes
+from stpc.planner.hints import Hints
+from stpc.planner.plan import NodePlan, Plan
+from stpc.planner.solver import Edge, Problem, Solution, solve
+from stpc.planner.strategies import (Strategy, derive, enumerate_strategies, follow_rule, is_view_like,
+                                     placement_choices, tensor_operands)
 
 NS = 1e9  # integer costs are nanoseconds
-
-
-class HintUnsatisfiable(ValueError):
-    """A hint leaves some node without a strategy on this mesh."""
-
-
-@dataclass
-class Hints:
-    """Constraints on the search.
-
-    ``force`` maps a regular expression (matched against a node's name and its
-    module path) to a predicate over :class:`Strategy`; matching decision nodes
-    keep only the strategies the predicate accepts. ``param_force`` does the
-    same for parameters, on their FQN and placement tuple.
-    """
-
-    force: list[tuple[str, callable]] = field(default_factory=list)
-    param_force: list[tuple[str, callable]] = field(default_factory=list)
-    temporal: bool = True
-    name: str = ""
 
 
 @dataclass
@@ -72,7 +53,7 @@ class _Group:
 
 class Builder:
     """Turns a TracedGraph into a :class:`Problem` on one mesh shape and reads a
-    solution back as a Plan. Works on the graph's work items (``stpc.structure``):
+    solution back as a Plan. Works on the graph's work items (``stpc.planner.analysis``):
     each is costed once and counted as often as nodes share it."""
 
     def __init__(self, tg: TracedGraph, cm: CostModel, hints: Hints | None = None,
@@ -80,8 +61,8 @@ class Builder:
         self.tg, self.cm, self.hints = tg, cm, hints or Hints()
         self.mesh = cm.mesh_shape
         self.graph = tg.graph
-        self.bpp = sum(bytes_per_param(optimizer_layout))
-        self.facts = facts or tg.analyse()
+        self.memory = MemoryModel(optimizer_layout)
+        self.facts = facts or analyse(tg)
         self.params, self.rg, self.const, self.tie = (self.facts.params, self.facts.rg, self.facts.const,
                                                       self.facts.tie)
         self.groups: list[_Group] = []
@@ -128,8 +109,8 @@ class Builder:
             for pattern, pred in self.hints.param_force:
                 if re.search(pattern, fqn):
                     choices = [c for c in choices if pred(c)] or choices
-            mem = [val.numel() * self.bpp / math.prod(
-                n for n, t in zip(self.mesh, p) if t != REPLICATE) for p in choices]
+            mem = [self.memory.param_bytes(val.numel(), math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE))
+                   for p in choices]
         else:
             # A user input: each rank loads its own shard, so any even split is free.
             choices = placement_choices(shape, self.mesh, grid_weight=False)
@@ -151,9 +132,10 @@ class Builder:
         def compute():
             strategies, fb = enumerate_strategies(node, self.mesh, self.hints.temporal, self._enum_cache)
             grads = [o in self.rg for o in tensor_operands(node)]
-            timer, sizer = NodeTimer(node, self.cm, grads), TransientSizer(node)
+            timer = NodeTimer(node, self.cm, grads)
             place = self._shared_result(("place", id(strategies)), lambda: [s.out for s in strategies])
-            return strategies, fb, [timer(s) for s in strategies], [sizer(s, self.mesh) for s in strategies], place
+            return (strategies, fb, [timer(s) for s in strategies],
+                    transient_bytes(node, strategies, self.mesh, self.memory), place)
 
         strategies, fb, cost, tr, place = self._shared_result(("decision", it.signature), compute)
         if fb:
@@ -325,7 +307,7 @@ class Builder:
             val = it.node.meta["val"]
             place, nbytes = self.place[it], val.numel() * val.element_size()
             local = self._shared_result(("local", id(place), nbytes), lambda: np.array(
-                [nbytes / shard_factor(p, self.mesh) for p in place]))
+                [self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)) for p in place]))
             self.groups[it.group].mem += count * local
 
     # ---------------------------------------------------------------- build

@@ -7,14 +7,13 @@ export signature), then the user inputs. Built on ``meta`` tensors it plans a
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from stpc.annotate import annotate
+from stpc.frontend.annotate import annotate, source_of
 
 
 @dataclass
@@ -32,7 +31,7 @@ class TracedGraph:
     user_outputs: list[str]
     model_name: str = ""
     meta: dict = field(default_factory=dict)
-    facts: object = None  # stpc.structure.GraphFacts: the mesh-independent analysis (``analyse``)
+    facts: object = None  # the planner's mesh-independent analysis, cached (``stpc.planner.analyse``)
 
     @property
     def graph(self) -> fx.Graph:
@@ -55,25 +54,9 @@ class TracedGraph:
     def total_flops(self) -> int:
         return sum(n.meta.get("flops", 0) for n in self.gm.graph.nodes)
 
-    def analyse(self):
-        """The graph's mesh-independent facts (``stpc.structure.GraphFacts``: gradients,
-        constants, saved tensors, tied layers, work items), computed once and reused by
-        every mesh shape and every search; recomputed when the graph changed (its node
-        count or its recompiled code: every stpc pass lints and recompiles)."""
-        from stpc.structure import GraphFacts
-
-        key = (len(self.gm.graph.nodes), self.gm.code)
-        if self.facts is None or self.meta.get("analysed") != key:
-            t0 = time.perf_counter()
-            self.facts = GraphFacts.of(self)
-            self.meta["analysis_s"] = time.perf_counter() - t0
-            self.meta["analysed"] = key
-        return self.facts
-
 
 def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> TracedGraph:
-    """Export ``model`` at the aten level (training IR), annotate every node and
-    analyse the graph (``TracedGraph.analyse``).
+    """Export ``model`` at the aten level (training IR) and annotate every node.
 
     Works with parameters and inputs on ``meta``: nothing is computed, shapes
     propagate through FakeTensors.
@@ -93,7 +76,6 @@ def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> TracedGrap
     lifted = dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
     if lifted:
         ph = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name in lifted)
-        from stpc.annotate import source_of
         user = next(iter(ph.users), ph)
         while not source_of(user) and user.users:  # lift_fresh_copy has no frame; its user does
             user = next(iter(user.users))
@@ -111,5 +93,4 @@ def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> TracedGrap
         model_name=name or type(model).__name__,
     )
     annotate(gm, tg.param_fqns, tg.buffer_fqns)
-    tg.analyse()  # part of annotating: it does not depend on the mesh
     return tg

@@ -1,9 +1,9 @@
-"""runtime: the autograd-aware resharding functions the rewritten graph calls.
+"""reshard: the autograd-aware resharding functions the rewritten graph calls.
 
 Every function here is a plain differentiable distributed function of local
 tensors; it knows nothing of plans or graphs. A process group is named by its
 ``group_name`` string (as ``torch.distributed._functional_collectives`` and
-the ring ops of :mod:`stpc.ops.ring` take it), so graph nodes stay picklable
+the ring ops of :mod:`stpc.runtime.ops.ring` take it), so graph nodes stay picklable
 and identical on every rank; the rank's coordinate on the group is read at run
 time. Forward collectives are the functional collectives (``_c10d_functional``).
 
@@ -33,12 +33,10 @@ Plus the local rewrites of split ops (:func:`vocab_parallel_embedding`), the
 spatial reference of a P(2^k x 2^k) linear (:func:`grid_linear`, what
 ``insert_collectives`` emits and ``ring_decompose`` replaces by the step
 schedule), the tensor-level helpers :func:`shard_tensor` /
-:func:`unshard_tensor`, per-axis groups of a ``DeviceMesh`` (:func:`axis_groups`)
-and the rank-agreement check :func:`check_plan_agreement`.
+:func:`unshard_tensor` and per-axis groups of a ``DeviceMesh`` (:func:`axis_groups`).
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from functools import lru_cache
 
@@ -46,14 +44,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (registers _c10d_functional)
 from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from stpc.placement import parse
 
 __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard_slice", "to_partial",
     "grad_all_reduce", "grid_gather", "grid_slice", "grid_skew", "grid_linear",
-    "vocab_parallel_embedding", "shard_tensor", "unshard_tensor", "axis_groups", "mesh_coords",
-    "check_plan_agreement", "PlanMismatch", "COMM_FUNCTIONS",
+    "vocab_parallel_embedding", "shard_tensor", "unshard_tensor", "axis_groups", "mesh_coords", "skew_peers",
+    "COMM_FUNCTIONS",
 ]
 
 
@@ -62,7 +61,6 @@ __all__ = [
 
 @lru_cache(maxsize=None)
 def _pg(group_name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
     return _resolve_process_group(group_name)
 
 
@@ -375,7 +373,7 @@ def grid_linear(x: Tensor, w: Tensor, group: str) -> Tensor:
 
     It gathers x's grid row and w's grid column with collectives: correct, but it moves
     far more than the step schedule. ``ring_decompose`` replaces it by
-    :func:`stpc.ops.ring.primepar_linear`.
+    :func:`stpc.runtime.ops.ring.primepar_linear`.
     """
     n = _size(group)
     q = math.isqrt(n)
@@ -441,32 +439,3 @@ def unshard_tensor(local: Tensor, placement, groups: list[str]) -> Tensor:
         elif kind == "P":
             x = _ar(x, groups[a])
     return x
-
-
-# --------------------------------------------------------------------------- rank agreement
-
-
-class PlanMismatch(RuntimeError):
-    """Ranks hold different plans: running would hang or compute garbage."""
-
-
-def check_plan_agreement(plan_hash: str, group=None) -> None:
-    """All-gather the plan hash over ``group`` (default WORLD) and raise :class:`PlanMismatch`
-    naming the ranks whose hash differs from rank 0's, before any step runs."""
-    try:
-        digest = bytes.fromhex(plan_hash)[:32]
-    except ValueError:
-        digest = b""
-    if len(digest) != 32:  # not a Plan.hash(): hash it to a fixed width
-        digest = hashlib.sha256(plan_hash.encode()).digest()
-    mine = torch.tensor(list(digest), dtype=torch.uint8)
-    n = dist.get_world_size(group)
-    got = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(got, mine, group=group)
-    hashes = [bytes(t.tolist()).hex()[:12] for t in got]
-    bad = [r for r in range(n) if hashes[r] != hashes[0]]
-    if bad:
-        raise PlanMismatch(
-            f"ranks disagree on the plan: rank 0 has plan {hashes[0]}, ranks {bad} have "
-            f"{[hashes[r] for r in bad]}. Fix: plan once and pass the same Plan (e.g. Plan.load) "
-            f"to stpc.compile on every rank.")

@@ -1,4 +1,4 @@
-"""Hints: constraints users (and baselines) put on the search.
+"""Hints: constraints users (and baselines) put on the search, and the presets.
 
 ``megatron(mesh_shape)`` reproduces Megatron-LM's tensor + sequence parallel
 layout on the last (innermost) mesh axis and data parallelism on the first:
@@ -11,7 +11,28 @@ sequence-parallel layout where it is cheaper.
 """
 from __future__ import annotations
 
-from stpc.planner import Hints
+from dataclasses import dataclass, field
+
+
+class HintUnsatisfiable(ValueError):
+    """A hint leaves some node without a strategy on this mesh."""
+
+
+@dataclass
+class Hints:
+    """Constraints on the search.
+
+    ``force`` maps a regular expression (matched against a node's name and its
+    module path) to a predicate over :class:`Strategy`; matching decision nodes
+    keep only the strategies the predicate accepts. ``param_force`` does the
+    same for parameters, on their FQN and placement tuple.
+    """
+
+    force: list[tuple[str, callable]] = field(default_factory=list)
+    param_force: list[tuple[str, callable]] = field(default_factory=list)
+    temporal: bool = True
+    name: str = ""
+
 
 COLUMN = r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj|lm_head)$"
 ROW = r"(o_proj|fc2|down_proj)$"

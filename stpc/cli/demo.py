@@ -13,12 +13,16 @@ import argparse
 import os
 import time
 
+import torch
+
+from stpc.compile import compile as stpc_compile
+from stpc.compile import trace
+from stpc.frontend import dump, models
+from stpc.planner import search
+from stpc.runtime.launch import spawn
+
 
 def _data(name, batch, seq, steps):
-    import torch
-
-    from stpc import models
-
     g = torch.Generator().manual_seed(1234)
     vocab = models.get_config(name).vocab
     return [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
@@ -29,17 +33,11 @@ def _optimizer(params, lr):
     # SGD with momentum rather than Adam: Adam divides by sqrt(v), so a gradient that is
     # zero in exact arithmetic (the key bias: softmax ignores it) turns its fp32 rounding
     # noise into full-size, sign-random updates, and any two fp32 programs drift apart.
-    import torch
-
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
 def _reference(name, batch, seq, steps, lr):
     """Single-device training: per-step loss and the gradients of the last step."""
-    import torch
-
-    from stpc import models
-
     torch.manual_seed(0)
     model = models.build(name)
     opt = _optimizer(model.parameters(), lr)
@@ -55,16 +53,11 @@ def _reference(name, batch, seq, steps, lr):
 
 
 def _rank(rank, world, name, batch, seq, steps, lr, mesh, out_dir, budget_gib=None):
-    import torch
-
-    import stpc
-    from stpc import models
-
     torch.manual_seed(0)
     model = models.build(name)  # same seed on every rank: identical full weights
     example = models.example_inputs(name, batch, seq, device="cpu")
     t0 = time.perf_counter()
-    dm = stpc.compile(model, mesh, example, budget_gib=budget_gib)
+    dm = stpc_compile(model, mesh, example, budget_gib=budget_gib)
     t_compile = time.perf_counter() - t0
     opt = _optimizer(list(dm.local_parameters().values()), lr)
     losses, grads = [], {}
@@ -99,12 +92,6 @@ def main_demo(argv: list[str]) -> int:
     a = p.parse_args(argv)
     lr = 0.05
     mesh = a.mesh or str(a.ranks)
-
-    import torch
-
-    from stpc import dump, models, trace
-    from stpc.launch import spawn
-    from stpc.search import search
 
     os.makedirs(a.out, exist_ok=True)
     # 1. plan on meta tensors, in this process, to show it

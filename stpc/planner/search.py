@@ -25,12 +25,13 @@ import math
 import time
 
 from stpc.cost_models import CostModel, get_cluster
-from stpc.hints import preset
-from stpc.plan import Plan
-from stpc.planner import NS, Builder, HintUnsatisfiable, Hints, build_problem, make_plan
-from stpc.solver import (InfeasibleBudget, NoBetterPlan, Problem, eliminated, memory_blind_optimum, min_memory,
-                         solve)
-from stpc.trace import TracedGraph
+from stpc.frontend.trace import TracedGraph
+from stpc.planner.analysis import analyse
+from stpc.planner.builder import NS, Builder, build_problem, make_plan
+from stpc.planner.hints import HintUnsatisfiable, Hints, preset
+from stpc.planner.plan import Plan
+from stpc.planner.solver import (InfeasibleBudget, NoBetterPlan, Problem, eliminated, memory_blind_optimum,
+                                 min_memory, solve)
 
 
 def mesh_shapes(n: int, max_axes: int = 3) -> list[tuple[int, ...]]:
@@ -111,7 +112,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     shapes = [shape] if shape else mesh_shapes(n)
     if hints == "megatron" and shape is None:
         shapes = [s for s in shapes if len(s) <= 2]  # Megatron's DP x TP
-    facts = tg.analyse()  # (done by ``trace``: mesh-independent)
+    facts = analyse(tg)  # (done by ``stpc.trace``: mesh-independent)
     tried, infeasible, candidates = [], [], []
     for idx, s in enumerate(shapes):
         h = preset(hints, s) if isinstance(hints, str) else (hints or Hints())

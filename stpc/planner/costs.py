@@ -1,4 +1,5 @@
-"""Costs of strategies and of resharding, from ``stpc.cost_models``.
+"""Costs of strategies and of resharding, from ``stpc.cost_models`` (time from its
+compute and communication models, bytes from its ``MemoryModel``).
 
 Every number is modelled seconds (or bytes) for one training step:
 forward + backward (dI) + gradient (dW) phases.
@@ -26,9 +27,9 @@ import math
 
 import torch
 
-from stpc.cost_models import CostModel
+from stpc.cost_models import CostModel, MemoryModel
 from stpc.placement import REPLICATE, parse, shard_factor
-from stpc.strategies import Strategy, aten, tensor_operands
+from stpc.planner.strategies import Strategy, aten, tensor_operands
 
 _MATMUL = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
 
@@ -159,23 +160,19 @@ class NodeTimer:
         raise ValueError(f"unknown strategy family {s.kind!r}")
 
 
-class TransientSizer:
-    """Working set while the node runs under a strategy (``sizer(s, mesh)``): its local
-    inputs and output, plus the two in-flight ring buffers of a temporal family. Sizes
-    are read once per node."""
-
-    def __init__(self, node):
-        val = node.meta["val"]
-        self.out = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-        self.ins = [o.meta["val"].numel() * o.meta["val"].element_size() for o in tensor_operands(node)]
-
-    def __call__(self, s: Strategy, mesh) -> float:
-        total = self.out / shard_factor(s.out, mesh) if self.out else 0
-        for nb, p in zip(self.ins, s.ins):
-            total += nb / shard_factor(p, mesh)
-        if s.kind != "spatial" and s.kind != "replicate-fallback":
-            total += 2 * self.ins[0] / shard_factor(s.ins[0], mesh)
-        return total
+def transient_bytes(node, strategies, mesh, memory: MemoryModel) -> list[float]:
+    """Per strategy, the node's working set while it runs (``MemoryModel.transient_bytes``):
+    its local operands and output, plus the double-buffered ring blocks (blocks of its
+    first operand) of a temporal family."""
+    val = node.meta["val"]
+    out = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+    ins = [o.meta["val"].numel() * o.meta["val"].element_size() for o in tensor_operands(node)]
+    sizes = []
+    for s in strategies:
+        local_ins = [nb / shard_factor(p, mesh) for nb, p in zip(ins, s.ins)]
+        ring = 0.0 if s.kind in ("spatial", "replicate-fallback") else local_ins[0]
+        sizes.append(memory.transient_bytes(local_ins, out / shard_factor(s.out, mesh) if out else 0, ring))
+    return sizes
 
 
-__all__ = ["reshard_cost", "NodeTimer", "TransientSizer", "axis_reshard"]
+__all__ = ["reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "dtype_name"]

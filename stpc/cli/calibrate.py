@@ -13,24 +13,25 @@ alpha and beta are then fitted by least squares (``cost_models.profile``): one f
 collective kind plus a joint fit, and the profile is written as JSON. Load it with
 ``stpc.cost_models.get_cluster("profile.json")``.
 
-Processes are spawned with a hard deadline: on timeout or any rank's failure all
-children are killed and a ``RuntimeError`` says which and why; nothing hangs.
+Ranks are started by ``stpc.runtime.launch.spawn`` (the one launcher) with a hard
+deadline: on timeout or any rank's failure all children are killed and an error says
+which and why; nothing hangs.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
+from stpc.cost_models import get_device
 from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, save_profile
+from stpc.runtime.launch import SpawnTimeout, spawn
 
 DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 MATMUL_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024)]
@@ -41,12 +42,6 @@ _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 # ----------------------------------------------------------------------------- workers
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -55,8 +50,6 @@ def _sync(dev):
 def _repeats(fn, dev, min_window_s: float) -> int:
     """Warm ``fn`` up and return how many back-to-back calls fill ``min_window_s`` (the
     same on every rank: the slowest rank's single-call time decides)."""
-    import torch.distributed as dist
-
     for _ in range(3):  # warm-up: connection setup, allocator, first-touch pages
         fn()
     _sync(dev)
@@ -70,8 +63,6 @@ def _repeats(fn, dev, min_window_s: float) -> int:
 
 def _window(fn, reps: int, dev) -> float:
     """Seconds per call over one window of ``reps`` back-to-back calls on this rank."""
-    import torch.distributed as dist
-
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -90,8 +81,6 @@ def _time_ops(fns: list, iters: int, dev, min_window_s: float = 0.03) -> list[fl
     A window lasts as long as its slowest rank; the result is the fastest window: on a
     shared machine the others measure whoever else is running, and the model should
     describe the transport, not the neighbours."""
-    import torch.distributed as dist
-
     reps = [_repeats(fn, dev, min_window_s) for fn in fns]
     times = [[_window(fn, r, dev) for fn, r in zip(fns, reps)] for _ in range(iters)]
     t = torch.tensor(times, dtype=torch.float64, device=dev)
@@ -101,8 +90,6 @@ def _time_ops(fns: list, iters: int, dev, min_window_s: float = 0.03) -> list[fl
 
 def _collective_fn(kind: str, nbytes: int, rank: int, world: int, dev):
     """A closure running one ``kind`` whose full tensor is ``nbytes`` (per-rank message for p2p)."""
-    import torch.distributed as dist
-
     elems = max(world, nbytes // 4 // world * world)  # fp32, divisible by world
     if kind == "all_gather":
         inp, out = torch.ones(elems // world, device=dev), torch.empty(elems, device=dev)
@@ -165,73 +152,44 @@ def _mem_bw(dev, nbytes: int = 64 << 20) -> float:
     return 2.0 * nbytes / best  # a copy reads and writes every byte
 
 
-def _worker(rank: int, world: int, port: int, task: dict, result_path: str) -> None:
-    import torch.distributed as dist
-
-    use_cuda = task["backend"] == "nccl"
-    if use_cuda:
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-    else:
-        # Ranks share the cores: give each its share so they do not oversubscribe.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        dev = torch.device("cpu")
-    dist.init_process_group(task["backend"], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=task["op_timeout_s"]))
-    try:
-        result: dict = {"samples": []}
-        if task.get("matmul"):
-            dist.barrier()
-            rates = _matmul_rates(dev)
-            bw = _mem_bw(dev)
-            gathered = [None] * world
-            dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw})
-            result["per_rank"] = gathered
-        cases = [(kind, nbytes) for kind in task["kinds"] for nbytes in task["sizes"]]
-        fns = [_collective_fn(kind, nbytes, rank, world, dev) for kind, nbytes in cases]
-        secs = _time_ops(fns, task["iters"], dev)
-        result["samples"] = [[kind, nbytes, t] for (kind, nbytes), t in zip(cases, secs)]
-        if rank == 0:
-            with open(result_path, "w") as fh:
-                json.dump(result, fh)
+def _worker(rank: int, world: int, task: dict) -> dict | None:
+    """One rank of a calibration run (started by ``runtime.launch.spawn``); rank 0 returns
+    the result."""
+    dev = torch.device("cuda", rank) if task["backend"] == "nccl" else torch.device("cpu")
+    result: dict = {"samples": []}
+    if task.get("matmul"):
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        rates = _matmul_rates(dev)
+        bw = _mem_bw(dev)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw})
+        result["per_rank"] = gathered
+    cases = [(kind, nbytes) for kind in task["kinds"] for nbytes in task["sizes"]]
+    fns = [_collective_fn(kind, nbytes, rank, world, dev) for kind, nbytes in cases]
+    secs = _time_ops(fns, task["iters"], dev)
+    result["samples"] = [[kind, nbytes, t] for (kind, nbytes), t in zip(cases, secs)]
+    return result if rank == 0 else None
 
 
 def run_spawned(world_size: int, task: dict, timeout_s: float) -> dict:
-    """Run ``_worker`` on ``world_size`` fresh processes; return rank 0's result.
-    Kills every child and raises on failure or when ``timeout_s`` passes."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        ctx = mp.spawn(_worker, args=(world_size, _free_port(), task, path), nprocs=world_size,
-                       join=False)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"calibration on {world_size} {task['backend']} ranks did not "
-                                       f"finish within {timeout_s:.0f} s; all ranks were killed. "
-                                       f"Use fewer --sizes or a larger timeout.")
-        except BaseException:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join(5)
-            raise
-        with open(path) as fh:
-            return json.load(fh)
+    """Run ``_worker`` on ``world_size`` fresh processes (``runtime.launch.spawn``); return
+    rank 0's result. Every child is gone when this returns or raises."""
+    # Ranks share the cores: give each its share so they do not oversubscribe.
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    try:
+        return spawn(_worker, world_size, task, timeout_s=timeout_s, backend=task["backend"],
+                     threads_per_rank=threads)[0]
+    except SpawnTimeout:
+        raise RuntimeError(f"calibration on {world_size} {task['backend']} ranks did not finish within "
+                           f"{timeout_s:.0f} s; all ranks were killed. Use fewer --sizes or a larger "
+                           f"timeout.") from None
 
 
 def measure_collectives(world_size: int = 4, sizes=DEFAULT_SIZES, kinds=KINDS, iters: int = 5,
                         backend: str | None = None, timeout_s: float = 300.0) -> list[tuple[str, int, float]]:
     """Fresh (kind, nbytes, seconds) samples, measured like ``calibrate`` does."""
     task = {"backend": backend or _default_backend(world_size), "kinds": list(kinds),
-            "sizes": [int(s) for s in sizes], "iters": iters, "matmul": False,
-            "op_timeout_s": max(30, int(timeout_s))}
+            "sizes": [int(s) for s in sizes], "iters": iters, "matmul": False}
     return [tuple(s) for s in run_spawned(world_size, task, timeout_s)["samples"]]
 
 
@@ -254,7 +212,7 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
         raise ValueError("need at least two message sizes to fit alpha and beta")
     backend = backend or _default_backend(world_size)
     task = {"backend": backend, "kinds": list(kinds), "sizes": [int(s) for s in sizes],
-            "iters": iters, "matmul": True, "op_timeout_s": max(30, int(timeout_s))}
+            "iters": iters, "matmul": True}
     res = run_spawned(world_size, task, timeout_s)
     samples = [tuple(s) for s in res["samples"]]
 
@@ -272,7 +230,6 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
         mem_bytes = torch.cuda.get_device_properties(0).total_memory
     else:
         dev_name = "cpu"
-        from stpc.cost_models.devices import get_device
         mem_bytes = get_device("CPU").mem_bytes
     device = {"name": f"calibrated-{dev_name}", "peak_flops": peak, "efficiency": 1.0,
               "mem_bw": statistics.median(r["mem_bw"] for r in per_rank), "mem_bytes": mem_bytes}

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from stpc.ops.kernels import ring_step_matmul
+from stpc.runtime.ops.kernels import ring_step_matmul
 
 __all__ = [
     "ring_allgather_matmul",

@@ -1,0 +1,27 @@
+"""cli: the ``python -m stpc`` verbs. In: command-line arguments. Out: plans, dumps, profiles
+and demo runs on disk and stdout, through the library's stages (each verb adds no logic of its own).
+
+trace (a zoo model's graph), plan (search one model on a cluster preset), calibrate
+(measure this machine into a cost-model profile), demo (the README's main job).
+"""
+from __future__ import annotations
+
+import sys
+
+from stpc.cli.calibrate import main_calibrate
+from stpc.cli.demo import main_demo
+from stpc.cli.plan import main_plan
+from stpc.cli.trace import main_trace
+
+COMMANDS = {"demo": main_demo, "trace": main_trace, "plan": main_plan, "calibrate": main_calibrate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print("usage: python -m stpc {" + ",".join(COMMANDS) + "} [options]   (--help on each)")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+__all__ = ["main", "COMMANDS"]

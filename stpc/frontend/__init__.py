@@ -1,0 +1,12 @@
+"""frontend: model -> annotated aten graph. In: an nn.Module (real or on meta) and example
+inputs. Out: a TracedGraph whose every node carries its FakeTensor, FLOPs, bytes and source line.
+
+trace (torch.export, training IR), annotate (FLOPs, bytes, parameter, module, source),
+models (the zoo of GPT / Llama / OPT / BLOOM configs), dump (graph tables and DOT).
+"""
+from stpc.frontend import models
+from stpc.frontend.annotate import annotate, source_of
+from stpc.frontend.dump import dump
+from stpc.frontend.trace import TracedGraph, trace
+
+__all__ = ["trace", "TracedGraph", "annotate", "source_of", "dump", "models"]
