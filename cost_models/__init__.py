@@ -1,6 +1,9 @@
-"""Cost models for the planner: devices, clusters, roofline compute, alpha-beta
-communication, the memory model and calibration profiles. Imports nothing from the
-rest of stpc (no planner, pass or runtime).
+"""cost_models (installed as ``stpc.cost_models``): what things cost. In: a cluster (preset or
+calibrated profile), a mesh shape, FLOPs and bytes. Out: modelled seconds and per-device bytes.
+
+Devices, clusters, roofline compute, alpha-beta communication, the one memory model
+(``MemoryModel``) and calibration profiles. Imports nothing from the rest of stpc (no
+planner, pass or runtime).
 
 Units throughout: seconds, bytes, bytes/s, FLOP/s. The symbolic closed-form memory
 estimator is ``stpc.cost_models.estimator`` (not imported here: it needs sympy, which

@@ -1,7 +1,9 @@
 """Closed-form per-device training memory of the zoo's GPT and Llama configs under
 data (dp) x tensor (tp) x sequence (sp) parallelism, kept symbolic with sympy so a
-notebook can print the formula and substitute numbers. A cross-check, not the planner's
-hot path (the planner uses :mod:`memory` and per-node costs).
+notebook can print the formula and substitute numbers. A cross-check of the planner's
+memory model (:class:`memory.MemoryModel`), not a second engine: its bytes per parameter
+are the model's (``memory.bytes_per_param``), and ``tests/test_planner.py`` holds a
+plan's parameter state against it.
 
 Activations saved per transformer layer, in elements of the activation dtype, with
 flash attention (SDPA: no s x s score matrix is kept), no dropout and no recompute, for

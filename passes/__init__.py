@@ -1,5 +1,8 @@
-"""Graph passes: each a documented ``GraphModule -> GraphModule`` function, run in this order
-by ``stpc.compile``:
+"""passes (installed as ``stpc.passes``): Plan + graph -> SPMD graph. In: the traced aten
+GraphModule and its Plan. Out: one rank's program of local shards, collectives and ring ops.
+
+Each pass is a documented ``GraphModule -> GraphModule`` function, run in this order by
+``stpc.compile``:
 
   shard_params       placeholders become the local shards of their plan placement
   insert_collectives functional collectives wherever placements change; local rewrites

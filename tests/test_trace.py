@@ -111,3 +111,13 @@ def test_trace_analyses_the_graph_once_and_again_when_it_changes():
     with g.inserting_before(out):
         g.call_function(torch.ops.aten.zeros.default, ([1],))
     assert analyse(tg) is not facts and analyse(tg) is tg.facts
+
+
+def test_tied_parameters_are_recorded():
+    with torch.device("meta"):
+        gpt, llama = models.build("gpt-tiny"), models.build("llama-tiny")
+    tg = trace(gpt, models.example_inputs("gpt-tiny", 2, 16, device="meta"))
+    assert tg.tied_params == {"p_lm_head_weight": "p_wte_weight"}  # gpt-tiny ties its head to wte
+    assert tg.param_fqns["p_lm_head_weight"] == "lm_head.weight"
+    tl = trace(llama, models.example_inputs("llama-tiny", 2, 16, device="meta"))
+    assert tl.tied_params == {} and not models.get_config("llama-tiny").tied_head

@@ -21,7 +21,9 @@ class TracedGraph:
     """The traced program and what its placeholders are.
 
     ``gm(*params_and_buffers, *user_inputs)`` runs it; ``param_fqns`` maps a
-    placeholder name to the parameter's fully-qualified name in the model.
+    placeholder name to the parameter's fully-qualified name in the model;
+    ``tied_params`` maps the placeholder of a parameter that is the same tensor as an
+    earlier one (a tied LM head) to that earlier placeholder.
     """
 
     gm: fx.GraphModule
@@ -30,6 +32,7 @@ class TracedGraph:
     user_inputs: list[str]
     user_outputs: list[str]
     model_name: str = ""
+    tied_params: dict[str, str] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     facts: object = None  # the planner's mesh-independent analysis, cached (``stpc.planner.analyse``)
 
@@ -91,6 +94,21 @@ def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> TracedGrap
         user_inputs=list(sig.user_inputs),
         user_outputs=list(sig.user_outputs),
         model_name=name or type(model).__name__,
+        tied_params=_tied(model, dict(sig.inputs_to_parameters)),
     )
     annotate(gm, tg.param_fqns, tg.buffer_fqns)
     return tg
+
+
+def _tied(model: nn.Module, param_fqns: dict[str, str]) -> dict[str, str]:
+    """Placeholder -> the earlier placeholder of the same parameter tensor (tied weights)."""
+    tensor_of = dict(model.named_parameters(remove_duplicate=False))
+    first: dict[int, str] = {}
+    tied = {}
+    for ph, fqn in param_fqns.items():
+        key = id(tensor_of[fqn])
+        if key in first:
+            tied[ph] = first[key]
+        else:
+            first[key] = ph
+    return tied

@@ -109,8 +109,11 @@ class Builder:
             for pattern, pred in self.hints.param_force:
                 if re.search(pattern, fqn):
                     choices = [c for c in choices if pred(c)] or choices
-            mem = [self.memory.param_bytes(val.numel(), math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE))
-                   for p in choices]
+            if node.name in self.tg.tied_params:  # the same tensor as an earlier parameter: held once
+                mem = [0.0] * len(choices)
+            else:
+                mem = [self.memory.param_bytes(val.numel(), math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE))
+                       for p in choices]
         else:
             # A user input: each rank loads its own shard, so any even split is free.
             choices = placement_choices(shape, self.mesh, grid_weight=False)
