@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/planner_bench.py [--models ...] [--sizes 4 8 16 32] [--megatron] [--repeat 5]
 
 For each model: trace once on meta tensors (timed; it includes the mesh-independent
-graph analysis, ``TracedGraph.analyse``, also shown on its own), then for each device
+graph analysis, ``stpc.planner.analyse``, also shown on its own), then for each device
 count search every logical mesh shape (``stpc.planner.search``) on the ``primepar-v100``
 cluster (8 nodes x 4 V100, NVLink / InfiniBand), fp16 mixed precision, global
 batch 8 x sequence 2048, budget 32 GB per device (--no-budget: none). "search" is strategy

@@ -9,6 +9,8 @@
   vocabulary, DTensor's tokens) is a leaf every stage may read.
 * Imports sit at the top of the module; one inside a function must say why on its line
   (``# lazy: <the cost it saves>``).
+* No name is used that its module never defines or imports (pyflakes: what a move of
+  code between modules most easily breaks, on paths no other test takes).
 * ``stpc/`` holds at most six modules directly; every subpackage says in its docstring
   what goes in and what comes out.
 """
@@ -18,6 +20,9 @@ import ast
 import pathlib
 
 import pytest
+from pyflakes import messages
+from pyflakes.api import check
+from pyflakes.reporter import Reporter
 
 import stpc
 
@@ -165,6 +170,29 @@ def test_imports_at_module_top():
                     if isinstance(n, (ast.Import, ast.ImportFrom)) and "# lazy:" not in lines[n.lineno - 1]:
                         late.append(f"{m}:{n.lineno}: {lines[n.lineno - 1].strip()}")
     assert sorted(set(late)) == [], "move these to the module top (or say '# lazy: why' on the line)"
+
+
+def test_no_undefined_names():
+    class Collect(Reporter):
+        def __init__(self):
+            self.found = []
+
+        def flake(self, message):
+            if isinstance(message, (messages.UndefinedName, messages.UndefinedLocal)):
+                self.found.append(str(message))
+
+        def unexpectedError(self, filename, message):
+            self.found.append(f"{filename}: {message}")
+
+        def syntaxError(self, filename, msg, lineno, offset, text):
+            self.found.append(f"{filename}:{lineno}: {msg}")
+
+    report = Collect()
+    for path in source_modules().values():
+        check(path.read_text(), str(path.relative_to(ROOT)), report)
+    assert report.found == []
+    check("def f():\n    return HintUnsatisfiable\n", "probe.py", report)  # the check can fail
+    assert report.found and "HintUnsatisfiable" in report.found[0]
 
 
 def test_the_rules_catch_what_they_forbid():

@@ -361,3 +361,18 @@ def test_parameter_memory_matches_closed_form(name):
             assert state == want
         else:
             assert want <= state <= want * (1.01 if name == "gpt-50m" else 1.15)
+
+
+def test_a_hint_nothing_satisfies_names_the_node_and_search_skips_that_shape():
+    from stpc.planner import HintUnsatisfiable, Hints, search
+
+    tg = _meta_trace("gpt-tiny", batch=16, seq=64)
+    never = Hints(force=[(r"fc1", lambda s: False)])
+    with pytest.raises(HintUnsatisfiable, match=r"hint 'fc1' leaves node linear_\d+ .*on mesh \(4,\)"):
+        plan_graph(tg, CostModel(get_cluster("primepar-v100"), (4,)), hints=never)
+    # a hint only two-axis meshes can satisfy: the search skips the 8-way shape, saying
+    # why, and plans on a two-axis one
+    two_axes = Hints(force=[(r"fc1", lambda s: len(s.out) == 2)])
+    plan = search(tg, 8, "primepar-v100", hints=two_axes)
+    tried = {tuple(t["mesh"]): t for t in plan.stats["mesh_shapes_tried"]}
+    assert "leaves node" in tried[(8,)]["skipped"] and len(plan.mesh_shape) == 2

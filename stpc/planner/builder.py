@@ -30,7 +30,7 @@ from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse
 from stpc.planner.costs import NodeTimer, axis_reshard, dtype_name, reshard_cost, transient_bytes
-from stpc.planner.hints import Hints
+from stpc.planner.hints import HintUnsatisfiable, Hints
 from stpc.planner.plan import NodePlan, Plan
 from stpc.planner.solver import Edge, Problem, Solution, solve
 from stpc.planner.strategies import (Strategy, derive, enumerate_strategies, follow_rule, is_view_like,

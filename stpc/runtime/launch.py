@@ -1,9 +1,8 @@
 """A small multi-rank launcher: run a function on N real gloo (or NCCL) processes.
 
 The one launcher of stpc: the multi-rank tests, the demo and calibration all use
-it. It is deliberately
-not torchrun: tests need the per-rank return values back in the parent, a
-hard timeout, and a failure report that names the rank.
+it. It is deliberately not torchrun: tests need the per-rank return values back in
+the parent, a hard timeout, and a failure report that names the rank.
 
     results = spawn(fn, world_size, *args, timeout_s=120)
 
@@ -75,11 +74,11 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
             timeout_s: float, results: Any, backend: str, threads: int) -> None:
     # Few threads per rank: ranks share the machine's cores, and OpenMP
     # oversubscription makes start-up and every matmul slower, not faster.
-    torch.set_num_threads(threads)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
     initialised = False
     try:
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
