@@ -61,6 +61,8 @@ def default_groups(mesh) -> list[str]:
 def set_local(node: fx.Node, placement, mesh, mode, device, global_val=None) -> None:
     """Record ``placement`` on ``node`` and make meta["val"] the local FakeTensor."""
     g = global_val if global_val is not None else node.meta.get("global_val", node.meta.get("val"))
+    if g.device != torch.device(device):  # the full value as it is on the run's device (the trace may be on meta)
+        g = fake(mode, tuple(g.shape), g.dtype, device)
     node.meta["global_val"] = g
     node.meta["placement"] = tuple(placement)
     node.meta["val"] = fake(mode, local_shape(tuple(g.shape), tuple(placement), mesh), g.dtype, device)

@@ -60,8 +60,9 @@ class _Placements:
 
 def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, device="cpu",
                on_pass=None) -> fx.GraphModule:
-    """shard_params -> insert_collectives -> ring_decompose -> cleanup -> verify.
-    ``on_pass(name, gm)`` is called after each (e.g. to dump the graph)."""
+    """shard_params -> insert_collectives -> ring_decompose -> cleanup -> verify, for a
+    program whose tensors live on ``device``. ``on_pass(name, gm)`` is called after each
+    (e.g. to dump the graph)."""
     if on_pass:
         on_pass("traced", gm)
     gm = passes.shard_params(gm, plan, groups=groups, device=device)
@@ -74,15 +75,28 @@ def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, 
     return gm
 
 
+def default_device_type() -> str:
+    """The device type of this world's ranks: CUDA under NCCL, CPU otherwise (gloo)."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """Where this rank's tensors live on ``mesh``: its current CUDA device, or the CPU."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def make_mesh(mesh, plan_shape):
     """A DeviceMesh of ``plan_shape`` over the ranks of ``mesh`` (a DeviceMesh, whose ranks
-    are viewed row-major in the plan's shape, or None for all ranks)."""
+    are viewed row-major in the plan's shape, or None for all ranks on the world's device
+    type)."""
     plan_shape = tuple(int(n) for n in plan_shape)
     if mesh is None or not isinstance(mesh, DeviceMesh):
         if math.prod(plan_shape) != dist.get_world_size():
             raise ValueError(f"the plan's mesh {plan_shape} needs {math.prod(plan_shape)} ranks; "
                              f"the world has {dist.get_world_size()}")
-        return init_device_mesh("cpu", plan_shape)
+        return init_device_mesh(default_device_type(), plan_shape)
     if tuple(mesh.shape) == plan_shape:
         return mesh
     if mesh.size() != math.prod(plan_shape):
@@ -99,10 +113,12 @@ class DistributedModel:
     (leaf tensors with requires_grad: give them to any torch.optim optimizer).
     """
 
-    def __init__(self, gm, plan, mesh, groups, tg, model, snapshots, backend=None):
+    def __init__(self, gm, plan, mesh, groups, tg, model, snapshots, backend=None, input_specs=()):
         self.graph_module = gm
+        self._input_specs = list(input_specs)  # (shape, dtype) of each compiled user input
         self.plan = plan
         self.mesh = mesh
+        self.device = mesh_device(mesh)  # where this rank's shards and inputs live
         self.groups = groups
         self._snapshots = snapshots
         self.coords = tuple(int(c) for c in mesh.get_coordinate())
@@ -130,7 +146,8 @@ class DistributedModel:
                             f"different placements {fmt(self._placement[key])} and {fmt(placement)}; "
                             f"force one placement for it with Hints.param_force")
                 else:
-                    local = runtime.shard_tensor(full.detach(), placement, shape, self.coords).clone()
+                    local = runtime.shard_tensor(full.detach(), placement, shape, self.coords).to(
+                        self.device, copy=True)
                     if node.name in tg.param_fqns:
                         local = nn.Parameter(local, requires_grad=full.requires_grad)
                     self._params[key] = local
@@ -141,6 +158,7 @@ class DistributedModel:
         self._fn = torch.compile(gm, backend=backend) if backend else gm
 
     def __call__(self, *inputs):
+        self._check_inputs(inputs)
         shape = tuple(self.plan.mesh_shape)
         args = []
         for kind, what in self._feed:
@@ -148,11 +166,26 @@ class DistributedModel:
                 args.append(self._params[what])
             else:
                 i, placement = what
-                args.append(runtime.shard_tensor(inputs[i], placement, shape, self.coords))
+                args.append(runtime.shard_tensor(inputs[i], placement, shape, self.coords).to(self.device))
         out = self._fn(*args)
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
 
     forward = __call__
+
+    def _check_inputs(self, inputs) -> None:
+        """The plan is made for the compiled input shapes: any other shape is refused here,
+        on every rank alike, before any communication (never sliced unevenly)."""
+        if len(inputs) != len(self._input_specs):
+            raise TypeError(f"stpc: the model was compiled for {len(self._input_specs)} inputs, got "
+                            f"{len(inputs)}")
+        for i, (x, (shape, dtype)) in enumerate(zip(inputs, self._input_specs)):
+            got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (None, type(x).__name__)
+            if got != (shape, dtype):
+                raise ValueError(
+                    f"stpc: input {i} has shape {got[0]} and dtype {got[1]}; the model was compiled for "
+                    f"shape {shape} and dtype {dtype}. Fix: pass inputs of the compiled shape, or "
+                    f"stpc.compile the model again with example inputs of this shape (a plan is made "
+                    f"for one shape)")
 
     def local_parameters(self) -> dict[str, torch.Tensor]:
         """FQN -> this rank's shard of each parameter (tied parameters once)."""
@@ -214,5 +247,7 @@ def compile(model: nn.Module, mesh, example_inputs, *, plan: Plan | None = None,
         view = plan if name == "traced" else _Placements(gm)
         snapshots.append((name, _table(gm, view), _dot(gm, view)))
 
-    gm = run_passes(tg.gm, plan, groups, "cpu", on_pass=snap)
-    return DistributedModel(gm, plan, dm, groups, tg, model, snapshots, backend=backend)
+    gm = run_passes(tg.gm, plan, groups, mesh_device(dm), on_pass=snap)
+    specs = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (None, type(x).__name__)
+             for x in example_inputs]
+    return DistributedModel(gm, plan, dm, groups, tg, model, snapshots, backend=backend, input_specs=specs)

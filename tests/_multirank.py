@@ -2,7 +2,17 @@
 
 ``run_cases(rank, world, cases)`` compiles each case's model under its (given) plan,
 trains ``steps`` steps next to an unsharded copy of the same model and returns, per
-case, the largest relative errors of the loss and of every gradient.
+case, the largest relative errors of the loss, of every gradient and of every
+parameter after each optimizer step. It fails closed: a NaN or inf anywhere counts as
+an unbounded error, never as a match.
+
+Parameters after a step are held against a *shadow*: the full parameters, started
+equal, stepped by the same optimizer on the distributed model's own (gathered)
+gradients. Gradients are held against the single-device model. Together they check
+both halves of a step at rtol 1e-4. (Parameters are not held against the single-device
+model's: the two programs sum in different orders, and AdamW maps a gradient element
+of rounding size, e.g. a key bias's, which softmax makes zero in exact arithmetic, to
+a full-size step of either sign; no tolerance separates that from a bug.)
 """
 from __future__ import annotations
 
@@ -13,7 +23,10 @@ import torch
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a-b| / (atol + rtol*|b|) style ratio; <= 1 means within rtol=1e-4, atol=1e-6."""
+    """max |a-b| / (atol + rtol*|b|) style ratio; <= 1 means within rtol=1e-4, atol=1e-6.
+    A non-finite value on either side, or a shape mismatch, is infinitely far."""
+    if a.shape != b.shape or not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("inf")
     return float(((a - b).abs() / (1e-6 + 1e-4 * b.abs())).max())
 
 
@@ -44,7 +57,9 @@ def run_cases(rank, world, cases):
         opt = mk(list(dm.local_parameters().values()))
         ref_opt = mk(list(ref.parameters()))
         ref_params = dict(ref.named_parameters())
-        worst = {"loss": 0.0, "grad": 0.0, "grad_name": ""}
+        shadow = {k: torch.nn.Parameter(p.detach().clone()) for k, p in ref_params.items()}
+        shadow_opt = mk(list(shadow.values()))
+        worst = {"loss": 0.0, "grad": 0.0, "grad_name": "", "param": 0.0, "param_name": "", "steps": 0}
         losses = []
         for step, (idx, tgt) in enumerate(batches):
             opt.zero_grad()
@@ -67,6 +82,14 @@ def run_cases(rank, world, cases):
                 worst["missing"] = sorted(missing)
             opt.step()
             ref_opt.step()
+            for k, p in shadow.items():
+                p.grad = grads[k] if k in grads else torch.zeros_like(p)
+            shadow_opt.step()
+            for k, p in dm.full_parameters().items():  # the sharded step did what the full one does
+                r = _rel(p.detach(), shadow[k].detach())
+                if r > worst["param"]:
+                    worst["param"], worst["param_name"] = r, f"{k}@step{step}"
+            worst["steps"] += 1
         worst["losses"] = losses
         worst["case"] = case["id"]
         worst["seconds"] = time.perf_counter() - t0

@@ -111,6 +111,11 @@ def _ar(x: Tensor, group: str) -> Tensor:
 
 
 def _chunk(x: Tensor, dim: int, n: int, i: int) -> Tensor:
+    """Piece ``i`` of ``n`` equal pieces of ``x`` along ``dim``; an uneven split is an error,
+    never a floor division that silently drops the remainder."""
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split dim {dim} of a tensor of shape {tuple(x.shape)} into {n} equal "
+                         f"pieces ({x.shape[dim]} is not a multiple of {n})")
     s = x.shape[dim] // n
     return x.narrow(dim, i * s, s)
 
