@@ -240,6 +240,9 @@ def compile(model: nn.Module, mesh, example_inputs, *, plan: Plan | None = None,
         plan = search(tg, spec, cluster=cluster, budget_bytes=budget, hints=hints, temporal=temporal)
     dm = make_mesh(mesh if isinstance(mesh, DeviceMesh) else None, plan.mesh_shape)
     runtime.check_plan_agreement(plan.hash())
+    # every rank cuts its shards from its own full copy: the copies must be one model
+    runtime.check_tensors_agree({**dict(model.named_parameters()), **dict(model.named_buffers())},
+                                what="weights")
     groups = runtime.axis_groups(dm)
     snapshots = []
 

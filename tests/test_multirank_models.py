@@ -202,3 +202,30 @@ def test_an_uneven_split_is_an_error():
     assert shard_tensor(torch.arange(8).view(4, 2), ("S0",), (2,), (1,)).tolist() == [[4, 5], [6, 7]]
     with pytest.raises(ValueError, match=r"5 is not a multiple of 2"):
         shard_tensor(torch.zeros(5, 2), ("S0",), (2,), (0,))
+
+
+def _unseeded(rank, world, plan_json):
+    import torch
+
+    import stpc
+    from stpc import models
+    from stpc.planner import Plan
+    from stpc.runtime import TensorMismatch
+
+    torch.manual_seed(0)
+    model = models.build("gpt-tiny")
+    if rank == 1:  # as if rank 1 had initialised without the seed
+        with torch.no_grad():
+            model.layers[0].mlp.fc1.weight.add_(1e-3)
+    try:
+        stpc.compile(model, (world,), models.example_inputs("gpt-tiny", B, S, device="cpu"),
+                     plan=Plan.from_json(plan_json))
+    except TensorMismatch as e:
+        return str(e)
+    return None
+
+
+def test_ranks_with_different_weights_refuse_to_run():
+    plan = make_plan("gpt-tiny", "2", "dp", B, S).to_json()
+    msgs = spawn(_unseeded, 2, plan, timeout_s=120)
+    assert all(m and "layers.0.mlp.fc1.weight (ranks [1])" in m and "wte.weight" not in m for m in msgs), msgs

@@ -7,9 +7,9 @@ ops (the ``torch.ops.stpc.*`` ring and P(2^k x 2^k) custom ops, the Triton step
 kernel), launch (real gloo/NCCL ranks in fresh processes, with deadlines).
 """
 from stpc.runtime import ops, reshard
-from stpc.runtime.agreement import PlanMismatch, check_plan_agreement
+from stpc.runtime.agreement import PlanMismatch, TensorMismatch, check_plan_agreement, check_tensors_agree
 from stpc.runtime.launch import SpawnError, SpawnTimeout, free_port, spawn
 from stpc.runtime.reshard import *  # noqa: F401,F403  (the reshards, listed once in reshard.__all__)
 
-__all__ = ["ops", "PlanMismatch", "check_plan_agreement", "spawn", "free_port", "SpawnError", "SpawnTimeout",
+__all__ = ["ops", "PlanMismatch", "check_plan_agreement", "TensorMismatch", "check_tensors_agree", "spawn", "free_port", "SpawnError", "SpawnTimeout",
            *reshard.__all__]

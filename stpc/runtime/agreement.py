@@ -1,8 +1,10 @@
-"""agreement: before any step runs, every rank checks that it holds the same plan as rank 0.
+"""agreement: before any step runs, every rank checks that it holds what rank 0 holds.
 
-A rank with a different plan would issue a different sequence of collectives and
-P2P transfers: a hang, or a silent wrong answer. The check takes the plan's hash
-(a string), not the plan: the runtime knows nothing of plans.
+* the same plan: a rank with a different plan would issue a different sequence of
+  collectives and P2P transfers, a hang or a silent wrong answer. The check takes the
+  plan's hash (a string), not the plan: the runtime knows nothing of plans;
+* the same full weights: each rank cuts its shards from its own copy of the model, so
+  a rank initialised differently (an unseeded init) would train a model nobody built.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_plan_agreement", "PlanMismatch"]
+__all__ = ["check_plan_agreement", "PlanMismatch", "check_tensors_agree", "TensorMismatch"]
 
 
 class PlanMismatch(RuntimeError):
@@ -38,3 +40,34 @@ def check_plan_agreement(plan_hash: str, group=None) -> None:
             f"ranks disagree on the plan: rank 0 has plan {hashes[0]}, ranks {bad} have "
             f"{[hashes[r] for r in bad]}. Fix: plan once and pass the same Plan (e.g. Plan.load) "
             f"to stpc.compile on every rank.")
+
+
+class TensorMismatch(RuntimeError):
+    """Ranks hold different values for tensors that must be equal everywhere."""
+
+
+def _digest(t: torch.Tensor) -> int:
+    raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.sha256(raw).digest()[:8], "little", signed=True)
+
+
+def check_tensors_agree(named: dict, group=None, what: str = "tensors") -> None:
+    """Raise :class:`TensorMismatch` on every rank, naming the tensors and ranks, unless every
+    rank of ``group`` (default WORLD) holds bit-identical ``named`` tensors (same names in
+    the same order on every rank). Tensors on ``meta`` hold no values and are skipped."""
+    names = [k for k, t in named.items() if t.device.type != "meta"]
+    mine = torch.tensor([_digest(named[k]) for k in names], dtype=torch.int64)
+    n = dist.get_world_size(group)
+    got = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(got, mine, group=group)
+    bad = {}
+    for r in range(1, n):
+        for i in torch.nonzero(got[r] != got[0]).flatten().tolist():
+            bad.setdefault(names[i], []).append(r)
+    if bad:
+        shown = ", ".join(f"{k} (ranks {rs})" for k, rs in list(bad.items())[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise TensorMismatch(
+            f"ranks hold different {what} than rank 0: {shown}{more}. Fix: build the model identically "
+            f"on every rank (torch.manual_seed before building it) or load the same checkpoint on "
+            f"every rank before stpc.compile.")
