@@ -106,12 +106,6 @@ class MemoryModel:
         placement splits it ``shards`` ways (product of the mesh sizes of its split axes)."""
         return numel * self.bytes_per_param / shards
 
-    def param_parts(self, numel: float, shards: float = 1, zero_shards: int = 1,
-                    zero_stage: int = 2) -> MemoryParts:
-        """:meth:`param_bytes` split into weight, gradient and optimizer state, with ZeRO
-        sharding of ``zero_stage`` over ``zero_shards`` data-parallel ranks."""
-        return optimizer_state_bytes(numel / shards, self.layout, zero_shards, zero_stage, self.fp32_grad_accum)
-
     @staticmethod
     def saved_bytes(nbytes: float, shards: float = 1) -> float:
         """A tensor of ``nbytes`` kept for backward, split ``shards`` ways."""
@@ -123,11 +117,6 @@ class MemoryModel:
         in-flight ring blocks of ``ring_block`` bytes (the double buffer of a temporal
         schedule; 0 for a spatial one)."""
         return sum(local_inputs, local_output) + 2 * ring_block
-
-    @staticmethod
-    def peak(persistent, transients) -> float:
-        """The step's peak: every persistent term at once plus the largest transient."""
-        return sum(persistent) + max(transients, default=0.0)
 
 
 def adamw_step_transient_bytes(param_bytes: list[float] | tuple[float, ...], impl: str = "single") -> float:

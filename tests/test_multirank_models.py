@@ -204,7 +204,7 @@ def test_an_uneven_split_is_an_error():
         shard_tensor(torch.zeros(5, 2), ("S0",), (2,), (0,))
 
 
-def _unseeded(rank, world, plan_json):
+def _unseeded(rank, world, plan_json, extra=False):
     import torch
 
     import stpc
@@ -214,7 +214,9 @@ def _unseeded(rank, world, plan_json):
 
     torch.manual_seed(0)
     model = models.build("gpt-tiny")
-    if rank == 1:  # as if rank 1 had initialised without the seed
+    if rank == 1 and extra:  # rank 1 built a model with one more buffer
+        model.register_buffer("stray", torch.zeros(3))
+    elif rank == 1:  # as if rank 1 had initialised without the seed
         with torch.no_grad():
             model.layers[0].mlp.fc1.weight.add_(1e-3)
     try:
@@ -229,3 +231,5 @@ def test_ranks_with_different_weights_refuse_to_run():
     plan = make_plan("gpt-tiny", "2", "dp", B, S).to_json()
     msgs = spawn(_unseeded, 2, plan, timeout_s=120)
     assert all(m and "layers.0.mlp.fc1.weight (ranks [1])" in m and "wte.weight" not in m for m in msgs), msgs
+    msgs = spawn(_unseeded, 2, plan, True, timeout_s=120)
+    assert all(m and "ranks [1] hold a different set of weights" in m for m in msgs), msgs

@@ -29,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from stpc.cli._common import TORCH_DTYPES
 from stpc.cost_models import get_device
 from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, save_profile
 from stpc.runtime.launch import SpawnTimeout, spawn
@@ -36,7 +37,6 @@ from stpc.runtime.launch import SpawnTimeout, spawn
 DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 MATMUL_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024)]
 MATMUL_DTYPES = ("fp32", "bf16", "fp16")
-_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # ----------------------------------------------------------------------------- workers
@@ -123,8 +123,8 @@ def _matmul_rates(dev, iters: int = 3) -> list[dict]:
     for dt in MATMUL_DTYPES:
         shapes = MATMUL_SHAPES if dt != "fp16" else MATMUL_SHAPES[:2]  # CPU fp16 GEMM is slow
         for m, n, k in shapes:
-            a = torch.randn(m, n, device=dev, dtype=_TORCH_DTYPE[dt])
-            b = torch.randn(n, k, device=dev, dtype=_TORCH_DTYPE[dt])
+            a = torch.randn(m, n, device=dev, dtype=TORCH_DTYPES[dt])
+            b = torch.randn(n, k, device=dev, dtype=TORCH_DTYPES[dt])
             torch.mm(a, b)
             _sync(dev)
             best = float("inf")

@@ -46,9 +46,12 @@ class TensorMismatch(RuntimeError):
     """Ranks hold different values for tensors that must be equal everywhere."""
 
 
-def _digest(t: torch.Tensor) -> int:
-    raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def _digest_bytes(raw: bytes) -> int:
     return int.from_bytes(hashlib.sha256(raw).digest()[:8], "little", signed=True)
+
+
+def _digest(t: torch.Tensor) -> int:
+    return _digest_bytes(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def check_tensors_agree(named: dict, group=None, what: str = "tensors") -> None:
@@ -56,8 +59,17 @@ def check_tensors_agree(named: dict, group=None, what: str = "tensors") -> None:
     rank of ``group`` (default WORLD) holds bit-identical ``named`` tensors (same names in
     the same order on every rank). Tensors on ``meta`` hold no values and are skipped."""
     names = [k for k, t in named.items() if t.device.type != "meta"]
-    mine = torch.tensor([_digest(named[k]) for k in names], dtype=torch.int64)
     n = dist.get_world_size(group)
+    # first the names, in a fixed-size message: tables of different lengths must not meet
+    # in one all_gather (that could hang or fail obscurely)
+    head = torch.tensor([len(names), _digest_bytes("\n".join(names).encode())], dtype=torch.int64)
+    heads = [torch.empty_like(head) for _ in range(n)]
+    dist.all_gather(heads, head, group=group)
+    differ = [r for r in range(n) if not torch.equal(heads[r], heads[0])]
+    if differ:
+        raise TensorMismatch(f"ranks {differ} hold a different set of {what} than rank 0 ({len(names)} here). "
+                             f"Fix: build the same model on every rank before stpc.compile.")
+    mine = torch.tensor([_digest(named[k]) for k in names], dtype=torch.int64)
     got = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(got, mine, group=group)
     bad = {}
