@@ -29,7 +29,9 @@ model's values under the plan's placements:
       p2x2:     runtime.grid_linear(x, w) (gathers a grid row of x and a grid
                 column of w; the step schedule replaces it)
     so the graph between the two passes still runs and is still correct;
-  * the outputs are made Replicate (every rank returns the full loss/output);
+  * the outputs are made Replicate (every rank returns the full loss/output), or,
+    with ``replicate_outputs=False``, only those DTensor cannot describe (Partial,
+    grid blocks);
   * every tensor node has meta["val"] (local FakeTensor), meta["global_val"],
     meta["placement"]; communication nodes have meta["comm"].
 """
@@ -194,8 +196,9 @@ def _replace_operands(node: fx.Node, new: list[fx.Node]) -> None:
 
 
 class _Lowering:
-    def __init__(self, gm: fx.GraphModule, plan):
+    def __init__(self, gm: fx.GraphModule, plan, replicate_outputs: bool = True):
         self.gm, self.plan, self.graph = gm, plan, gm.graph
+        self.replicate_outputs = replicate_outputs
         try:
             self.mesh = tuple(gm.meta["stpc_mesh"])
             self.groups = list(gm.meta["stpc_groups"])
@@ -437,17 +440,22 @@ class _Lowering:
         set_local(node, s.out, self.mesh, self.mode, self.device)
 
     def lower_output(self, node: fx.Node) -> None:
-        rep = ("R",) * len(self.mesh)
+        def target(p):
+            if self.replicate_outputs:
+                return ("R",) * len(p)
+            return tuple("R" if t[0] in "PBXW" else t for t in p)  # what DTensor can say: R and S
 
         def fix(x):
             if is_tensor_node(x) and "placement" in x.meta:
-                return self.reshard(x, rep, (False,) * len(self.mesh), node)
+                return self.reshard(x, target(self.placement(x)), (False,) * len(self.mesh), node)
             return x
         node.args = tuple(fx.node.map_aggregate(a, lambda x: fix(x) if isinstance(x, fx.Node) else x)
                           for a in node.args)
 
 
-def insert_collectives(gm: fx.GraphModule, plan) -> fx.GraphModule:
-    """Insert the resharding collectives and local rewrites; see the module docstring."""
-    _Lowering(gm, plan).run()
+def insert_collectives(gm: fx.GraphModule, plan, replicate_outputs: bool = True) -> fx.GraphModule:
+    """Insert the resharding collectives and local rewrites; see the module docstring.
+    ``replicate_outputs=False`` keeps split (Shard) outputs split; Partial and grid
+    outputs are still made Replicate."""
+    _Lowering(gm, plan, replicate_outputs).run()
     return finish(gm)

@@ -5,9 +5,10 @@ frontend (trace, annotate) -> planner (analyse, strategies, solve -> Plan)
 -> passes (``stpc.passes``: Plan + graph -> SPMD graph) -> runtime (on every rank);
 ``stpc.compile`` strings them together, ``stpc.cli`` is ``python -m stpc``.
 """
-from stpc.compile import DistributedModel, compile, trace  # noqa: A004 (stpc.compile is the entry point)
+from stpc.compile import compile, trace  # noqa: A004 (stpc.compile is the entry point)
+from stpc.module import DistributedModel, ShapeMismatch
 from stpc.frontend import TracedGraph, dump, models
 from stpc.planner import Hints, Plan, search
 
-__all__ = ["compile", "trace", "DistributedModel", "TracedGraph", "Plan", "Hints", "search", "dump", "models"]
+__all__ = ["compile", "trace", "DistributedModel", "ShapeMismatch", "TracedGraph", "Plan", "Hints", "search", "dump", "models"]
 __version__ = "0.1.0"

@@ -1,38 +1,46 @@
 """stpc.compile: the one place that strings the stages together.
 
-    dm = stpc.compile(model, mesh, example_inputs)      # on every rank
-    loss = dm(idx, targets)                             # full inputs; each rank slices its own
-    loss.backward(); opt = torch.optim.AdamW(dm.local_parameters().values())
+    pm = stpc.compile(model, mesh, example_inputs)     # on every rank (under torchrun)
+    opt = torch.optim.AdamW(pm.parameters())           # DTensor parameters
+    loss = pm(idx, targets); loss.backward(); opt.step()
 
-trace (frontend) -> analyse + search (planner, unless a Plan is given) -> rank
-agreement on the plan (runtime) -> passes (shard_params, insert_collectives,
-ring_decompose, cleanup, verify) -> optional torch.compile of the resulting GraphModule.
+trace (frontend, on a meta view of the model: nothing allocated) -> analyse + search
+(planner, unless a Plan is given) -> rank agreement on the plan and the weights
+(runtime) -> passes (shard_params, insert_collectives, ring_decompose, cleanup, verify)
+-> optional torch.compile of the resulting GraphModule -> the model itself, its class
+``STPC<Class>`` and its parameters DTensors (``stpc.module``). A later call with inputs
+of another shape comes back here to plan that shape too (``Compiled.run``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from stpc import frontend, passes, runtime
 from stpc.frontend.dump import dot as _dot
 from stpc.frontend.dump import table as _table
+from stpc.module import Compiled, DistributedModel, Program, adopt, flatten_call, full_meta_view
 from stpc.placement import fmt
-from stpc.planner import Plan, analyse, search
+from stpc.planner import Hints, Plan, analyse, preset, search
+from stpc.runtime.dtensors import grid_axes, storage_mesh, tokens_of
 
 __all__ = ["compile", "trace", "DistributedModel", "run_passes", "make_mesh"]
 
 
-def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> frontend.TracedGraph:
+def trace(model: nn.Module, example_inputs: tuple = (), name: str = "",
+          example_kwargs: dict | None = None) -> frontend.TracedGraph:
     """Trace ``model`` to an annotated aten graph (``stpc.frontend.trace``) and analyse it
     for the planner (``stpc.planner.analyse``: mesh-independent, done once and reused by
     every mesh shape and search). Works on ``meta`` tensors: nothing is allocated."""
-    tg = frontend.trace(model, example_inputs, name)
+    tg = frontend.trace(model, tuple(example_inputs), name, example_kwargs)
     analyse(tg)
     return tg
 
@@ -59,16 +67,20 @@ class _Placements:
 
 
 def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, device="cpu",
-               on_pass=None) -> fx.GraphModule:
+               on_pass=None, replicate_outputs: bool = True) -> fx.GraphModule:
     """shard_params -> insert_collectives -> ring_decompose -> cleanup -> verify, for a
     program whose tensors live on ``device``. ``on_pass(name, gm)`` is called after each
-    (e.g. to dump the graph)."""
+    (e.g. to dump the graph). ``replicate_outputs=False`` leaves outputs as planned
+    (split ones stay split) where DTensor can say the placement."""
     if on_pass:
         on_pass("traced", gm)
     gm = passes.shard_params(gm, plan, groups=groups, device=device)
     if on_pass:
         on_pass("shard_params", gm)
-    for name in ("insert_collectives", "ring_decompose", "cleanup", "verify"):
+    gm = passes.insert_collectives(gm, plan, replicate_outputs=replicate_outputs)
+    if on_pass:
+        on_pass("insert_collectives", gm)
+    for name in ("ring_decompose", "cleanup", "verify"):
         gm = getattr(passes, name)(gm, plan)
         if on_pass:
             on_pass(name, gm)
@@ -105,152 +117,197 @@ def make_mesh(mesh, plan_shape):
     return DeviceMesh(mesh.device_type, mesh.mesh.reshape(plan_shape))
 
 
-class DistributedModel:
-    """A model compiled to an SPMD program over a DeviceMesh; call it on every rank.
+@dataclasses.dataclass
+class _Options:
+    """What compile was asked, kept for planning later input shapes the same way."""
 
-    ``dm(*full_inputs)`` slices the user inputs as the plan says and returns the
-    replicated output (loss). ``local_parameters()`` are this rank's shards
-    (leaf tensors with requires_grad: give them to any torch.optim optimizer).
-    """
-
-    def __init__(self, gm, plan, mesh, groups, tg, model, snapshots, backend=None, input_specs=()):
-        self.graph_module = gm
-        self._input_specs = list(input_specs)  # (shape, dtype) of each compiled user input
-        self.plan = plan
-        self.mesh = mesh
-        self.device = mesh_device(mesh)  # where this rank's shards and inputs live
-        self.groups = groups
-        self._snapshots = snapshots
-        self.coords = tuple(int(c) for c in mesh.get_coordinate())
-        shape = tuple(plan.mesh_shape)
-        named = dict(model.named_parameters(remove_duplicate=False))
-        named.update(dict(model.named_buffers(remove_duplicate=False)))
-        canon = {}
-        for fqn, t in list(model.named_parameters()) + list(model.named_buffers()):
-            canon.setdefault(id(t), fqn)
-        fqns = {**tg.param_fqns, **tg.buffer_fqns}
-        self._params: dict[str, torch.Tensor] = {}
-        self._placement: dict[str, tuple] = {}
-        self._feed: list[tuple[str, object]] = []
-        for node in gm.graph.nodes:
-            if node.op != "placeholder":
-                continue
-            placement = tuple(node.meta.get("placement", ("R",) * len(shape)))
-            if node.name in fqns:
-                full = named[fqns[node.name]]
-                key = canon[id(full)]
-                if key in self._params:
-                    if self._placement[key] != placement:
-                        raise NotImplementedError(
-                            f"stpc.compile: parameter {key} is read through two placeholders with "
-                            f"different placements {fmt(self._placement[key])} and {fmt(placement)}; "
-                            f"force one placement for it with Hints.param_force")
-                else:
-                    local = runtime.shard_tensor(full.detach(), placement, shape, self.coords).to(
-                        self.device, copy=True)
-                    if node.name in tg.param_fqns:
-                        local = nn.Parameter(local, requires_grad=full.requires_grad)
-                    self._params[key] = local
-                    self._placement[key] = placement
-                self._feed.append(("param", key))
-            else:
-                self._feed.append(("input", (tg.user_inputs.index(node.name), placement)))
-        self._fn = torch.compile(gm, backend=backend) if backend else gm
-
-    def __call__(self, *inputs):
-        self._check_inputs(inputs)
-        shape = tuple(self.plan.mesh_shape)
-        args = []
-        for kind, what in self._feed:
-            if kind == "param":
-                args.append(self._params[what])
-            else:
-                i, placement = what
-                args.append(runtime.shard_tensor(inputs[i], placement, shape, self.coords).to(self.device))
-        out = self._fn(*args)
-        return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
-
-    forward = __call__
-
-    def _check_inputs(self, inputs) -> None:
-        """The plan is made for the compiled input shapes: any other shape is refused here,
-        on every rank alike, before any communication (never sliced unevenly)."""
-        if len(inputs) != len(self._input_specs):
-            raise TypeError(f"stpc: the model was compiled for {len(self._input_specs)} inputs, got "
-                            f"{len(inputs)}")
-        for i, (x, (shape, dtype)) in enumerate(zip(inputs, self._input_specs)):
-            got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (None, type(x).__name__)
-            if got != (shape, dtype):
-                raise ValueError(
-                    f"stpc: input {i} has shape {got[0]} and dtype {got[1]}; the model was compiled for "
-                    f"shape {shape} and dtype {dtype}. Fix: pass inputs of the compiled shape, or "
-                    f"stpc.compile the model again with example inputs of this shape (a plan is made "
-                    f"for one shape)")
-
-    def local_parameters(self) -> dict[str, torch.Tensor]:
-        """FQN -> this rank's shard of each parameter (tied parameters once)."""
-        return {k: v for k, v in self._params.items() if isinstance(v, nn.Parameter)}
-
-    def placements(self) -> dict[str, tuple]:
-        return dict(self._placement)
-
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """FQN -> the full gradient, gathered from every rank (a collective: call on all ranks)."""
-        out = {}
-        for k, p in self.local_parameters().items():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            out[k] = runtime.unshard_tensor(g, self._placement[k], self.groups)
-        return out
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """FQN -> the full parameter, gathered (a collective)."""
-        return {k: runtime.unshard_tensor(p, self._placement[k], self.groups)
-                for k, p in self.local_parameters().items()}
-
-    def dump_passes(self, directory: str) -> list[str]:
-        """A table (and DOT) of the graph after each pass: ``NN_<pass>.txt``."""
-        os.makedirs(directory, exist_ok=True)
-        paths = []
-        for i, (name, text, dot) in enumerate(self._snapshots):
-            base = os.path.join(directory, f"{i:02d}_{name}")
-            with open(base + ".txt", "w") as f:
-                f.write(text)
-            with open(base + ".dot", "w") as f:
-                f.write(dot)
-            paths += [base + ".txt", base + ".dot"]
-        return paths
+    hints: object
+    cluster: str
+    budget_gib: float | None
+    temporal: bool
+    backend: str | None
+    outputs: str
+    local_inputs: dict          # user-input placeholder -> placement the caller feeds its shard in
 
 
-def compile(model: nn.Module, mesh, example_inputs, *, plan: Plan | None = None, hints=None,
-            cluster: str = "cpu-local", budget_gib: float | None = None, temporal: bool = True,
-            backend: str | None = None) -> DistributedModel:
-    """Compile ``model`` for ``mesh`` (a DeviceMesh, or a shape such as ``(2, 2)`` / ``"4"``)
-    on every rank; see the module docstring. ``plan`` skips the search (every rank must
-    pass the same one: the ranks check it before running)."""
-    if not dist.is_initialized():
-        raise RuntimeError("stpc.compile: torch.distributed is not initialised; call "
-                           "dist.init_process_group (or run under torchrun / stpc.runtime.launch.spawn)")
-    tg = trace(model, tuple(example_inputs))
-    if plan is None:
-        if isinstance(mesh, DeviceMesh):
-            spec = tuple(mesh.shape) if mesh.ndim > 1 else mesh.size()
-        else:
-            spec = mesh
-        budget = None if budget_gib is None else budget_gib * 2**30
-        plan = search(tg, spec, cluster=cluster, budget_bytes=budget, hints=hints, temporal=temporal)
-    dm = make_mesh(mesh if isinstance(mesh, DeviceMesh) else None, plan.mesh_shape)
-    runtime.check_plan_agreement(plan.hash())
-    # every rank cuts its shards from its own full copy: the copies must be one model
-    runtime.check_tensors_agree({**dict(model.named_parameters()), **dict(model.named_buffers())},
-                                what="weights")
-    groups = runtime.axis_groups(dm)
+def _meta(x, placement=None, mesh_shape=()):
+    """A meta stand-in of a call's leaf with its *global* shape (a caller-sharded leaf is
+    scaled back up by its placement's splits)."""
+    if isinstance(x, DTensor):
+        return torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.Tensor):
+        shape = list(x.shape)
+        if placement is not None:
+            for tok, n in zip(placement, mesh_shape):
+                if tok[0] == "S":
+                    shape[int(tok[1:])] *= n
+        return torch.empty(shape, dtype=x.dtype, device="meta")
+    return x
+
+
+def _trace_call(model, args, kwargs, local_leaves: dict, mesh_shape) -> frontend.TracedGraph:
+    flat, spec = flatten_call(args, kwargs)
+    flat = [_meta(x, local_leaves.get(i), mesh_shape) for i, x in enumerate(flat)]
+    margs, mkwargs = pytree.tree_unflatten(flat, spec)
+    with full_meta_view(model) as view:
+        return trace(view, margs, type(view).__name__, mkwargs)
+
+
+def _hints_for(opts: _Options, mesh_shape, param_exact: dict, input_exact: dict) -> Hints:
+    h = opts.hints
+    if isinstance(h, str):
+        h = preset(h, tuple(mesh_shape))
+    h = h or Hints()
+    return dataclasses.replace(h, param_exact={**h.param_exact, **param_exact},
+                               input_exact={**h.input_exact, **input_exact})
+
+
+def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Program:
+    """Run the passes for ``plan`` and describe what each placeholder of the result receives."""
     snapshots = []
 
     def snap(name, gm):
         view = plan if name == "traced" else _Placements(gm)
         snapshots.append((name, _table(gm, view), _dot(gm, view)))
 
-    gm = run_passes(tg.gm, plan, groups, mesh_device(dm), on_pass=snap)
-    specs = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (None, type(x).__name__)
-             for x in example_inputs]
-    return DistributedModel(gm, plan, dm, groups, tg, model, snapshots, backend=backend, input_specs=specs)
+    gm = run_passes(tg.gm, plan, groups, mesh_device(mesh), on_pass=snap,
+                    replicate_outputs=opts.outputs == "replicate")
+    leaf_of = {name: i for i, name in enumerate(tg.user_inputs)}
+    feed = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        placement = tuple(node.meta.get("placement", ("R",) * len(plan.mesh_shape)))
+        if node.name in tg.param_fqns:
+            feed.append(("param", tg.param_fqns[node.name], placement))
+        elif node.name in tg.buffer_fqns:
+            feed.append(("buffer", tg.buffer_fqns[node.name], placement))
+        elif isinstance(node.meta.get("val"), torch.Tensor):
+            feed.append(("input", leaf_of[node.name], placement, node.name in opts.local_inputs))
+        else:
+            feed.append(("const", leaf_of[node.name]))
+    (out_node,) = [n for n in gm.graph.nodes if n.op == "output"]
+    outs = pytree.tree_leaves(out_node.args[0])
+    out_placements = [tuple(o.meta["placement"]) if isinstance(o, fx.Node) and "placement" in o.meta else None
+                      for o in outs]
+    out_shapes = [tuple(o.meta["global_val"].shape) if isinstance(o, fx.Node) and "global_val" in o.meta
+                  else None for o in outs]
+    fn = torch.compile(gm, backend=opts.backend) if opts.backend else gm
+    return Program(plan, gm, fn, feed, tg.in_spec, tg.out_spec, out_placements, out_shapes, snapshots)
+
+
+def _plan(tg, mesh_spec, opts: _Options, param_exact: dict, input_exact: dict) -> Plan:
+    shape = mesh_spec if isinstance(mesh_spec, tuple) else None
+    if isinstance(opts.hints, str) and shape is None:
+        hints = opts.hints  # a preset: the search instantiates it per mesh shape
+        if param_exact or input_exact:
+            raise ValueError("pinned placements need a fixed mesh shape")
+    else:
+        hints = _hints_for(opts, shape, param_exact, input_exact) if shape else opts.hints
+    budget = None if opts.budget_gib is None else opts.budget_gib * 2**30
+    return search(tg, mesh_spec, cluster=opts.cluster, budget_bytes=budget, hints=hints, temporal=opts.temporal)
+
+
+def _mesh_spec(mesh):
+    """What the search is told about ``mesh``: a fixed shape, or a device count to choose a shape for."""
+    if isinstance(mesh, DeviceMesh):
+        return tuple(int(n) for n in mesh.shape)
+    if isinstance(mesh, (tuple, list)):
+        return tuple(int(n) for n in mesh)
+    if isinstance(mesh, str) and "x" in mesh.lower():
+        return tuple(int(n) for n in mesh.lower().split("x"))
+    return int(mesh) if mesh is not None else dist.get_world_size()
+
+
+def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict | None = None, *,
+            plan: Plan | None = None, hints=None, cluster: str = "cpu-local", budget_gib: float | None = None,
+            temporal: bool = True, backend: str | None = None, input_placements=None,
+            outputs: str = "replicate", max_plans: int = 4) -> DistributedModel:
+    """Compile ``model`` for ``mesh`` on every rank and return it, parallelised in place.
+
+    ``mesh``: a DeviceMesh, a shape such as ``(2, 2)`` / ``"2x2"``, or a device count
+    (``4``, ``"4"``; None: the world size) for the planner to choose the shape.
+    ``example_inputs`` / ``example_kwargs``: one call's positional and keyword inputs
+    (full, global tensors; a plan is made for their shapes). ``plan`` skips the search
+    (every rank must pass the same one: the ranks check it). ``hints``: ``"megatron"``,
+    ``"dp"`` or a :class:`stpc.planner.Hints`. ``backend``: hand the program to
+    ``torch.compile`` (``"inductor"``, ``"aot_eager"``). ``input_placements``: user inputs
+    the caller feeds as this rank's shard, ``{name: placements}`` (DTensor placements or
+    tokens on the plan's mesh; names are the forward's argument names); by default every
+    rank passes the full input and keeps its own slice. ``outputs``: ``"replicate"``
+    (every rank gets the full outputs) or ``"sharded"`` (split outputs come back as
+    DTensors as planned). ``max_plans``: how many input signatures may be planned before
+    a call with yet another one raises :class:`stpc.module.ShapeMismatch`.
+
+    The returned model is ``model`` itself (its class becomes ``STPC<Class>``; its
+    parameters DTensors of this rank's shards, buffers on the mesh's device); ``model.stpc``
+    holds the plan and the programs.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("stpc.compile: torch.distributed is not initialised; call "
+                           "dist.init_process_group (or run under torchrun / stpc.runtime.launch.spawn)")
+    if isinstance(model, DistributedModel):
+        raise TypeError(f"stpc.compile: {type(model).__name__} is compiled already; compile the model "
+                        f"as it was built")
+    if outputs not in ("replicate", "sharded"):
+        raise ValueError(f"stpc.compile: outputs must be 'replicate' or 'sharded', got {outputs!r}")
+    example_kwargs = dict(example_kwargs or {})
+    mesh_spec = tuple(plan.mesh_shape) if plan is not None else _mesh_spec(mesh)
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    local = {}
+    if input_placements:
+        if not isinstance(mesh_spec, tuple):
+            raise ValueError("stpc.compile: input_placements need a fixed mesh shape (a DeviceMesh, or a shape "
+                             "such as (2, 2)), so the placements name its axes")
+        local = {k: tokens_of(v, len(mesh_spec)) for k, v in dict(input_placements).items()}
+    opts = _Options(hints, cluster, budget_gib, temporal, backend, outputs, local)
+
+    tg = _trace_call(model, example_inputs, example_kwargs, {}, mesh_spec)
+    unknown = set(local) - set(tg.user_inputs)
+    if unknown:
+        raise ValueError(f"stpc.compile: input_placements name {sorted(unknown)}, which are not inputs of "
+                         f"{type(model).__name__}.forward; its tensor inputs are {tg.user_inputs}")
+    if plan is None:
+        plan = _plan(tg, mesh_spec, opts, {}, local)
+    dm = make_mesh(mesh if isinstance(mesh, DeviceMesh) else None, plan.mesh_shape)
+    runtime.check_plan_agreement(plan.hash())
+    # every rank cuts its shards from its own full copy: the copies must be one model
+    runtime.check_tensors_agree({**dict(model.named_parameters()), **dict(model.named_buffers())},
+                                what="weights")
+    groups = runtime.axis_groups(dm)
+    prog = _program(tg, plan, dm, groups, opts)
+
+    fqn_place = {}
+    for kind, *rest in prog.feed:
+        if kind == "param":
+            fqn_place[rest[0]] = rest[1]
+    canon = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        canon.setdefault(id(p), fqn)
+    names = dict(model.named_parameters(remove_duplicate=False))
+    stored_for = {}
+    for fqn, placement in fqn_place.items():
+        key = canon[id(names[fqn])]
+        if key in stored_for and stored_for[key] != placement:
+            raise NotImplementedError(
+                f"stpc.compile: parameter {key} is read through two placeholders with different placements "
+                f"{fmt(stored_for[key])} and {fmt(placement)}; force one placement for it with Hints.param_force")
+        stored_for[key] = placement
+    grids = grid_axes(stored_for.values())
+    all_exact = {fqn: stored_for[canon[id(p)]] for fqn, p in names.items() if canon[id(p)] in stored_for}
+    leaf_of = {name: i for i, name in enumerate(tg.user_inputs)}
+    local_leaves = {leaf_of[k]: v for k, v in local.items()}
+
+    def make_program(module, args, kwargs, first: Program) -> Program:
+        tg2 = _trace_call(module, args, kwargs, local_leaves, tuple(plan.mesh_shape))
+        plan2 = _plan(tg2, tuple(plan.mesh_shape), opts, all_exact, local)
+        runtime.check_plan_agreement(plan2.hash())
+        return _program(tg2, plan2, dm, groups, opts)
+
+    compiled = Compiled(mesh=dm, storage=storage_mesh(dm, grids), grids=grids, groups=groups,
+                        param_placements=stored_for, orig_class=type(model), make_program=make_program,
+                        max_plans=max_plans, local_leaves=local_leaves)
+    flat, spec = flatten_call(example_inputs, example_kwargs)
+    compiled.add(compiled.signature(flat, spec, model.training, example=True), prog)
+    return adopt(model, compiled)

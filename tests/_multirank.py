@@ -30,6 +30,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs() / (1e-6 + 1e-4 * b.abs())).max())
 
 
+def full_grads(pm) -> dict:
+    """FQN -> the full gradient of every parameter of a compiled model (a collective)."""
+    return {k: (p.grad.full_tensor().clone() if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype))
+            for k, p in pm.named_parameters()}
+
+
+def full_params(pm) -> dict:
+    """FQN -> the full value of every parameter of a compiled model (a collective); a copy
+    (a replicated DTensor's ``full_tensor()`` is its live local tensor)."""
+    return {k: p.detach().full_tensor().clone() for k, p in pm.named_parameters()}
+
+
 def run_cases(rank, world, cases):
     import stpc
     from stpc import models
@@ -54,7 +66,7 @@ def run_cases(rank, world, cases):
         opt_name = case.get("opt", "sgd")
         mk = (lambda ps: torch.optim.SGD(ps, lr=0.5)) if opt_name == "sgd" else \
             (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
-        opt = mk(list(dm.local_parameters().values()))
+        opt = mk(list(dm.parameters()))
         ref_opt = mk(list(ref.parameters()))
         ref_params = dict(ref.named_parameters())
         shadow = {k: torch.nn.Parameter(p.detach().clone()) for k, p in ref_params.items()}
@@ -70,7 +82,7 @@ def run_cases(rank, world, cases):
             ref_loss.backward()
             losses.append((float(loss.detach()), float(ref_loss.detach())))
             worst["loss"] = max(worst["loss"], _rel(loss.detach(), ref_loss.detach()))
-            grads = dm.full_grads()
+            grads = full_grads(dm)
             for k, gr in grads.items():
                 r = _rel(gr, ref_params[k].grad)
                 if r > 1:
@@ -85,7 +97,7 @@ def run_cases(rank, world, cases):
             for k, p in shadow.items():
                 p.grad = grads[k] if k in grads else torch.zeros_like(p)
             shadow_opt.step()
-            for k, p in dm.full_parameters().items():  # the sharded step did what the full one does
+            for k, p in full_params(dm).items():  # the sharded step did what the full one does
                 r = _rel(p.detach(), shadow[k].detach())
                 if r > worst["param"]:
                     worst["param"], worst["param_name"] = r, f"{k}@step{step}"

@@ -86,8 +86,8 @@ def test_failing_rank_is_named_with_traceback_and_others_killed():
 def test_timeout_kills_everything():
     t0 = time.monotonic()
     with pytest.raises(SpawnTimeout, match=r"ranks \[0\]"):
-        spawn(_rank0_hangs, 2, timeout_s=6)
-    assert time.monotonic() - t0 < 20
+        spawn(_rank0_hangs, 2, timeout_s=20)  # rank 1 must start and finish in time on a loaded machine
+    assert time.monotonic() - t0 < 40
     assert multiprocessing.active_children() == []
 
 

@@ -59,20 +59,20 @@ def _rank(rank, world, name, batch, seq, steps, lr, mesh, out_dir, budget_gib=No
     t0 = time.perf_counter()
     dm = stpc_compile(model, mesh, example, budget_gib=budget_gib)
     t_compile = time.perf_counter() - t0
-    opt = _optimizer(list(dm.local_parameters().values()), lr)
+    opt = _optimizer(dm.parameters(), lr)  # DTensor parameters: any torch optimizer
     losses, grads = [], {}
     for idx, tgt in _data(name, batch, seq, steps):
         opt.zero_grad()
         loss = dm(idx, tgt)
         loss.backward()
         losses.append(loss.item())
-        grads = dm.full_grads()
+        grads = {k: p.grad.full_tensor() for k, p in dm.named_parameters()}
         opt.step()
     if rank == 0:
-        dm.dump_passes(os.path.join(out_dir, "passes"))
-        return {"losses": losses, "grads": grads, "plan_hash": dm.plan.hash(), "compile_s": t_compile,
-                "mesh": dm.plan.mesh_shape}
-    return {"plan_hash": dm.plan.hash()}
+        dm.stpc.dump_passes(os.path.join(out_dir, "passes"))
+        return {"losses": losses, "grads": grads, "plan_hash": dm.stpc.plan.hash(), "compile_s": t_compile,
+                "mesh": dm.stpc.plan.mesh_shape}
+    return {"plan_hash": dm.stpc.plan.hash()}
 
 
 def main_demo(argv: list[str]) -> int:

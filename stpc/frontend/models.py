@@ -193,6 +193,10 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
         _init_weights(self)
 
+    def init_weights(self) -> None:
+        """(Re-)initialise every parameter in place, e.g. after ``to_empty``."""
+        _init_weights(self)
+
     def forward(self, idx, targets=None):
         x = self.wte(idx)
         if self.wpe is not None:
@@ -290,6 +294,10 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         _init_weights(self)
 
+    def init_weights(self) -> None:
+        """(Re-)initialise every parameter in place, e.g. after ``to_empty``."""
+        _init_weights(self)
+
     def forward(self, idx, targets=None):
         x = self.embed(idx)
         for layer in self.layers:
@@ -307,12 +315,19 @@ def _maybe_loss(logits, targets):
 
 
 def _init_weights(model: nn.Module) -> None:
-    """GPT-2 style init (N(0, 0.02)); a no-op on meta tensors, which hold no data."""
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)) and not m.weight.is_meta:
-            nn.init.normal_(m.weight, std=0.02)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+    """GPT-2 style init (N(0, 0.02)), norms at one; a no-op on meta tensors, which hold no
+    data. It works on DTensor parameters too: a model built on ``meta``, compiled, then
+    ``to_empty(device=...)`` is initialised shard by shard with ``model.init_weights()``."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)) and not m.weight.is_meta:
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, (nn.LayerNorm, RMSNorm)) and not m.weight.is_meta:
+                nn.init.ones_(m.weight)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
 
 
 def build(name_or_cfg, **overrides) -> nn.Module:

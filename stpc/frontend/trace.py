@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.export.graph_signature import InputKind
 
 from stpc.frontend.annotate import annotate, source_of
 
@@ -23,7 +24,12 @@ class TracedGraph:
     ``gm(*params_and_buffers, *user_inputs)`` runs it; ``param_fqns`` maps a
     placeholder name to the parameter's fully-qualified name in the model;
     ``tied_params`` maps the placeholder of a parameter that is the same tensor as an
-    earlier one (a tied LM head) to that earlier placeholder.
+    earlier one (a tied LM head) to that earlier placeholder. ``user_inputs`` are the
+    placeholders of the flattened ``(args, kwargs)`` leaves in ``in_spec`` order (a
+    non-tensor leaf has one too: export bakes its value into the graph, so a
+    different value is a different graph); ``out_spec`` rebuilds the model's output
+    structure (a tensor, a tuple, a dict, a Hugging Face ``ModelOutput``) from the
+    graph's flat outputs.
     """
 
     gm: fx.GraphModule
@@ -33,6 +39,8 @@ class TracedGraph:
     user_outputs: list[str]
     model_name: str = ""
     tied_params: dict[str, str] = field(default_factory=dict)
+    in_spec: object = None   # torch.utils._pytree.TreeSpec of (args, kwargs)
+    out_spec: object = None  # TreeSpec of the model's output
     meta: dict = field(default_factory=dict)
     facts: object = None  # the planner's mesh-independent analysis, cached (``stpc.planner.analyse``)
 
@@ -58,14 +66,16 @@ class TracedGraph:
         return sum(n.meta.get("flops", 0) for n in self.gm.graph.nodes)
 
 
-def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> TracedGraph:
-    """Export ``model`` at the aten level (training IR) and annotate every node.
+def trace(model: nn.Module, example_inputs: tuple, name: str = "",
+          example_kwargs: dict | None = None) -> TracedGraph:
+    """Export ``model`` at the aten level (training IR) on ``example_inputs`` (positional)
+    and ``example_kwargs`` (keyword) and annotate every node.
 
     Works with parameters and inputs on ``meta``: nothing is computed, shapes
     propagate through FakeTensors.
     """
     try:
-        ep = torch.export.export(model, tuple(example_inputs), strict=False)
+        ep = torch.export.export(model, tuple(example_inputs), dict(example_kwargs or {}), strict=False)
     except Exception as e:  # export errors are long; keep the cause, add what to do
         raise RuntimeError(
             f"stpc.trace: torch.export could not capture {type(model).__name__} as one graph: "
@@ -76,6 +86,7 @@ def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> TracedGrap
         ) from e
     sig = ep.graph_signature
     gm = ep.graph_module
+    user_phs = [spec.arg.name for spec in sig.input_specs if spec.kind == InputKind.USER_INPUT]
     lifted = dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
     if lifted:
         ph = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name in lifted)
@@ -91,10 +102,12 @@ def trace(model: nn.Module, example_inputs: tuple, name: str = "") -> TracedGrap
         gm=gm,
         param_fqns=dict(sig.inputs_to_parameters),
         buffer_fqns=dict(sig.inputs_to_buffers),
-        user_inputs=list(sig.user_inputs),
+        user_inputs=user_phs,
         user_outputs=list(sig.user_outputs),
         model_name=name or type(model).__name__,
         tied_params=_tied(model, dict(sig.inputs_to_parameters)),
+        in_spec=ep.call_spec.in_spec,
+        out_spec=ep.call_spec.out_spec,
     )
     annotate(gm, tg.param_fqns, tg.buffer_fqns)
     return tg

@@ -109,6 +109,8 @@ class Builder:
             for pattern, pred in self.hints.param_force:
                 if re.search(pattern, fqn):
                     choices = [c for c in choices if pred(c)] or choices
+            if fqn in self.hints.param_exact:
+                choices = self._exact(node, f"parameter {fqn}", choices, self.hints.param_exact[fqn])
             if node.name in self.tg.tied_params:  # the same tensor as an earlier parameter: held once
                 mem = [0.0] * len(choices)
             else:
@@ -117,9 +119,20 @@ class Builder:
         else:
             # A user input: each rank loads its own shard, so any even split is free.
             choices = placement_choices(shape, self.mesh, grid_weight=False)
+            if node.name in self.hints.input_exact:
+                choices = self._exact(node, f"input {node.name}", choices, self.hints.input_exact[node.name])
             mem = [0.0] * len(choices)
         self._open_group(it, choices, [0.0] * len(choices), mem, [0.0] * len(choices))
         self.place[it] = choices
+
+    def _exact(self, node, what: str, choices: list, want) -> list:
+        want = tuple(want)
+        if want not in choices:
+            raise HintUnsatisfiable(
+                f"{what} (shape {tuple(node.meta['val'].shape)}) cannot be placed {'(' + ','.join(want) + ')'} "
+                f"on mesh {self.mesh}: its placements here are {', '.join('(' + ','.join(c) + ')' for c in choices)}. "
+                f"Fix: give a placement whose splits divide the shape on this mesh")
+        return [want]
 
     def _shared_result(self, key, compute):
         """Items with one signature (and the same operand placement lists) get the same

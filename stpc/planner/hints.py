@@ -25,11 +25,18 @@ class Hints:
     ``force`` maps a regular expression (matched against a node's name and its
     module path) to a predicate over :class:`Strategy`; matching decision nodes
     keep only the strategies the predicate accepts. ``param_force`` does the
-    same for parameters, on their FQN and placement tuple.
+    same for parameters, on their FQN and placement tuple. ``param_exact``
+    (parameter FQN -> placement) and ``input_exact`` (user-input placeholder
+    name -> placement) pin one placement each: where the mesh cannot hold it the
+    search raises :class:`HintUnsatisfiable` (a compiled model re-planned for new
+    input shapes keeps its parameters where they are; a data loader that feeds
+    shards fixes its inputs' placements).
     """
 
     force: list[tuple[str, callable]] = field(default_factory=list)
     param_force: list[tuple[str, callable]] = field(default_factory=list)
+    param_exact: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    input_exact: dict[str, tuple[str, ...]] = field(default_factory=dict)
     temporal: bool = True
     name: str = ""
 

@@ -28,6 +28,8 @@ below, Megatron's "f"). Per mesh axis:
                      reassemble
   grid_slice         R -> B/X/W: local block      all-gather (complete grad)
   grid_skew          B -> X (P2P, PrimePar)       X -> B (P2P)
+  grid_relayout      one grid layout to another   the reverse permutation (P2P)
+                     (a permutation, P2P)
 
 Plus the local rewrites of split ops (:func:`vocab_parallel_embedding`), the
 spatial reference of a P(2^k x 2^k) linear (:func:`grid_linear`, what
@@ -50,8 +52,9 @@ from stpc.placement import parse
 
 __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard_slice", "to_partial",
-    "grad_all_reduce", "grid_gather", "grid_slice", "grid_skew", "grid_linear",
+    "grad_all_reduce", "grid_gather", "grid_slice", "grid_skew", "grid_relayout", "grid_linear",
     "vocab_parallel_embedding", "shard_tensor", "unshard_tensor", "axis_groups", "mesh_coords", "skew_peers",
+    "relayout_peers",
     "COMM_FUNCTIONS",
 ]
 
@@ -372,6 +375,37 @@ def grid_skew(x: Tensor, group: str, inverse: bool = False) -> Tensor:
     return _GridSkew.apply(x, group, inverse)
 
 
+def relayout_peers(rank: int, n: int, src: str, dst: str) -> tuple[int, int]:
+    """(send-to, receive-from) group ranks that turn grid layout ``src`` into ``dst`` (kinds
+    B, X, W): every device holds one block under either, so the change is a permutation —
+    this rank's ``src`` block goes to the device that holds it under ``dst``."""
+    q = math.isqrt(n)
+    holder = {_grid_index(src, k // q, k % q, q): k for k in range(n)}
+    wants = {_grid_index(dst, k // q, k % q, q): k for k in range(n)}
+    r, c = divmod(rank, q)
+    return wants[_grid_index(src, r, c, q)], holder[_grid_index(dst, r, c, q)]
+
+
+class _GridRelayout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src, dst, group):
+        ctx.args = (src, dst, group)
+        to, frm = relayout_peers(_rank(group), _size(group), src, dst)
+        return _p2p_exchange(x, group, to, frm)
+
+    @staticmethod
+    def backward(ctx, g):
+        src, dst, group = ctx.args
+        to, frm = relayout_peers(_rank(group), _size(group), dst, src)
+        return _p2p_exchange(g, group, to, frm), None, None, None
+
+
+def grid_relayout(x: Tensor, src: str, dst: str, group: str) -> Tensor:
+    """One grid layout to another over the same dims (``src``/``dst`` kinds among B, X, W)
+    by one P2P exchange; backward is the reverse exchange. (B -> X is :func:`grid_skew`.)"""
+    return _GridRelayout.apply(x, src, dst, group)
+
+
 def grid_linear(x: Tensor, w: Tensor, group: str) -> Tensor:
     """Spatial reference of a P(2^k x 2^k) linear ``x @ w.T``: x in X(m, last), the torch
     weight [K, N] in W(0, 1); returns this rank's B(m, last) block.
@@ -409,7 +443,7 @@ def vocab_parallel_embedding(weight: Tensor, idx: Tensor, groups: list[str], voc
 
 # the functions whose nodes are communication (verify, dumps and tests key on them)
 COMM_FUNCTIONS = {all_gather, all_reduce, reduce_scatter, all_to_all, grad_all_reduce, grid_gather,
-                  grid_slice, grid_skew, grid_linear, shard_slice}
+                  grid_slice, grid_skew, grid_relayout, grid_linear, shard_slice}
 
 
 # --------------------------------------------------------------------------- whole tensors

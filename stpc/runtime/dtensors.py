@@ -1,0 +1,123 @@
+"""dtensors: how stpc placements are stored as ``torch.distributed.tensor.DTensor`` s.
+
+A compiled model's parameters are DTensors, so optimizers, ``clip_grad_norm_``,
+``state_dict`` and ``torch.distributed.checkpoint`` see standard placements. stpc's
+tokens (``stpc.placement``) map onto DTensor placements on a *storage mesh*: the
+plan's mesh, with every axis that holds a PrimePar grid layout viewed as its
+2^k x 2^k grid (two mesh dims, rows then columns):
+
+  token        on a plain axis        on a grid axis (rows, columns)
+  R            Replicate()            Replicate(), Replicate()
+  S{d}         Shard(d)               Shard(d), Shard(d)    (nested: row-major rank order)
+  P            Partial()              Partial(), Partial()
+  B{i}.{j}     -                      Shard(i), Shard(j)
+  X / W{i}.{j} stored as B{i}.{j}: the skewed blocks are a permutation of the B blocks
+               that no DTensor placement says; :func:`to_plan_layout` applies it (one P2P
+               exchange, :func:`stpc.runtime.grid_relayout`) when the program reads the tensor.
+
+One storage mesh for every parameter, so optimizers and ``clip_grad_norm_`` (which
+stack per-tensor norms) never mix meshes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from stpc.placement import is_grid, parse
+from stpc.runtime.reshard import grid_relayout
+
+__all__ = ["grid_axes", "storage_mesh", "stored", "dtensor_placements", "to_plan_layout", "tokens_of"]
+
+
+def grid_axes(placements) -> tuple[int, ...]:
+    """The mesh axes on which any of ``placements`` (token tuples) holds a grid layout."""
+    return tuple(sorted({a for p in placements for a, tok in enumerate(p) if is_grid(tok)}))
+
+
+def storage_mesh(mesh: DeviceMesh, grids: tuple[int, ...]) -> DeviceMesh:
+    """``mesh`` with each axis in ``grids`` viewed as its square grid (a collective the first
+    time: every rank calls it). Without grids it is ``mesh`` itself."""
+    if not grids:
+        return mesh
+    shape = []
+    for a, n in enumerate(mesh.shape):
+        q = math.isqrt(n)
+        if a in grids:
+            if q * q != n:
+                raise ValueError(f"mesh axis {a} of size {n} cannot hold a grid layout (not a square)")
+            shape += [q, q]
+        else:
+            shape.append(n)
+    names = []
+    for a in range(mesh.ndim):
+        names += [f"axis{a}_row", f"axis{a}_col"] if a in grids else [f"axis{a}"]
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=tuple(names))
+
+
+def stored(placement) -> tuple[str, ...]:
+    """The placement a tensor planned as ``placement`` is stored in: skewed grid blocks
+    (X, W) are kept as the plain block layout B over the same dims."""
+    out = []
+    for tok in placement:
+        kind, dims = parse(tok)
+        out.append(f"B{dims[0]}.{dims[1]}" if kind in "XW" else tok)
+    return tuple(out)
+
+
+def dtensor_placements(placement, grids: tuple[int, ...]) -> tuple[Placement, ...]:
+    """DTensor placements on the storage mesh for a *stored* placement (see the table above)."""
+    out: list[Placement] = []
+    for a, tok in enumerate(placement):
+        kind, dims = parse(tok)
+        twice = a in grids
+        if kind == "R":
+            one = [Replicate()]
+        elif kind == "S":
+            one = [Shard(dims[0])]
+        elif kind == "P":
+            one = [Partial()]
+        elif kind == "B":
+            if not twice:
+                raise ValueError(f"grid token {tok} on axis {a}, which the storage mesh does not split")
+            out += [Shard(dims[0]), Shard(dims[1])]
+            continue
+        else:
+            raise ValueError(f"placement {tok} is not a stored placement; use stored() first")
+        out += one * 2 if twice else one
+    return tuple(out)
+
+
+def tokens_of(placements, ndim: int) -> tuple[str, ...]:
+    """stpc tokens for user-given DTensor placements (or tokens) on a plain mesh of ``ndim`` axes."""
+    placements = tuple(placements)
+    if len(placements) != ndim:
+        raise ValueError(f"{len(placements)} placements for a mesh of {ndim} axes")
+    out = []
+    for p in placements:
+        if isinstance(p, str):
+            kind, _ = parse(p)
+            if kind not in "RSP":
+                raise ValueError(f"placement {p!r}: only R, S<dim> and P are accepted here")
+            out.append(p)
+        elif isinstance(p, Shard):
+            out.append(f"S{p.dim}")
+        elif isinstance(p, Replicate):
+            out.append("R")
+        elif isinstance(p, Partial):
+            out.append("P")
+        else:
+            raise ValueError(f"placement {p!r} is not Shard, Replicate or Partial")
+    return tuple(out)
+
+
+def to_plan_layout(local: torch.Tensor, placement, groups: list[str]) -> torch.Tensor:
+    """This rank's stored block of a tensor planned as ``placement`` -> the block the plan's
+    program reads (differentiable): one P2P exchange per axis holding a skewed grid layout."""
+    for a, tok in enumerate(placement):
+        kind = tok[0]
+        if kind in "XW":
+            local = grid_relayout(local, "B", kind, groups[a])
+    return local
