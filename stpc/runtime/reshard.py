@@ -67,17 +67,33 @@ def _pg(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
+# group name -> (size, this rank's index in it). A plain dict that torch.compile reads (and
+# guards on) where resolving the process group, a C++ call, would break the graph.
+_GROUP_INFO: dict[str, tuple[int, int]] = {}
+
+
+def _info(group_name: str) -> tuple[int, int]:
+    got = _GROUP_INFO.get(group_name)
+    if got is None:
+        pg = _pg(group_name)
+        got = _GROUP_INFO[group_name] = (pg.size(), pg.rank())
+    return got
+
+
 def _size(group_name: str) -> int:
-    return _pg(group_name).size()
+    return _info(group_name)[0]
 
 
 def _rank(group_name: str) -> int:
-    return _pg(group_name).rank()
+    return _info(group_name)[1]
 
 
 def axis_groups(mesh) -> list[str]:
     """Group name of every axis of a ``DeviceMesh`` (row-major, last axis innermost)."""
-    return [mesh.get_group(a).group_name for a in range(mesh.ndim)]
+    names = [mesh.get_group(a).group_name for a in range(mesh.ndim)]
+    for name in names:
+        _info(name)  # known before any program that names the group is compiled
+    return names
 
 
 def mesh_coords(rank: int, mesh_shape) -> tuple[int, ...]:
