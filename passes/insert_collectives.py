@@ -18,9 +18,11 @@ model's values under the plan's placements:
     identical gradients);
   * ops that split change locally: view/reshape/expand shapes become local,
     a vocabulary-split embedding becomes a masked local lookup
-    (``runtime.vocab_parallel_embedding``), a row-split ``cross_entropy`` /
-    a ``mean`` over a split dim is rescaled by 1/n (mean of means), a scalar
-    added to a Partial tensor is divided by n;
+    (``runtime.vocab_parallel_embedding``), a ``mean`` over a split dim is
+    rescaled by 1/n (mean of means), a row-split mean ``cross_entropy`` sums
+    its rows and divides by the all-reduced count of targets that count (the
+    ignored ones need not fall evenly), a scalar added to a Partial tensor is
+    divided by n;
   * temporal (spatial-temporal) linears are emitted as their *spatial
     equivalent*, a collective next to an ordinary matmul, each tagged
     ``meta["ring"]`` so ``ring_decompose`` can fuse it into the P2P ring:
@@ -287,6 +289,15 @@ class _Lowering:
     def lower(self, node: fx.Node) -> None:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
+            if isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val):
+                # A tuple-valued op the planner does not see (its getitem users are planned
+                # replicated): it runs on replicated operands, never on shards it would
+                # cut in the wrong places.
+                rep = (REPLICATE,) * len(self.mesh)
+                ops = [o for o in tensor_operands(node) if "placement" in o.meta]
+                if any(self.placement(o) != rep for o in ops):
+                    _replace_operands(node, [self.reshard(o, rep, (False,) * len(rep), node)
+                                             if "placement" in o.meta else o for o in tensor_operands(node)])
             return  # asserts and other non-tensor nodes run as they are
         np = self.plan.nodes.get(node.name)
         if np is None:
@@ -359,21 +370,43 @@ class _Lowering:
 
     def local_scale(self, node: fx.Node, out) -> None:
         """A mean over a split dim computes the mean of the local piece: scale by 1/n so
-        the partial results sum to the global mean (even splits)."""
+        the partial results sum to the global mean (even splits). A row-split mean
+        cross-entropy instead sums its rows and divides by the global count of targets
+        that count (``runtime.cross_entropy_count``, all-reduced): ignored targets (HF's
+        -100 padding) need not fall evenly."""
         t = node.target
         if PARTIAL not in out:
             return
-        if t in (aten.mean.dim, aten.mean.default) or (t is aten.cross_entropy_loss.default and
-                                  (node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)) == 1):
-            n = math.prod(m for m, tok in zip(self.mesh, out) if tok == PARTIAL)
+        axes = [a for a, tok in enumerate(out) if tok == PARTIAL and self.mesh[a] > 1]
+        if t is aten.cross_entropy_loss.default:
+            args = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
+            args[2:] = [node.kwargs.get(k, v) for k, v in zip(("weight", "reduction", "ignore_index",
+                                                                "label_smoothing"), args[2:])]
+            if args[3] != 1:
+                return  # sum: partial sums add up as they are
+            node.args, node.kwargs = tuple(args[:3]) + (2,) + tuple(args[4:]), {}
+            with self.graph.inserting_after(node):
+                count = self.graph.call_function(runtime.cross_entropy_count, (args[1], args[4]),
+                                                 {"weight": args[2], "dtype": node.meta["global_val"].dtype})
+            with self.graph.inserting_after(count):
+                scaled = self.graph.call_function(aten.div.Tensor, (node, count))
+            set_local(count, out, self.mesh, self.mode, self.device, global_val=node.meta["global_val"])
+            count.meta["source"] = node.meta.get("source", "")
+            den = self.reshard(count, tuple(REPLICATE for _ in out), (False,) * len(out), scaled, needs_grad=False)
+            scaled.args = (node, den)
+            rewrite = "sum of local rows / global count of counted targets"
+        elif t in (aten.mean.dim, aten.mean.default):
+            n = math.prod(self.mesh[a] for a in axes)
             with self.graph.inserting_after(node):
                 scaled = self.graph.call_function(aten.mul.Tensor, (node, 1.0 / n))
-            node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
-            scaled.meta.update(global_val=node.meta["global_val"], placement=tuple(out),
-                               val=node.meta["val"], source=node.meta.get("source", ""),
-                               local_rewrite=f"mean of {n} local means")
-            if node in self.needs_grad:
-                self.needs_grad.add(scaled)
+            rewrite = f"mean of {n} local means"
+        else:
+            return
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+        scaled.meta.update(global_val=node.meta["global_val"], placement=tuple(out),
+                           val=node.meta["val"], source=node.meta.get("source", ""), local_rewrite=rewrite)
+        if node in self.needs_grad:
+            self.needs_grad.add(scaled)
 
     # ------------------------------------------------------------------ temporal families
     def _after(self, node, target, args, kwargs, placement, global_val):

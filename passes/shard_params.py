@@ -12,7 +12,8 @@ Guarantees:
     consumer wants them whole: ``insert_collectives`` gathers them);
   * the program's tensors live on ``device``: ``device=`` arguments the trace
     baked in (``meta`` when planning a model built on the meta device) are
-    retargeted, so arange/ones/full tables are made where the run happens;
+    retargeted, in the graph and in the subgraphs of higher-order ops, so
+    arange/ones/full tables are made where the run happens;
   * ``gm.meta`` records the mesh shape, one process-group name per mesh axis and
     the device: the later passes read them.
 
@@ -25,6 +26,22 @@ import torch.fx as fx
 
 from ._common import default_groups, fail, fake_mode_of, finish, mesh_of, set_local
 from stpc.placement import fits, fmt
+
+
+def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
+    """Every device argument (``device=`` or positional, as in ``x.to(other.device)``)
+    becomes the run's device."""
+    changed = False
+    swap = lambda a: device if isinstance(a, torch.device) else a  # noqa: E731
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args, kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs = args, kwargs
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 def shard_params(gm: fx.GraphModule, plan, *, groups: list[str] | None = None,
@@ -48,11 +65,9 @@ def shard_params(gm: fx.GraphModule, plan, *, groups: list[str] | None = None,
                                  f"on mesh {mesh}", "choose batch/sequence sizes divisible by the mesh, "
                                  "or re-plan for this shape")
             set_local(node, placement, mesh, mode, device, global_val=val)
-        elif node.op == "call_function":
-            if "device" in node.kwargs:
-                kw = dict(node.kwargs)
-                kw["device"] = device
-                node.kwargs = kw
+    for sub in gm.modules():  # the graph and the subgraphs of higher-order ops (e.g. no_grad regions)
+        if isinstance(sub, fx.GraphModule):
+            _retarget_devices(sub, device)
     gm.meta["stpc_mesh"] = mesh
     gm.meta["stpc_groups"] = groups
     gm.meta["stpc_device"] = device

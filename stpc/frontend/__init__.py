@@ -1,7 +1,8 @@
 """frontend: model -> annotated aten graph. In: an nn.Module (real or on meta) and example
 inputs. Out: a TracedGraph whose every node carries its FakeTensor, FLOPs, bytes and source line.
 
-trace (torch.export, training IR), annotate (FLOPs, bytes, parameter, module, source),
+trace (torch.export, training IR; positional and keyword inputs), normalize (tuple-valued
+split views become slices), annotate (FLOPs, bytes, parameter, module, source),
 models (the zoo of GPT / Llama / OPT / BLOOM configs), dump (graph tables and DOT).
 """
 from stpc.frontend import models

@@ -1,5 +1,8 @@
 """trace: a model and example inputs become an aten-level fx graph (torch.export training IR).
 
+Split-like views that return tuples become slices (``stpc.frontend.normalize``), so the
+planner sees every piece.
+
 The graph takes parameters and buffers as placeholders (in the order of the
 export signature), then the user inputs. Built on ``meta`` tensors it plans a
 70B model without allocating a weight; every node carries its FakeTensor in
@@ -15,6 +18,7 @@ import torch.nn as nn
 from torch.export.graph_signature import InputKind
 
 from stpc.frontend.annotate import annotate, source_of
+from stpc.frontend.normalize import split_to_slices
 
 
 @dataclass
@@ -109,6 +113,7 @@ def trace(model: nn.Module, example_inputs: tuple, name: str = "",
         in_spec=ep.call_spec.in_spec,
         out_spec=ep.call_spec.out_spec,
     )
+    split_to_slices(gm)
     annotate(gm, tg.param_fqns, tg.buffer_fqns)
     return tg
 

@@ -153,6 +153,14 @@ def op_spec(node: fx.Node) -> OpSpec | None:
         ins = [x, ("k", "n")] + ([("k",)] if len(ops) == 3 else [])
         return OpSpec(ins=ins, out=x[:-1] + ("k",), contract=frozenset("n"), kind="linear",
                       additive=(2,) if len(ops) == 3 else ())
+    if t is aten.addmm.default and len(ops) == 3:  # bias + x @ w (Hugging Face's GPT-2 Conv1D)
+        b = _shape(ops[0])
+        full = ("i", "k")[2 - len(b):] if len(b) <= 2 else None
+        if full is None:
+            return None
+        bias = tuple(f"b{j}" if s == 1 and out_shape[2 - len(b) + j] != 1 else full[j] for j, s in enumerate(b))
+        return OpSpec(ins=[bias, ("i", "n"), ("n", "k")], out=("i", "k"), contract=frozenset("n"),
+                      fixed=frozenset(l for l in bias if l.startswith("b")), additive=(0,))
     if t in (aten.mm.default, aten.bmm.default, aten.matmul.default):
         a, b = _shape(ops[0]), _shape(ops[1])
         if len(a) < 2 or len(b) != 2 and len(b) != len(a):

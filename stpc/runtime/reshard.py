@@ -31,7 +31,8 @@ below, Megatron's "f"). Per mesh axis:
   grid_relayout      one grid layout to another   the reverse permutation (P2P)
                      (a permutation, P2P)
 
-Plus the local rewrites of split ops (:func:`vocab_parallel_embedding`), the
+Plus the local rewrites of split ops (:func:`vocab_parallel_embedding`,
+:func:`cross_entropy_count`), the
 spatial reference of a P(2^k x 2^k) linear (:func:`grid_linear`, what
 ``insert_collectives`` emits and ``ring_decompose`` replaces by the step
 schedule), the tensor-level helpers :func:`shard_tensor` /
@@ -53,7 +54,7 @@ from stpc.placement import parse
 __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard_slice", "to_partial",
     "grad_all_reduce", "grid_gather", "grid_slice", "grid_skew", "grid_relayout", "grid_linear",
-    "vocab_parallel_embedding", "shard_tensor", "unshard_tensor", "axis_groups", "mesh_coords", "skew_peers",
+    "vocab_parallel_embedding", "cross_entropy_count", "shard_tensor", "unshard_tensor", "axis_groups", "mesh_coords", "skew_peers",
     "relayout_peers",
     "COMM_FUNCTIONS",
 ]
@@ -455,6 +456,20 @@ def vocab_parallel_embedding(weight: Tensor, idx: Tensor, groups: list[str], voc
     outside = (local < 0) | (local >= rows)
     out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def cross_entropy_count(target: Tensor, ignore_index: int, weight: Tensor | None = None,
+                        dtype: torch.dtype = torch.float32) -> Tensor:
+    """How many of this rank's targets a mean cross-entropy counts (not ``ignore_index``;
+    with class weights, their weights' sum). Summed over the ranks that split the rows, it
+    is the global mean's denominator: each rank's summed loss divided by it adds up to the
+    global mean however the ignored targets fall (a mean of local means would not).
+    Carries no gradient."""
+    with torch.no_grad():
+        keep = target != ignore_index
+        if weight is None:
+            return keep.sum().to(dtype)
+        return (weight[target.masked_fill(~keep, 0)] * keep).sum().to(dtype)
 
 
 # the functions whose nodes are communication (verify, dumps and tests key on them)
