@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from stpc import frontend, passes, runtime
 from stpc.frontend.dump import dot as _dot
 from stpc.frontend.dump import table as _table
-from stpc.module import Compiled, DistributedModel, Program, adopt, flatten_call, full_meta_view
+from stpc.module import Compiled, DistributedModel, Program, adopt, flatten_call, full_meta_view, mesh_device
 from stpc.placement import fmt
 from stpc.planner import Hints, Plan, analyse, preset, search
 from stpc.runtime.dtensors import grid_axes, storage_mesh, tokens_of
@@ -90,13 +90,6 @@ def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, 
 def default_device_type() -> str:
     """The device type of this world's ranks: CUDA under NCCL, CPU otherwise (gloo)."""
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """Where this rank's tensors live on ``mesh``: its current CUDA device, or the CPU."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
 
 
 def make_mesh(mesh, plan_shape):

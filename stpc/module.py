@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -35,7 +34,7 @@ from stpc.placement import is_grid, local_shape
 from stpc.runtime.dtensors import dtensor_placements, stored, to_plan_layout
 
 __all__ = ["DistributedModel", "Compiled", "Program", "ShapeMismatch", "full_meta_view", "adopt", "flatten_call",
-           "local_bytes"]
+           "local_bytes", "mesh_device"]
 
 
 class ShapeMismatch(ValueError):
@@ -102,7 +101,7 @@ class Compiled:
         self.grids = grids
         self.groups = groups
         self.coords = tuple(int(c) for c in mesh.get_coordinate())
-        self.device = _mesh_device(mesh)
+        self.device = mesh_device(mesh)
         self.param_placements = param_placements   # fqn -> plan placement it is stored for
         self.orig_class = orig_class
         self.make_program = make_program
@@ -222,7 +221,8 @@ class Compiled:
                                   stride=torch.empty(global_shape, device="meta").stride())
 
 
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """Where this rank's tensors live on ``mesh``: its current CUDA device, or the CPU."""
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
