@@ -30,6 +30,7 @@ from stpc.frontend.dump import table as _table
 from stpc.module import Compiled, DistributedModel, Program, adopt, flatten_call, full_meta_view, mesh_device
 from stpc.placement import fmt
 from stpc.planner import Hints, Plan, analyse, preset, search
+from stpc.planner.cache import PlanCache, plan_key
 from stpc.runtime.dtensors import grid_axes, storage_mesh, tokens_of
 
 __all__ = ["compile", "trace", "DistributedModel", "run_passes", "make_mesh"]
@@ -121,6 +122,7 @@ class _Options:
     backend: str | None
     outputs: str
     local_inputs: dict          # user-input placeholder -> placement the caller feeds its shard in
+    cache: PlanCache | None     # where searched plans are kept (None: search every time)
 
 
 def _meta(x, placement=None, mesh_shape=()):
@@ -190,6 +192,7 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
 
 
 def _plan(tg, mesh_spec, opts: _Options, param_exact: dict, input_exact: dict) -> Plan:
+    """Search (or read from the plan cache) the plan of ``tg`` on ``mesh_spec``."""
     shape = mesh_spec if isinstance(mesh_spec, tuple) else None
     if isinstance(opts.hints, str) and shape is None:
         hints = opts.hints  # a preset: the search instantiates it per mesh shape
@@ -198,7 +201,14 @@ def _plan(tg, mesh_spec, opts: _Options, param_exact: dict, input_exact: dict) -
     else:
         hints = _hints_for(opts, shape, param_exact, input_exact) if shape else opts.hints
     budget = None if opts.budget_gib is None else opts.budget_gib * 2**30
-    return search(tg, mesh_spec, cluster=opts.cluster, budget_bytes=budget, hints=hints, temporal=opts.temporal)
+    key = plan_key(tg, mesh_spec, opts.cluster, budget, hints, opts.temporal) if opts.cache is not None else None
+    if key is not None and (plan := opts.cache.get(key)) is not None:
+        plan.stats["cache"] = str(opts.cache.path(key))
+        return plan
+    plan = search(tg, mesh_spec, cluster=opts.cluster, budget_bytes=budget, hints=hints, temporal=opts.temporal)
+    if key is not None:
+        opts.cache.put(key, plan)
+    return plan
 
 
 def _mesh_spec(mesh):
@@ -215,7 +225,7 @@ def _mesh_spec(mesh):
 def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict | None = None, *,
             plan: Plan | None = None, hints=None, cluster: str = "cpu-local", budget_gib: float | None = None,
             temporal: bool = True, backend: str | None = None, input_placements=None,
-            outputs: str = "replicate", max_plans: int = 4) -> DistributedModel:
+            outputs: str = "replicate", max_plans: int = 4, cache=True) -> DistributedModel:
     """Compile ``model`` for ``mesh`` on every rank and return it, parallelised in place.
 
     ``mesh``: a DeviceMesh, a shape such as ``(2, 2)`` / ``"2x2"``, or a device count
@@ -230,7 +240,9 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     rank passes the full input and keeps its own slice. ``outputs``: ``"replicate"``
     (every rank gets the full outputs) or ``"sharded"`` (split outputs come back as
     DTensors as planned). ``max_plans``: how many input signatures may be planned before
-    a call with yet another one raises :class:`stpc.module.ShapeMismatch`.
+    a call with yet another one raises :class:`stpc.module.ShapeMismatch`. ``cache``: searched
+    plans are kept on disk and reused (``True``: ``stpc.planner.cache.default_dir()``; a path;
+    ``False``: search every time).
 
     The returned model is ``model`` itself (its class becomes ``STPC<Class>``; its
     parameters DTensors of this rank's shards, buffers on the mesh's device); ``model.stpc``
@@ -254,7 +266,8 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
             raise ValueError("stpc.compile: input_placements need a fixed mesh shape (a DeviceMesh, or a shape "
                              "such as (2, 2)), so the placements name its axes")
         local = {k: tokens_of(v, len(mesh_spec)) for k, v in dict(input_placements).items()}
-    opts = _Options(hints, cluster, budget_gib, temporal, backend, outputs, local)
+    store = None if cache is False else PlanCache(None if cache is True else cache)
+    opts = _Options(hints, cluster, budget_gib, temporal, backend, outputs, local, store)
 
     tg = _trace_call(model, example_inputs, example_kwargs, {}, mesh_spec)
     unknown = set(local) - set(tg.user_inputs)

@@ -1,5 +1,6 @@
 """insert_collectives: the edge algebra (reshard_steps) and the rewritten graphs."""
 import pytest
+import torch
 
 from _graphs import targets, traced_and_plan
 from stpc import runtime
@@ -88,9 +89,15 @@ def test_vocab_split_embedding_and_mean_rescale():
     gm = insert_collectives(shard_params(tg.gm, plan), plan)
     emb = next(n for n in gm.graph.nodes if n.name == "embedding")
     assert emb.target is runtime.vocab_parallel_embedding and emb.kwargs["vocab"] == 128
+    # the row-split mean loss: local sum / the all-reduced count of targets that count
     ce = next(n for n in gm.graph.nodes if n.name == "cross_entropy_loss")
-    (scale,) = ce.users
-    assert scale.args[1] == pytest.approx(0.25)  # mean of 4 local means
+    assert ce.args[3] == 2  # reduction: sum
+    (div,) = [u for u in ce.users if u.target is torch.ops.aten.div.Tensor]
+    den = div.args[1]
+    assert den.target is runtime.all_reduce and den.meta["comm"]["op"] == "all_reduce"
+    count = den.args[0]
+    assert count.target is runtime.cross_entropy_count and count.args[0] is ce.args[1]  # the targets
+    assert div.meta["placement"] == ("P",)
 
 
 def test_ring_families_are_emitted_as_their_spatial_equivalent():
