@@ -15,11 +15,12 @@ from .compute import PhaseCost, matmul_phase_cost, matmul_phase_flops, roofline
 from .devices import DEVICES, DeviceSpec, canonical_dtype, get_device
 from .memory import (LAYOUTS, MemoryModel, MemoryParts, adamw_step_transient_bytes, bytes_per_param,
                      optimizer_state_bytes, training_step_peak)
-from .profile import fit_alpha_beta, get_cluster, load_profile, save_profile
+from .profile import default_profile_path, fit_alpha_beta, get_cluster, load_profile, save_profile, world_cluster
 
 __all__ = [
     "CLUSTERS", "Cluster", "Link", "get_cluster", "CostModel", "PhaseCost", "matmul_phase_cost",
     "matmul_phase_flops", "roofline", "DEVICES", "DeviceSpec", "canonical_dtype", "get_device",
     "LAYOUTS", "MemoryModel", "MemoryParts", "adamw_step_transient_bytes", "bytes_per_param",
     "optimizer_state_bytes", "training_step_peak", "fit_alpha_beta", "load_profile", "save_profile",
+    "world_cluster", "default_profile_path",
 ]

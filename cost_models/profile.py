@@ -27,13 +27,15 @@ tensor for collectives, the per-rank message for p2p.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 
 import numpy as np
 
 from .cluster import CLUSTERS, Cluster, Link
-from .devices import DeviceSpec
+from .devices import DeviceSpec, get_device
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 
@@ -163,3 +165,46 @@ def get_cluster(name_or_profile_path: str) -> Cluster:
         return load_profile(name_or_profile_path)
     raise KeyError(f"unknown cluster {name_or_profile_path!r}: not a preset "
                    f"({', '.join(CLUSTERS)}) nor a profile .json path")
+
+
+def default_profile_path() -> str:
+    """Where this machine's calibration profile is looked for: ``$STPC_PROFILE``, else
+    ``$XDG_CACHE_HOME/stpc/profile.json`` (``~/.cache/stpc/profile.json``)."""
+    if os.environ.get("STPC_PROFILE"):
+        return os.environ["STPC_PROFILE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "stpc", "profile.json")
+
+
+# A GPU's name (torch.cuda.get_device_name) -> the preset whose links a node of it has.
+_GPU_NODES = (("H200", "H200", "dgx-h100"), ("H100", "H100-SXM", "dgx-h100"), ("A100", "A100-80GB", "dgx-h100"),
+              ("V100", "V100-32GB", "primepar-v100"))
+
+
+def world_cluster(world_size: int, device_type: str, device_name: str = "", local_size: int | None = None,
+                  profile_path: str | None = None) -> Cluster:
+    """The cluster a job of ``world_size`` ranks on ``device_type`` runs on, when the user
+    names none: this machine's calibration profile if there is one for this device type
+    (:func:`default_profile_path`), resized to the world; on the CPU ``cpu-local`` with
+    ``world_size`` ranks; on CUDA the preset node of the GPU named ``device_name`` (its
+    device spec, the preset's links) with ``local_size`` GPUs a node."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    path = profile_path or default_profile_path()
+    if os.path.exists(path):
+        prof = load_profile(path)
+        with open(path) as fh:
+            backend = json.load(fh).get("backend", "gloo")
+        if (backend == "nccl") == (device_type == "cuda"):
+            return dataclasses.replace(prof, nodes=1, devices_per_node=world_size)
+    if device_type != "cuda":
+        base = CLUSTERS["cpu-local"]
+        return dataclasses.replace(base, name=f"cpu-local-{world_size}", nodes=1, devices_per_node=world_size)
+    local = max(1, min(local_size or world_size, world_size))
+    for key, spec, preset in _GPU_NODES:
+        if key.lower() in device_name.lower():
+            base = CLUSTERS[preset]
+            return dataclasses.replace(base, name=f"{preset}-{world_size}", device=get_device(spec),
+                                       nodes=math.ceil(world_size / local), devices_per_node=local)
+    raise ValueError(f"no cost model for the GPU {device_name!r}; pass cluster= a preset "
+                     f"({', '.join(CLUSTERS)}) or a profile written by `python -m stpc calibrate`")

@@ -7,8 +7,9 @@ frontend (trace, annotate) -> planner (analyse, strategies, solve -> Plan)
 """
 from stpc.compile import compile, trace  # noqa: A004 (stpc.compile is the entry point)
 from stpc.module import DistributedModel, ShapeMismatch
+from stpc.validate import InvalidArgument, NotPlanned, PlanWarning
 from stpc.frontend import TracedGraph, dump, models
 from stpc.planner import Hints, Plan, search
 
-__all__ = ["compile", "trace", "DistributedModel", "ShapeMismatch", "TracedGraph", "Plan", "Hints", "search", "dump", "models"]
+__all__ = ["compile", "trace", "DistributedModel", "ShapeMismatch", "InvalidArgument", "NotPlanned", "PlanWarning", "TracedGraph", "Plan", "Hints", "search", "dump", "models"]
 __version__ = "0.1.0"

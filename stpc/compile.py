@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,8 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from stpc import frontend, passes, runtime
+from stpc import frontend, passes, runtime, validate
+from stpc.planner import report
 from stpc.frontend.dump import dot as _dot
 from stpc.frontend.dump import table as _table
 from stpc.module import Compiled, DistributedModel, Program, adopt, flatten_call, full_meta_view, mesh_device
@@ -32,6 +34,7 @@ from stpc.placement import fmt
 from stpc.planner import Hints, Plan, analyse, preset, search
 from stpc.planner.cache import PlanCache, plan_key
 from stpc.runtime.dtensors import grid_axes, storage_mesh, tokens_of
+from stpc.validate import InvalidArgument, NotPlanned, PlanWarning
 
 __all__ = ["compile", "trace", "DistributedModel", "run_passes", "make_mesh"]
 
@@ -88,11 +91,6 @@ def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, 
     return gm
 
 
-def default_device_type() -> str:
-    """The device type of this world's ranks: CUDA under NCCL, CPU otherwise (gloo)."""
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
-
-
 def make_mesh(mesh, plan_shape):
     """A DeviceMesh of ``plan_shape`` over the ranks of ``mesh`` (a DeviceMesh, whose ranks
     are viewed row-major in the plan's shape, or None for all ranks on the world's device
@@ -102,7 +100,7 @@ def make_mesh(mesh, plan_shape):
         if math.prod(plan_shape) != dist.get_world_size():
             raise ValueError(f"the plan's mesh {plan_shape} needs {math.prod(plan_shape)} ranks; "
                              f"the world has {dist.get_world_size()}")
-        return init_device_mesh(default_device_type(), plan_shape)
+        return init_device_mesh(validate.world_device_type(), plan_shape)
     if tuple(mesh.shape) == plan_shape:
         return mesh
     if mesh.size() != math.prod(plan_shape):
@@ -116,13 +114,14 @@ class _Options:
     """What compile was asked, kept for planning later input shapes the same way."""
 
     hints: object
-    cluster: str
-    budget_gib: float | None
+    cluster: object             # a preset name, a profile path or a Cluster
+    budget: float | None        # bytes
     temporal: bool
     backend: str | None
     outputs: str
     local_inputs: dict          # user-input placeholder -> placement the caller feeds its shard in
     cache: PlanCache | None     # where searched plans are kept (None: search every time)
+    strict: bool = False        # what is not planned is an error, not a warning
 
 
 def _meta(x, placement=None, mesh_shape=()):
@@ -191,6 +190,26 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
     return Program(plan, gm, fn, feed, tg.in_spec, tg.out_spec, out_placements, out_shapes, snapshots)
 
 
+def _report(plan: Plan, tg, opts: _Options) -> None:
+    """Warn (raise under ``strict``) about what the plan leaves out; note indivisible dims."""
+    hints = preset(opts.hints, tuple(plan.mesh_shape)) if isinstance(opts.hints, str) else opts.hints
+    problems = []
+    by_op: dict[str, list] = {}
+    for node, op, src in report.fallbacks(plan, tg):
+        by_op.setdefault(op, []).append(f"{node}" + (f" at {src}" if src else ""))
+    for op, where in by_op.items():
+        more = f" and {len(where) - 3} more" if len(where) > 3 else ""
+        problems.append(f"{op} has no sharding rule: {len(where)} node(s) run replicated on every rank "
+                        f"({'; '.join(where[:3])}{more})")
+    problems += [f"hint {m}" for m in report.hint_misses(hints, tg, plan.mesh_shape)]
+    for msg in problems:
+        if opts.strict:
+            raise NotPlanned(f"stpc.compile (strict): {msg}. Fix: rewrite that part of the model with ops stpc "
+                             f"plans, or fix the hint; strict=False runs it with a warning")
+        warnings.warn(f"stpc: {msg}", PlanWarning, stacklevel=3)
+    plan.stats["indivisible"] = report.indivisible(tg, plan.mesh_shape)
+
+
 def _plan(tg, mesh_spec, opts: _Options, param_exact: dict, input_exact: dict) -> Plan:
     """Search (or read from the plan cache) the plan of ``tg`` on ``mesh_spec``."""
     shape = mesh_spec if isinstance(mesh_spec, tuple) else None
@@ -200,7 +219,7 @@ def _plan(tg, mesh_spec, opts: _Options, param_exact: dict, input_exact: dict) -
             raise ValueError("pinned placements need a fixed mesh shape")
     else:
         hints = _hints_for(opts, shape, param_exact, input_exact) if shape else opts.hints
-    budget = None if opts.budget_gib is None else opts.budget_gib * 2**30
+    budget = opts.budget
     key = plan_key(tg, mesh_spec, opts.cluster, budget, hints, opts.temporal) if opts.cache is not None else None
     if key is not None and (plan := opts.cache.get(key)) is not None:
         plan.stats["cache"] = str(opts.cache.path(key))
@@ -211,25 +230,17 @@ def _plan(tg, mesh_spec, opts: _Options, param_exact: dict, input_exact: dict) -
     return plan
 
 
-def _mesh_spec(mesh):
-    """What the search is told about ``mesh``: a fixed shape, or a device count to choose a shape for."""
-    if isinstance(mesh, DeviceMesh):
-        return tuple(int(n) for n in mesh.shape)
-    if isinstance(mesh, (tuple, list)):
-        return tuple(int(n) for n in mesh)
-    if isinstance(mesh, str) and "x" in mesh.lower():
-        return tuple(int(n) for n in mesh.lower().split("x"))
-    return int(mesh) if mesh is not None else dist.get_world_size()
-
-
 def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict | None = None, *,
-            plan: Plan | None = None, hints=None, cluster: str = "cpu-local", budget_gib: float | None = None,
+            plan: Plan | None = None, hints=None, cluster=None, budget_gib: float | None = None,
             temporal: bool = True, backend: str | None = None, input_placements=None,
-            outputs: str = "replicate", max_plans: int = 4, cache=True) -> DistributedModel:
+            outputs: str = "replicate", max_plans: int = 4, cache=True, strict: bool = False) -> DistributedModel:
     """Compile ``model`` for ``mesh`` on every rank and return it, parallelised in place.
 
     ``mesh``: a DeviceMesh, a shape such as ``(2, 2)`` / ``"2x2"``, or a device count
     (``4``, ``"4"``; None: the world size) for the planner to choose the shape.
+    ``cluster``: what plans are costed on (a preset, a profile path, a Cluster; None: this
+    world's, see ``stpc.cost_models.world_cluster``). Everything is validated before any
+    tracing: :class:`stpc.validate.InvalidArgument` names the cause and the fix.
     ``example_inputs`` / ``example_kwargs``: one call's positional and keyword inputs
     (full, global tensors; a plan is made for their shapes). ``plan`` skips the search
     (every rank must pass the same one: the ranks check it). ``hints``: ``"megatron"``,
@@ -242,7 +253,9 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     DTensors as planned). ``max_plans``: how many input signatures may be planned before
     a call with yet another one raises :class:`stpc.module.ShapeMismatch`. ``cache``: searched
     plans are kept on disk and reused (``True``: ``stpc.planner.cache.default_dir()``; a path;
-    ``False``: search every time).
+    ``False``: search every time). ``strict``: an op without a sharding rule (planned
+    replicated) or a hint that has no effect raises :class:`stpc.validate.NotPlanned`
+    instead of a :class:`stpc.validate.PlanWarning`.
 
     The returned model is ``model`` itself (its class becomes ``STPC<Class>``; its
     parameters DTensors of this rank's shards, buffers on the mesh's device); ``model.stpc``
@@ -254,28 +267,40 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     if isinstance(model, DistributedModel):
         raise TypeError(f"stpc.compile: {type(model).__name__} is compiled already; compile the model "
                         f"as it was built")
+    # everything is checked before any work: one error naming the cause and the fix
+    world, device_type = dist.get_world_size(), validate.world_device_type()
     if outputs not in ("replicate", "sharded"):
-        raise ValueError(f"stpc.compile: outputs must be 'replicate' or 'sharded', got {outputs!r}")
+        raise InvalidArgument(f"stpc.compile: outputs={outputs!r} is not an output mode. Fix: outputs='replicate' "
+                              f"(full outputs on every rank) or 'sharded' (split ones as DTensors)")
+    if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
+        raise InvalidArgument(f"stpc.compile: max_plans={max_plans!r} is not a whole number >= 1. Fix: max_plans=1 "
+                              f"to refuse other input shapes, more to plan them too")
+    mesh_spec = validate.mesh_spec(mesh, plan, world, device_type)
     example_kwargs = dict(example_kwargs or {})
-    mesh_spec = tuple(plan.mesh_shape) if plan is not None else _mesh_spec(mesh)
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
+    example_inputs = validate.example_inputs(model, example_inputs, example_kwargs, device_type)
+    budget = validate.budget(budget_gib)
+    cluster = validate.cluster(cluster, world, device_type)
     local = {}
     if input_placements:
         if not isinstance(mesh_spec, tuple):
-            raise ValueError("stpc.compile: input_placements need a fixed mesh shape (a DeviceMesh, or a shape "
-                             "such as (2, 2)), so the placements name its axes")
-        local = {k: tokens_of(v, len(mesh_spec)) for k, v in dict(input_placements).items()}
+            raise InvalidArgument("stpc.compile: input_placements need a fixed mesh shape (a DeviceMesh, or a shape "
+                                  "such as (2, 2)), so the placements name its axes")
+        try:
+            local = {k: tokens_of(v, len(mesh_spec)) for k, v in dict(input_placements).items()}
+        except ValueError as e:
+            raise InvalidArgument(f"stpc.compile: input_placements: {e}. Fix: one Shard(d) or Replicate() per "
+                                  f"mesh axis of {mesh_spec}") from None
     store = None if cache is False else PlanCache(None if cache is True else cache)
-    opts = _Options(hints, cluster, budget_gib, temporal, backend, outputs, local, store)
+    opts = _Options(hints, cluster, budget, temporal, backend, outputs, local, store, strict)
 
     tg = _trace_call(model, example_inputs, example_kwargs, {}, mesh_spec)
     unknown = set(local) - set(tg.user_inputs)
     if unknown:
-        raise ValueError(f"stpc.compile: input_placements name {sorted(unknown)}, which are not inputs of "
+        raise InvalidArgument(f"stpc.compile: input_placements name {sorted(unknown)}, which are not inputs of "
                          f"{type(model).__name__}.forward; its tensor inputs are {tg.user_inputs}")
     if plan is None:
         plan = _plan(tg, mesh_spec, opts, {}, local)
+    _report(plan, tg, opts)
     dm = make_mesh(mesh if isinstance(mesh, DeviceMesh) else None, plan.mesh_shape)
     runtime.check_plan_agreement(plan.hash())
     # every rank cuts its shards from its own full copy: the copies must be one model
@@ -308,6 +333,7 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     def make_program(module, args, kwargs, first: Program) -> Program:
         tg2 = _trace_call(module, args, kwargs, local_leaves, tuple(plan.mesh_shape))
         plan2 = _plan(tg2, tuple(plan.mesh_shape), opts, all_exact, local)
+        _report(plan2, tg2, opts)
         runtime.check_plan_agreement(plan2.hash())
         return _program(tg2, plan2, dm, groups, opts)
 

@@ -48,7 +48,7 @@ SOLVER = ("stpc.planner.solver", "stpc.planner.elimination", "stpc.planner.searc
 
 def stage(module: str) -> str:
     parts = module.split(".")
-    if module in ("stpc", "stpc.compile", "stpc.module"):
+    if module in ("stpc", "stpc.compile", "stpc.module", "stpc.validate"):
         return "api"
     if module == "stpc.__main__":
         return "main"

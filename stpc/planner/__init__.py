@@ -5,7 +5,9 @@ Stages, one module each: analysis (mesh-independent facts), strategies (candidat
 partitions per node), costs (time and bytes of a strategy, of a reshard), builder
 (the integer Problem of one mesh shape, and its solution read back as a Plan),
 elimination and solver (exact solve; CP-SAT where the budget binds), search (every
-mesh shape), hints (constraints and presets), plan (the Plan itself).
+mesh shape), hints (constraints and presets), plan (the Plan itself), report (what a plan
+leaves out: replicated fallbacks, hints without effect, indivisible dims), cache (plans on
+disk).
 """
 from stpc.planner.analysis import GraphFacts, analyse
 from stpc.planner.builder import build_problem, plan_graph

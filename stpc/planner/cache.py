@@ -2,7 +2,7 @@
 
 A plan is stored under a key that hashes everything the search reads: the traced graph
 (its code and every placeholder's shape and dtype), the mesh, the cluster (a preset's
-name, a profile file's content), the budget, the hints, the temporal switch, the dtype
+name, a profile file's content, a Cluster's fields), the budget, the hints, the temporal switch, the dtype
 and optimizer layout, and the code that plans (stpc's version and a digest of its
 frontend, planner and cost-model sources, so an edited planner never reads a stale
 plan). Hints with Python predicates cannot be hashed faithfully: such searches are
@@ -75,12 +75,12 @@ def _graph_digest(tg) -> str:
     return h.hexdigest()
 
 
-def _cluster_key(cluster) -> str | None:
+def _cluster_key(cluster) -> str:
     if isinstance(cluster, str):
         if os.path.exists(cluster):
             return "profile:" + hashlib.sha256(pathlib.Path(cluster).read_bytes()).hexdigest()
         return "preset:" + cluster
-    return None  # a Cluster object built in code: not hashed
+    return "cluster:" + hashlib.sha256(repr(cluster).encode()).hexdigest()  # a frozen dataclass: all its fields
 
 
 def _hints_key(hints) -> str | None:
@@ -99,7 +99,7 @@ def plan_key(tg, mesh, cluster, budget_bytes, hints, temporal, dtype="fp32",
              optimizer_layout="fp32-adam") -> str | None:
     """The cache key of a search, or None when the search cannot be cached faithfully."""
     ck, hk = _cluster_key(cluster), _hints_key(hints)
-    if ck is None or hk is None:
+    if hk is None:
         return None
     blob = json.dumps({"graph": _graph_digest(tg), "mesh": repr(mesh), "cluster": ck,
                        "budget": budget_bytes, "hints": hk, "temporal": bool(temporal), "dtype": dtype,

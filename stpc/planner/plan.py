@@ -70,6 +70,9 @@ class Plan:
         head = (f"plan {self.hash()[:12]}  model {self.model}  mesh {'x'.join(map(str, self.mesh_shape))}  "
                 f"cluster {self.cluster}  modelled step {self.modelled_step_time_s * 1e3:.3f} ms  "
                 f"peak {self.peak_memory_bytes / 2**30:.3f} GiB/device\n")
+        if self.stats.get("indivisible"):
+            head += "dims no mesh axis divides (never split): " + ", ".join(
+                f"{k} {v}" for k, v in self.stats["indivisible"].items()) + "\n"
         return head + "\n".join("  ".join(c.ljust(x) for c, x in zip(r, w)) for r in rows) + "\n"
 
     def explain(self, node_name: str) -> str:

@@ -30,6 +30,7 @@ from stpc.planner.analysis import analyse
 from stpc.planner.builder import NS, Builder, build_problem, make_plan
 from stpc.planner.hints import HintUnsatisfiable, Hints, preset
 from stpc.planner.plan import Plan
+from stpc.planner.report import indivisible
 from stpc.planner.solver import (InfeasibleBudget, NoBetterPlan, Problem, eliminated, memory_blind_optimum,
                                  min_memory, solve)
 
@@ -164,6 +165,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         raise HintUnsatisfiable("no mesh shape satisfies the hints: "
                                 + "; ".join(t["skipped"] for t in tried if t.get("skipped")))
     plan = best[2]
+    plan.stats["indivisible"] = indivisible(tg, plan.mesh_shape)
     plan.stats["search_time_s"] = time.perf_counter() - t0
     plan.stats["mesh_shapes_tried"] = tried
     plan.stats["solve_time_s"] = sum(t["solve_time_s"] for t in tried)
