@@ -103,15 +103,11 @@ def _p2p_steps(c, node, grank, n):
         to, frm = runtime.skew_peers(grank, n, c.get("inverse", False))
         return [(to, frm, 0)]
     if op in ("ring_allgather_matmul", "ring_matmul_reducescatter"):
-        return [((grank - 1) % n, (grank + 1) % n, 0)] * (n - 1)
+        to, frm = runtime.ops.ring_peers(grank, n)  # the rule the ring ops run
+        return [(to, frm, 0)] * (n - 1)
     if op == "primepar_linear":
         q = math.isqrt(n)
-        r, cc = divmod(grank, q)
-        peer = lambda dr, dc: ((r + dr) % q) * q + (cc + dc) % q  # noqa: E731
-        steps = []
-        for _ in range(q - 1):
-            steps += [(peer(0, -1), peer(0, 1), 0), (peer(-1, 0), peer(1, 0), 1)]
-        return steps
+        return runtime.ops.primepar_peers(grank, q.bit_length() - 1) * (q - 1)
     return []
 
 

@@ -14,6 +14,9 @@ of another shape comes back here to plan that shape too (``Compiled.run``).
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import hashlib
+import json
 import math
 import warnings
 
@@ -91,22 +94,41 @@ def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, 
     return gm
 
 
-def make_mesh(mesh, plan_shape):
+def group_options(device_type: str, timeout_s: float | None):
+    """``(backend, options)`` that give the process groups stpc creates a timeout of
+    ``timeout_s`` seconds (None: the backend's default)."""
+    if timeout_s is None:
+        return None
+    if device_type == "cuda":
+        backend, opts = "nccl", dist.ProcessGroupNCCL.Options()
+    else:
+        backend, opts = "gloo", (getattr(dist.ProcessGroupGloo, "_Options", None) or dist.ProcessGroupGloo.Options)()
+    opts._timeout = datetime.timedelta(seconds=float(timeout_s))
+    return backend, opts
+
+
+def make_mesh(mesh, plan_shape, timeout_s: float | None = None):
     """A DeviceMesh of ``plan_shape`` over the ranks of ``mesh`` (a DeviceMesh, whose ranks
     are viewed row-major in the plan's shape, or None for all ranks on the world's device
-    type)."""
+    type). Groups made here time out after ``timeout_s`` (a DeviceMesh given in the plan's
+    shape is used as it is, with its own groups' timeouts)."""
     plan_shape = tuple(int(n) for n in plan_shape)
+    device_type = mesh.device_type if isinstance(mesh, DeviceMesh) else validate.world_device_type()
+    override = group_options(device_type, timeout_s)
     if mesh is None or not isinstance(mesh, DeviceMesh):
         if math.prod(plan_shape) != dist.get_world_size():
             raise ValueError(f"the plan's mesh {plan_shape} needs {math.prod(plan_shape)} ranks; "
                              f"the world has {dist.get_world_size()}")
-        return init_device_mesh(validate.world_device_type(), plan_shape)
+        if override is None:
+            return init_device_mesh(device_type, plan_shape)
+        return init_device_mesh(device_type, plan_shape, backend_override={a: override for a in range(len(plan_shape))})
     if tuple(mesh.shape) == plan_shape:
         return mesh
     if mesh.size() != math.prod(plan_shape):
         raise ValueError(f"the plan's mesh {plan_shape} does not fit the DeviceMesh of shape "
                          f"{tuple(mesh.shape)}; re-plan for {mesh.size()} devices")
-    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(plan_shape))
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(plan_shape),
+                      backend_override=None if override is None else (override,) * len(plan_shape))
 
 
 @dataclasses.dataclass
@@ -210,6 +232,17 @@ def _report(plan: Plan, tg, opts: _Options) -> None:
     plan.stats["indivisible"] = report.indivisible(tg, plan.mesh_shape)
 
 
+def _check_schedules(prog: Program, mesh: DeviceMesh) -> None:
+    """Every rank derives from its own program the communication each rank will issue and
+    checks, with one all-gather, that each rank's own sequence is the one it expects
+    (``runtime.check_schedule_agreement``): a mismatch fails on every rank before any step."""
+    order = mesh.mesh.flatten().tolist()  # mesh position -> world rank (a DeviceMesh may permute them)
+    digest = [hashlib.sha256(json.dumps(passes.comm_schedule(prog.gm, prog.plan, i), sort_keys=True,
+                                        default=str).encode()).hexdigest() for i in range(len(order))]
+    expected = [digest[order.index(w)] for w in range(dist.get_world_size())]
+    runtime.check_schedule_agreement(expected[dist.get_rank()], expected)
+
+
 def _plan(tg, mesh_spec, opts: _Options, param_exact: dict, input_exact: dict) -> Plan:
     """Search (or read from the plan cache) the plan of ``tg`` on ``mesh_spec``."""
     shape = mesh_spec if isinstance(mesh_spec, tuple) else None
@@ -233,7 +266,8 @@ def _plan(tg, mesh_spec, opts: _Options, param_exact: dict, input_exact: dict) -
 def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict | None = None, *,
             plan: Plan | None = None, hints=None, cluster=None, budget_gib: float | None = None,
             temporal: bool = True, backend: str | None = None, input_placements=None,
-            outputs: str = "replicate", max_plans: int = 4, cache=True, strict: bool = False) -> DistributedModel:
+            outputs: str = "replicate", max_plans: int = 4, cache=True, strict: bool = False,
+            timeout_s: float | None = None) -> DistributedModel:
     """Compile ``model`` for ``mesh`` on every rank and return it, parallelised in place.
 
     ``mesh``: a DeviceMesh, a shape such as ``(2, 2)`` / ``"2x2"``, or a device count
@@ -255,7 +289,10 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     plans are kept on disk and reused (``True``: ``stpc.planner.cache.default_dir()``; a path;
     ``False``: search every time). ``strict``: an op without a sharding rule (planned
     replicated) or a hint that has no effect raises :class:`stpc.validate.NotPlanned`
-    instead of a :class:`stpc.validate.PlanWarning`.
+    instead of a :class:`stpc.validate.PlanWarning`. ``timeout_s``: the process groups stpc
+    creates for the mesh time out after that many seconds (None: the backend's default), so
+    a rank that dies or stalls makes the others raise :class:`stpc.runtime.CommFailure`
+    naming the operation instead of hanging.
 
     The returned model is ``model`` itself (its class becomes ``STPC<Class>``; its
     parameters DTensors of this rank's shards, buffers on the mesh's device); ``model.stpc``
@@ -279,6 +316,10 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     example_kwargs = dict(example_kwargs or {})
     example_inputs = validate.example_inputs(model, example_inputs, example_kwargs, device_type)
     budget = validate.budget(budget_gib)
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s > 0):
+        raise InvalidArgument(f"stpc.compile: timeout_s={timeout_s!r} is not a positive number of seconds. Fix: "
+                              f"e.g. timeout_s=600, or None for the backend's default")
     cluster = validate.cluster(cluster, world, device_type)
     local = {}
     if input_placements:
@@ -301,13 +342,14 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     if plan is None:
         plan = _plan(tg, mesh_spec, opts, {}, local)
     _report(plan, tg, opts)
-    dm = make_mesh(mesh if isinstance(mesh, DeviceMesh) else None, plan.mesh_shape)
+    dm = make_mesh(mesh if isinstance(mesh, DeviceMesh) else None, plan.mesh_shape, timeout_s)
     runtime.check_plan_agreement(plan.hash())
     # every rank cuts its shards from its own full copy: the copies must be one model
     runtime.check_tensors_agree({**dict(model.named_parameters()), **dict(model.named_buffers())},
                                 what="weights")
     groups = runtime.axis_groups(dm)
     prog = _program(tg, plan, dm, groups, opts)
+    _check_schedules(prog, dm)
 
     fqn_place = {}
     for kind, *rest in prog.feed:
@@ -335,9 +377,12 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
         plan2 = _plan(tg2, tuple(plan.mesh_shape), opts, all_exact, local)
         _report(plan2, tg2, opts)
         runtime.check_plan_agreement(plan2.hash())
-        return _program(tg2, plan2, dm, groups, opts)
+        prog2 = _program(tg2, plan2, dm, groups, opts)
+        _check_schedules(prog2, dm)
+        return prog2
 
-    compiled = Compiled(mesh=dm, storage=storage_mesh(dm, grids), grids=grids, groups=groups,
+    compiled = Compiled(mesh=dm, storage=storage_mesh(dm, grids, group_options(dm.device_type, timeout_s)),
+                        grids=grids, groups=groups,
                         param_placements=stored_for, orig_class=type(model), make_program=make_program,
                         max_plans=max_plans, local_leaves=local_leaves)
     flat, spec = flatten_call(example_inputs, example_kwargs)

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from stpc import runtime
 from stpc.placement import is_grid, local_shape
 from stpc.runtime.dtensors import dtensor_placements, stored, to_plan_layout
+from stpc.runtime.failure import comm_failure
 
 __all__ = ["DistributedModel", "Compiled", "Program", "ShapeMismatch", "full_meta_view", "adopt", "flatten_call",
            "local_bytes", "mesh_device"]
@@ -158,7 +159,10 @@ class Compiled:
         prog = self.programs.get(key)
         if prog is None:
             prog = self._new_program(module, key, args, kwargs)
-        out = prog.fn(*self._feed(module, prog, flat))
+        try:
+            out = prog.fn(*self._feed(module, prog, flat))
+        except RuntimeError as e:  # a compiled program's collectives fail inside generated code
+            raise comm_failure("step of the compiled program", None, e) from e
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         out = [self._wrap_output(x, p, s) for x, p, s in zip(out, prog.out_placements, prog.out_shapes)]
         return pytree.tree_unflatten(out, prog.out_spec)

@@ -4,7 +4,10 @@
   collectives and P2P transfers, a hang or a silent wrong answer. The check takes the
   plan's hash (a string), not the plan: the runtime knows nothing of plans;
 * the same full weights: each rank cuts its shards from its own copy of the model, so
-  a rank initialised differently (an unseeded init) would train a model nobody built.
+  a rank initialised differently (an unseeded init) would train a model nobody built;
+* the communication each rank will issue: every rank derives, from its own program, the
+  sequence of collectives and transfers each rank will issue; a rank whose own sequence
+  is not the one the others expect of it would hang or corrupt data at the first step.
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_plan_agreement", "PlanMismatch", "check_tensors_agree", "TensorMismatch"]
+__all__ = ["check_plan_agreement", "PlanMismatch", "check_tensors_agree", "TensorMismatch",
+           "check_schedule_agreement", "ScheduleMismatch"]
 
 
 class PlanMismatch(RuntimeError):
@@ -83,3 +87,25 @@ def check_tensors_agree(named: dict, group=None, what: str = "tensors") -> None:
             f"ranks hold different {what} than rank 0: {shown}{more}. Fix: build the model identically "
             f"on every rank (torch.manual_seed before building it) or load the same checkpoint on "
             f"every rank before stpc.compile.")
+
+
+class ScheduleMismatch(RuntimeError):
+    """A rank's program would issue other communication than the other ranks expect of it."""
+
+
+def check_schedule_agreement(mine: str, expected: list[str], group=None) -> None:
+    """All-gather every rank's digest of its own communication schedule (``mine``) and raise
+    :class:`ScheduleMismatch` on every rank, naming the ranks, unless rank r's digest is
+    ``expected[r]`` for every r (what this rank's program says each rank will issue)."""
+    n = dist.get_world_size(group)
+    if len(expected) != n:
+        raise ValueError(f"{len(expected)} expected digests for {n} ranks")
+    to_bytes = lambda h: torch.tensor(list(hashlib.sha256(h.encode()).digest()), dtype=torch.uint8)  # noqa: E731
+    got = [torch.empty(32, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(got, to_bytes(mine), group=group)
+    bad = [r for r in range(n) if not torch.equal(got[r], to_bytes(expected[r]))]
+    if bad:
+        raise ScheduleMismatch(
+            f"ranks {bad} would issue other collectives or P2P transfers than rank "
+            f"{dist.get_rank()}'s program expects of them: running would hang or corrupt data. Fix: run the "
+            f"same stpc and torch versions with the same plan and inputs on every rank")

@@ -37,9 +37,10 @@ def grid_axes(placements) -> tuple[int, ...]:
     return tuple(sorted({a for p in placements for a, tok in enumerate(p) if is_grid(tok)}))
 
 
-def storage_mesh(mesh: DeviceMesh, grids: tuple[int, ...]) -> DeviceMesh:
+def storage_mesh(mesh: DeviceMesh, grids: tuple[int, ...], backend_override=None) -> DeviceMesh:
     """``mesh`` with each axis in ``grids`` viewed as its square grid (a collective the first
-    time: every rank calls it). Without grids it is ``mesh`` itself."""
+    time: every rank calls it), its groups made with ``backend_override`` (``(backend,
+    options)``, e.g. a timeout). Without grids it is ``mesh`` itself."""
     if not grids:
         return mesh
     shape = []
@@ -54,7 +55,8 @@ def storage_mesh(mesh: DeviceMesh, grids: tuple[int, ...]) -> DeviceMesh:
     names = []
     for a in range(mesh.ndim):
         names += [f"axis{a}_row", f"axis{a}_col"] if a in grids else [f"axis{a}"]
-    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=tuple(names))
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=tuple(names),
+                      backend_override=None if backend_override is None else (backend_override,) * len(shape))
 
 
 def stored(placement) -> tuple[str, ...]:

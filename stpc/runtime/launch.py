@@ -51,11 +51,15 @@ _FAILURE_GRACE_S = 2.0
 
 
 class SpawnError(RuntimeError):
-    """A rank raised (or died); ``.rank`` and ``.remote_traceback`` say which and why."""
+    """A rank raised (or died); ``.rank`` and ``.remote_traceback`` say which and why.
+    ``.failures`` (rank -> traceback) and ``.values`` (rank -> return value) hold what every
+    rank reported before the others were killed."""
 
-    def __init__(self, rank: int, remote_traceback: str):
+    def __init__(self, rank: int, remote_traceback: str, failures: dict | None = None, values: dict | None = None):
         self.rank = rank
         self.remote_traceback = remote_traceback
+        self.failures = dict(failures or {})
+        self.values = dict(values or {})
         super().__init__(f"rank {rank} failed:\n{remote_traceback}")
 
 
@@ -134,13 +138,14 @@ def _kill_all(procs: list) -> None:
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, backend: str = "gloo",
-          threads_per_rank: int = 1) -> list:
+          threads_per_rank: int = 1, grace_s: float = _FAILURE_GRACE_S) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
 
     Raises :class:`SpawnError` naming the first rank that failed (with its
-    traceback), or :class:`SpawnTimeout` if not all ranks returned within
-    ``timeout_s`` seconds. In every case all child processes are gone when
-    this returns or raises.
+    traceback; the others' reports, collected for up to ``grace_s`` seconds after
+    the first failure, ride along), or :class:`SpawnTimeout` if not all ranks
+    returned within ``timeout_s`` seconds. In every case all child processes are
+    gone when this returns or raises.
     """
     if world_size < 1:
         raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
@@ -212,14 +217,14 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
                     else:
                         exited_quietly.add(r)
                 if failures and grace_end is None:
-                    grace_end = time.monotonic() + _FAILURE_GRACE_S
+                    grace_end = time.monotonic() + grace_s
                 continue
             if ok:
                 values[rank] = pickle.loads(payload)
             else:
                 failures[rank] = (when, payload)
                 if grace_end is None:
-                    grace_end = time.monotonic() + _FAILURE_GRACE_S
+                    grace_end = time.monotonic() + grace_s
         if failures:
             # One rank's exception usually makes its peers fail too (a P2P or
             # collective sees the connection close); the root cause is the
@@ -229,7 +234,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
             tb = failures[first][1]
             if others:
                 tb += f"\n(ranks {others} failed after it, probably as a consequence)"
-            raise SpawnError(first, tb)
+            raise SpawnError(first, tb, {r: f[1] for r, f in failures.items()}, values)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
         return [values[r] for r in range(world_size)]

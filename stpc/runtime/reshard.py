@@ -50,6 +50,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from stpc.placement import parse
+from stpc.runtime.failure import comm_failure
 
 __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard_slice", "to_partial",
@@ -109,8 +110,18 @@ def mesh_coords(rank: int, mesh_shape) -> tuple[int, ...]:
 _c10d = torch.ops._c10d_functional
 
 
-def _ag(x: Tensor, dim: int, group: str) -> Tensor:
-    """all-gather along ``dim`` (the functional collective gathers along dim 0)."""
+def _guarded(what: str, fn, group: str, *args):
+    """``fn(*args)``, its backend failures raised as a :class:`CommFailure` naming ``what``.
+    Under torch.compile the call is traced as it is (the compiled program's caller reports)."""
+    if torch.compiler.is_compiling():
+        return fn(*args)
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        raise comm_failure(what, group, e) from e
+
+
+def _ag_impl(x: Tensor, dim: int, group: str) -> Tensor:
     n = _size(group)
     out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), n, group))
     if dim != 0:
@@ -118,16 +129,29 @@ def _ag(x: Tensor, dim: int, group: str) -> Tensor:
     return out
 
 
-def _rs(x: Tensor, dim: int, group: str) -> Tensor:
-    """reduce-scatter (sum) along ``dim``."""
+def _ag(x: Tensor, dim: int, group: str) -> Tensor:
+    """all-gather along ``dim`` (the functional collective gathers along dim 0)."""
+    return _guarded("all_gather", _ag_impl, group, x, dim, group)
+
+
+def _rs_impl(x: Tensor, dim: int, group: str) -> Tensor:
     n = _size(group)
     if dim != 0:
         x = torch.cat(x.chunk(n, dim=dim), dim=0)
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", n, group))
 
 
-def _ar(x: Tensor, group: str) -> Tensor:
+def _rs(x: Tensor, dim: int, group: str) -> Tensor:
+    """reduce-scatter (sum) along ``dim``."""
+    return _guarded("reduce_scatter", _rs_impl, group, x, dim, group)
+
+
+def _ar_impl(x: Tensor, group: str) -> Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
+
+
+def _ar(x: Tensor, group: str) -> Tensor:
+    return _guarded("all_reduce", _ar_impl, group, x, group)
 
 
 def _chunk(x: Tensor, dim: int, n: int, i: int) -> Tensor:
@@ -140,14 +164,18 @@ def _chunk(x: Tensor, dim: int, n: int, i: int) -> Tensor:
     return x.narrow(dim, i * s, s)
 
 
-def _a2a(x: Tensor, src_dim: int, dst_dim: int, group: str) -> Tensor:
-    """S(src_dim) -> S(dst_dim): split ``dst_dim`` into n pieces, exchange, concatenate on ``src_dim``."""
+def _a2a_impl(x: Tensor, src_dim: int, dst_dim: int, group: str) -> Tensor:
     n = _size(group)
     parts = torch.stack(list(x.chunk(n, dim=dst_dim)), 0).contiguous()
     flat = parts.reshape(n, -1).reshape(-1)
     split = [flat.numel() // n] * n
     got = _c10d.wait_tensor(_c10d.all_to_all_single(flat, split, split, group)).reshape(parts.shape)
     return torch.cat(list(got.unbind(0)), dim=src_dim)
+
+
+def _a2a(x: Tensor, src_dim: int, dst_dim: int, group: str) -> Tensor:
+    """S(src_dim) -> S(dst_dim): split ``dst_dim`` into n pieces, exchange, concatenate on ``src_dim``."""
+    return _guarded("all_to_all", _a2a_impl, group, x, src_dim, dst_dim, group)
 
 
 # --------------------------------------------------------------------------- per-axis reshards
@@ -360,7 +388,7 @@ def skew_peers(rank: int, n: int, inverse: bool = False) -> tuple[int, int]:
     return (frm, to) if inverse else (to, frm)
 
 
-def _p2p_exchange(x: Tensor, group: str, send_to: int, recv_from: int) -> Tensor:
+def _p2p_impl(x: Tensor, group: str, send_to: int, recv_from: int) -> Tensor:
     pg = _pg(group)
     x = x.contiguous()
     if send_to == pg.rank() and recv_from == pg.rank():
@@ -371,6 +399,11 @@ def _p2p_exchange(x: Tensor, group: str, send_to: int, recv_from: int) -> Tensor
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     return out
+
+
+def _p2p_exchange(x: Tensor, group: str, send_to: int, recv_from: int) -> Tensor:
+    return _guarded(f"P2P exchange (send to {send_to}, receive from {recv_from})", _p2p_impl, group, x, group,
+                    send_to, recv_from)
 
 
 class _GridSkew(torch.autograd.Function):

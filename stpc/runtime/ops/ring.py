@@ -34,12 +34,14 @@ All blocks of a ring have the same shape on every rank (as with
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from stpc.runtime.failure import comm_failure
 from stpc.runtime.ops.kernels import ring_step_matmul
 
 __all__ = [
@@ -54,6 +56,8 @@ __all__ = [
     "primepar_unshard_weight",
     "primepar_unshard_output",
     "group_name_of",
+    "ring_peers",
+    "primepar_peers",
 ]
 
 # P2P tags: different streams to the same peer in one batch must not be
@@ -86,9 +90,30 @@ def _post(group: dist.ProcessGroup, sends=(), recvs=()) -> list:
     return dist.batch_isend_irecv(ops) if ops else []
 
 
+_OP_NAMES = {"_ring_allgather_matmul": "stpc::ring_allgather_matmul (AG-ring)",
+             "_ring_allgather_matmul_backward": "stpc::ring_allgather_matmul's backward rings",
+             "_ring_matmul_reducescatter": "stpc::ring_matmul_reducescatter (RS-ring)",
+             "_ring_matmul_reducescatter_backward": "stpc::ring_matmul_reducescatter's backward ring",
+             "_primepar_linear": "stpc::primepar_linear (P2x2 steps)",
+             "_primepar_linear_backward": "stpc::primepar_linear's backward steps"}
+
+
+def _failing_op() -> str:
+    """The ring op whose step is waiting (read off the stack, only when a wait failed)."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name in _OP_NAMES:
+            return _OP_NAMES[f.f_code.co_name]
+        f = f.f_back
+    return "a ring op"
+
+
 def _wait(works: list) -> None:
-    for w in works:
-        w.wait()
+    try:
+        for w in works:
+            w.wait()
+    except RuntimeError as e:
+        raise comm_failure(f"{_failing_op()}, a step's P2P transfer", None, e) from e
 
 
 def _norm_dim(dim: int, ndim: int, what: str) -> int:
@@ -119,13 +144,29 @@ def _flat2(t: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- AG-ring
 
 
+def ring_peers(i: int, P: int) -> tuple[int, int]:
+    """(send-to, receive-from) of group rank ``i`` in every step of a ring of ``P``: blocks
+    move from rank i+1 to rank i. The one rule the ring ops and ``passes.verify`` share."""
+    return (i - 1) % P, (i + 1) % P
+
+
+def primepar_peers(rank: int, k: int) -> list[tuple[int, int, int]]:
+    """(send-to, receive-from, tag) of each transfer of one forward step of P(2^k x 2^k) on
+    group rank ``rank``: I moves along the grid row from (r, c+1), W along the grid column
+    from (r+1, c). The one rule ``_primepar_linear`` and ``passes.verify`` share."""
+    q = 2 ** k
+    r, c = divmod(rank, q)
+    return [(_pp_peer(q, r, c - 1), _pp_peer(q, r, c + 1), _TAG_A),
+            (_pp_peer(q, r - 1, c), _pp_peer(q, r + 1, c), _TAG_B)]
+
+
 def _ring_pass(group: dist.ProcessGroup, block: Tensor, tag: int = _TAG_A):
     """Yield ``(src, cur)`` P times: ``cur`` is rank ``src``'s block. Blocks move from
     rank i+1 to rank i; the next block's transfer is posted before the caller's loop
     body runs on ``cur`` (the compute hides the transfer) and awaited after it.
     Receives alternate between two buffers, never the caller's tensor."""
     P, i = group.size(), group.rank()
-    prev, nxt = (i - 1) % P, (i + 1) % P
+    prev, nxt = ring_peers(i, P)
     bufs = [torch.empty_like(block) for _ in range(min(P - 1, 2))]
     cur = block
     for t in range(P):
@@ -183,7 +224,7 @@ def _ring_allgather_matmul_backward(
     x3 = x.reshape(pre, R, n).contiguous()
     go3 = grad_out.reshape(pre, P * R, k).contiguous()
     wT = w.t()
-    prev, nxt = (i - 1) % P, (i + 1) % P
+    prev, nxt = ring_peers(i, P)
 
     dw = w.new_empty(w.shape)
     x_bufs = [torch.empty_like(x3) for _ in range(min(P - 1, 2))]
@@ -253,7 +294,7 @@ def _ring_matmul_reducescatter(x: Tensor, w: Tensor, scatter_dim: int, group_nam
     k = w.shape[1]
     x3 = x.reshape(pre, RP, n)  # block slices are strided views: no copy
     w = w.contiguous()
-    prev, nxt = (i - 1) % P, (i + 1) % P
+    prev, nxt = ring_peers(i, P)
     acc, acc_sent, acc_recv = (x.new_empty(pre, R, k) for _ in range(3))
     for t in range(P):
         works = []
@@ -393,8 +434,7 @@ def _primepar_linear(x: Tensor, w: Tensor, group_name: str, k: int) -> tuple[Ten
     cur_i = x.reshape(-1, nb).contiguous()
     cur_w = w.contiguous()
     out2 = x.new_empty(cur_i.shape[0], kb)
-    i_from, i_to = _pp_peer(q, r, c + 1), _pp_peer(q, r, c - 1)
-    w_from, w_to = _pp_peer(q, r + 1, c), _pp_peer(q, r - 1, c)
+    (i_to, i_from, _), (w_to, w_from, _) = primepar_peers(group.rank(), k)
     # two receive buffers each, alternating, so neither x nor w is ever overwritten
     i_bufs = [torch.empty_like(cur_i) for _ in range(min(q - 1, 2))]
     w_bufs = [torch.empty_like(cur_w) for _ in range(min(q - 1, 2))]
