@@ -10,6 +10,7 @@ Each pass is a documented ``GraphModule -> GraphModule`` function, run in this o
   cleanup            drop asserts, merge duplicate reshards, cancel gather/slice pairs, DCE
   verify             static check: all ranks issue matching collectives and P2P transfers
 """
+from ._common import LoweringError
 from .cleanup import cleanup
 from .insert_collectives import insert_collectives, reshard_steps
 from .ring_decompose import ring_decompose
@@ -18,5 +19,5 @@ from .verify import VerifyError, comm_schedule, verify
 
 PIPELINE = ("shard_params", "insert_collectives", "ring_decompose", "cleanup", "verify")
 
-__all__ = ["shard_params", "insert_collectives", "ring_decompose", "cleanup", "verify", "VerifyError",
+__all__ = ["LoweringError", "shard_params", "insert_collectives", "ring_decompose", "cleanup", "verify", "VerifyError",
            "comm_schedule", "reshard_steps", "PIPELINE"]

@@ -1,0 +1,107 @@
+"""Fuzzing: hypothesis draws small transformer-like models (widths, heads, grouped-query
+attention, depths, tied or untied embeddings, sizes the mesh divides or not, odd batch
+and sequence) and plans (the solver's, a budgeted one, Megatron's, rings) and runs each
+through ``stpc.compile`` on 2 or 4 real ranks. Every outcome is parity with one device
+(loss, gradients, parameters after AdamW steps, see ``_multirank``) or one of the
+documented errors; a hang fails (the launcher's deadline), a silent mismatch fails.
+
+The default suite draws a few examples (derandomised: the same ones every run); the slow
+suite (``-m slow``) draws many more.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _multirank import _rel, make_plan, run_cases  # noqa: E402, F401
+
+from stpc.runtime.launch import spawn  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+
+# errors stpc documents (README "When things go wrong"): an outcome, not a failure
+DOCUMENTED = ("InvalidArgument", "NotPlanned", "ShapeMismatch", "HintUnsatisfiable", "InfeasibleBudget",
+              "LoweringError")
+
+
+@st.composite
+def model_case(draw, world: int):
+    family = draw(st.sampled_from(["gpt", "llama"]))
+    heads = draw(st.sampled_from([1, 2, 3, 4]))
+    head_dim = draw(st.sampled_from([2, 4, 6]))
+    cfg = {"d_model": heads * head_dim, "n_heads": heads, "n_layers": draw(st.integers(1, 2)),
+           "ffn": draw(st.sampled_from([6, 12, 16, 20])), "vocab": draw(st.sampled_from([30, 32, 48])),
+           "tied_head": draw(st.booleans()), "max_seq": 16}
+    if family == "llama":
+        cfg["n_kv_heads"] = draw(st.sampled_from([h for h in range(1, heads + 1) if heads % h == 0]))
+    else:
+        cfg["bias"] = draw(st.booleans())
+    mesh = draw(st.sampled_from(["4", "2x2"] if world == 4 else ["2"]))
+    plan = draw(st.sampled_from(["solved", "solved-budget", "megatron", "ag_rs"]))
+    return {"model": f"{family}-tiny", "overrides": cfg, "mesh": mesh, "family": plan,
+            "batch": draw(st.integers(1, 4)), "seq": draw(st.sampled_from([3, 5, 8]))}
+
+
+def _run_or_error(rank, world, cases):
+    """Each case: its run_cases record, or the name and message of the error it raised."""
+    out = []
+    for case in cases:
+        try:
+            out.append(run_cases(rank, world, [case])[0])
+        except Exception as e:  # noqa: BLE001 - classified by the test
+            out.append({"case": case["id"], "error": type(e).__name__, "message": str(e)[:500]})
+    return out
+
+
+def _check(drawn, world):
+    cases, outcomes = [], []
+    for i, d in enumerate(drawn):
+        cid = f"{i}:{d['model']}/{d['family']}/{d['mesh']} b{d['batch']} s{d['seq']} {d['overrides']}"
+        try:
+            plan = make_plan(d["model"], d["mesh"], d["family"], d["batch"], d["seq"], **d["overrides"])
+        except Exception as e:  # noqa: BLE001 - planning may refuse with a documented error
+            assert type(e).__name__ in DOCUMENTED, f"{cid}: planning raised {type(e).__name__}: {e}"
+            outcomes.append("refused")
+            continue
+        cases.append(dict(id=cid, model=d["model"], overrides=d["overrides"], plan=plan.to_json(),
+                          batch=d["batch"], seq=d["seq"], steps=2, opt="adamw"))
+    if not cases:
+        return
+    results = spawn(_run_or_error, world, cases, timeout_s=400)  # a hang is a SpawnTimeout: a failure
+    for rank_res in results:
+        for case, r in zip(cases, rank_res):
+            if "error" in r:
+                assert r["error"] in DOCUMENTED, f"{case['id']}: {r['error']}: {r['message']}"
+                continue
+            assert r["steps"] == 2, r
+            assert r["loss"] <= 1 and r["grad"] <= 1 and r["param"] <= 1 and not r.get("missing"), \
+                f"{case['id']}: silent mismatch {r}"
+
+
+FAST = settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
+                database=None)
+SLOW = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+
+
+@FAST
+@given(st.lists(model_case(4), min_size=3, max_size=3))
+def test_fuzzed_models_on_4_ranks(drawn):
+    _check(drawn, 4)
+
+
+@FAST
+@given(st.lists(model_case(2), min_size=3, max_size=3))
+def test_fuzzed_models_on_2_ranks(drawn):
+    _check(drawn, 2)
+
+
+@pytest.mark.slow
+@SLOW
+@given(st.lists(model_case(4), min_size=4, max_size=4))
+def test_fuzzed_models_many(drawn):
+    _check(drawn, 4)
