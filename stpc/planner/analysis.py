@@ -256,8 +256,10 @@ class GraphFacts:
         taken: set = set()
         for (src, uses), count in sets.items():
             u, vs = src.group, [d.group for d, _ in uses]
+            # (a parameter's edges overlap their consumer's compute, ``cost_models.overlap``: a
+            # share has no consumer of its own to overlap with, so parameters keep their edges)
             ok = (len(set(vs)) == len(vs) <= MAX_CONSUMERS and u not in vs and not taken & {u, *vs}
-                  and self._is_star(u, vs, adj, src, uses, count))
+                  and self.group_items[u].kind != "param" and self._is_star(u, vs, adj, src, uses, count))
             if not ok:
                 self.unshared_reads += count
                 continue

@@ -126,7 +126,9 @@ class Builder:
             if node.name in self.tg.tied_params:  # the same tensor as an earlier parameter: held once
                 mem = [0.0] * len(choices)
             else:
-                mem = [self.memory.param_bytes(val.numel(), math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE))
+                zero = self.hints.optimizer_shard_axes  # ZeRO-1: state sharded where the weight is whole
+                mem = [self.memory.param_bytes(val.numel(), math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE),
+                                               math.prod(self.mesh[a] for a in zero if p[a] == REPLICATE))
                        for p in choices]
         else:
             # A user input: each rank loads its own shard, so any even split is free.
