@@ -367,7 +367,8 @@ class Builder:
                 fwd, bwd = phases[:, :, list(need)]
                 wins = np.array([w for _, _, w in vkeys]).reshape(-1, 2)
                 cost = self.cm.overlapped(fwd, wins[:, 0]) + self.cm.overlapped(bwd, wins[:, 1])
-                table = {(p, q): float(c) for (p, q), c in np.ndenumerate(cost) if c}
+                nz = np.nonzero(cost)
+                table = dict(zip(zip(nz[0].tolist(), nz[1].tolist()), cost[nz].tolist()))
                 merged = self._axis_tables[key] = _merge_classes(len(ukeys), len(vkeys), table)
             rmap, cmap, table = merged
             if table:
