@@ -347,9 +347,8 @@ class Builder:
         edges = []
         for a in range(len(self.mesh)):
             ucls, ukeys = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))[a]
-            vcls, vkeys = self._shared_result(("vcls-win", id(strategies), i, id(win)), lambda: [
-                _classes([(p[b], sp[b], w) for p, sp, w in rows]) for b in range(len(self.mesh))] if (rows := [
-                    (s.ins[i], s.split_axes(), w) for s, w in zip(strategies, win)]) else [])[a]
+            vcls, vkeys = self._shared_result(("vcls-win", id(strategies), i, id(win)), lambda: (
+                self._consumer_window_classes(strategies, i, win)))[a]
             sig = self.cm.axis_signature(a)
             key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, rg)
             merged = self._axis_tables.get(key)
@@ -374,6 +373,12 @@ class Builder:
             if table:
                 edges.append((tuple([rmap[c] for c in ucls]), tuple([cmap[c] for c in vcls]), table))
         return edges
+
+    def _consumer_window_classes(self, strategies, i, win):
+        """Per axis: consumers alike on that axis for operand i (token, work split) and in
+        the compute the operand's synchronisation may hide behind share a class."""
+        rows = [(s.ins[i], s.split_axes(), w) for s, w in zip(strategies, win)]
+        return [_classes([(p[a], sp[a], w) for p, sp, w in rows]) for a in range(len(self.mesh))]
 
     def _axis_edge(self, place, nbytes, rg, strategies, i, a):
         # On axis a the cost sees only the producer's token there and how finely the

@@ -99,7 +99,10 @@ def _no_gc():
 def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | None = None,
            hints: str | Hints | None = None, temporal: bool = True, dtype: str = "fp32",
            optimizer_layout: str = "fp32-adam") -> Plan:
-    """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple)."""
+    """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple). ``hints``: a
+    ``Hints``, or a preset name: ``megatron``, ``fsdp-tp`` and ``spatial`` search their
+    whole layout space (``stpc.planner.baselines``; a given shape keeps the layouts on it),
+    ``dp`` constrains each mesh shape."""
     with _no_gc():
         return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout)
 

@@ -17,8 +17,8 @@ charged twice here (an upper bound of what runs).
 
 The cost couples the producer with all its consumers, so it is not a pairwise term:
 
-* ``Problem.evaluate`` and CP-SAT (:func:`add_to_cpsat`) use it as it is: per key, a
-  cost variable at least the producer's reshard to it whenever some consumer picks it;
+* ``Problem.evaluate`` and CP-SAT (:func:`add_to_cpsat`) use it as it is: per key, the
+  first consumer that picks it pays for it;
 * variable elimination (:func:`reduce`) needs a star: besides the producer, each
   consumer touches only leaf groups (its parameters) and at most one other group S, the
   same for all (q, k, v -> attention; gate, up -> their product). Eliminating the
@@ -210,19 +210,9 @@ def _reduce_one(unary, pairs, sh: Share, scale: int):
     if len(common) > 1 or common & {sh.u, *consumers}:
         raise TooWide("a share whose consumers are not a star (one common neighbour besides the producer)")
     (s,) = common or (None,)
-    # Fold each consumer's leaves into it, and take its factor with S (dense).
-    folded = []  # per consumer: [(leaf, its best choice per consumer choice)]
-    f = []
-    for v in consumers:
-        own = []
-        for g in leaves[v]:
-            t = unary[g][:, None] + _dense(pairs, g, v, dom[g], dom[v])
-            own.append((g, t.argmin(axis=0)))
-            unary[v] = unary[v] + t.min(axis=0)
-            unary[g] = np.zeros(dom[g], dtype=np.int64)
-        folded.append(own)
-        f.append(_dense(pairs, v, s, dom[v], dom[s]) if s in nb.get(v, ()) else
-                 np.zeros((dom[v], 1 if s is None else dom[s]), dtype=np.int64))
+    folded = [_fold_leaves(unary, pairs, v, leaves[v], dom) for v in consumers]
+    f = [_dense(pairs, v, s, dom[v], dom[s]) if s in nb.get(v, ()) else
+         np.zeros((dom[v], 1 if s is None else dom[s]), dtype=np.int64) for v in consumers]
     # S's choices alike for every consumer share a class (columns of the stacked factors);
     # each consumer alone sees fewer classes of S (its own factor's columns), and a block
     # of consumers the classes of its members' columns together.
@@ -238,46 +228,7 @@ def _reduce_one(unary, pairs, sh: Share, scale: int):
         jmap = [np.zeros(1, dtype=np.intp) for _ in f]
         f_own = f
     cost = sh.cost * scale
-    rows, rcls = _row_classes(cost)          # producer choices with equal cost rows
-    kcols, kcls = _row_classes(cost.T)       # keys with equal cost columns: one cost class
-    rows_k = rows[:, _first_of(kcls, len(kcols))]  # (producer classes x key cost classes)
-    h, present = [], []                      # per consumer: best per key and own S class; keys it has
-    for v, fv, ks in zip(consumers, f_own, sh.keys):
-        keys_present, best = _segment_min(unary[v][:, None] + fv, np.asarray(ks))
-        full = np.zeros((cost.shape[1], fv.shape[1]), dtype=np.int64)
-        full[keys_present] = best
-        mask = np.zeros(cost.shape[1], dtype=bool)
-        mask[keys_present] = True
-        h.append(full)
-        present.append(mask)
-    k = len(consumers)
-    # Consumers alike (equal best costs per key and S class: q and k before attention) make
-    # blocks alike: one product per multiset of alike consumers.
-    alike = [next(j for j in range(i + 1) if np.array_equal(jmap[j], jmap[i]) and np.array_equal(h[j], h[i]))
-             for i in range(k)]
-    block_val, by_kind = {}, {}
-    for part in _PARTITIONS[k]:
-        for b in part:
-            if b in block_val:
-                continue
-            kind = tuple(sorted(alike[i] for i in b))
-            if kind in by_kind:
-                block_val[b] = by_kind[kind]
-                continue
-            mask = np.logical_and.reduce([present[i] for i in b])
-            if not mask.any():
-                block_val[b] = by_kind[kind] = None
-                continue
-            bcls, reps = _classes_of(np.stack([jmap[i] for i in b], axis=1))  # joint -> block's S class
-            hb = sum(h[i][:, reps[:, j]] for j, i in enumerate(b))
-            cls_present, hbc = _segment_min(hb[mask], kcls[mask])
-            block_val[b] = by_kind[kind] = _min_plus(rows_k[:, cls_present], hbc)[:, bcls]  # (rows x joint S)
-    total = None
-    for part in _PARTITIONS[k]:
-        if any(block_val[b] is None for b in part):
-            continue
-        t = sum(block_val[b] for b in part)
-        total = t if total is None else np.minimum(total, t)
+    total, rcls = _star_factor(cost, [unary[v] for v in consumers], f_own, jmap, sh.keys)
     ucls = rcls[np.asarray(sh.ucls)]
     if s is None:
         unary[sh.u] = unary[sh.u] + total[ucls, 0]
@@ -290,38 +241,102 @@ def _reduce_one(unary, pairs, sh: Share, scale: int):
         unary[v] = np.zeros(dom[v], dtype=np.int64)
 
     def back(choice):
+        """The consumers' (and their leaves') choices, the producer and S chosen: the
+        formula again at that point, keeping the partition and keys that attain it."""
         row = cost[sh.ucls[choice[sh.u]]]
         col = 0 if s is None else scls[choice[s]]
-        vals = [u + fv[:, col] for u, fv in zip(own_unary, f)]
-        best, arg = [], []
-        for val, ks in zip(vals, sh.keys):
-            ks = np.asarray(ks)
-            order = np.lexsort((val, ks))  # by key, then value: first of each key is its best
-            starts = np.flatnonzero(np.r_[True, ks[order][1:] != ks[order][:-1]])
-            b = np.full(cost.shape[1], np.iinfo(np.int64).max // 8, dtype=np.int64)
-            a = np.full(cost.shape[1], -1, dtype=np.intp)
-            b[ks[order][starts]] = val[order][starts]
-            a[ks[order][starts]] = order[starts]
-            best.append(b)
-            arg.append(a)
+        best = [_best_by_key(u + fv[:, col], ks, cost.shape[1]) for u, fv, ks in zip(own_unary, f, sh.keys)]
         pick = None
-        for part in _PARTITIONS[k]:
-            total, keys = 0, []
-            for b in part:
-                v = row + sum(best[i] for i in b)
+        for part in _PARTITIONS[len(consumers)]:
+            value, keys = 0, []
+            for block in part:
+                v = row + sum(best[i][0] for i in block)
                 kk = int(np.argmin(v))
-                total += int(v[kk])
+                value += int(v[kk])
                 keys.append(kk)
-            if pick is None or total < pick[0]:
-                pick = (total, part, keys)
+            if pick is None or value < pick[0]:
+                pick = (value, part, keys)
         _, part, keys = pick
-        for b, kk in zip(part, keys):
-            for i in b:
-                choice[consumers[i]] = int(arg[i][kk])
+        for block, kk in zip(part, keys):
+            for i in block:
+                choice[consumers[i]] = int(best[i][1][kk])
         for v, own in zip(consumers, folded):
             for g, best_g in own:
                 choice[g] = int(best_g[choice[v]])
     return back
+
+
+def _fold_leaves(unary, pairs, v, leaves, dom) -> list:
+    """Fold leaf groups (touching only v) into v's unary; returns [(leaf, its best choice
+    per choice of v)] for the back-substitution."""
+    folded = []
+    for g in leaves:
+        t = unary[g][:, None] + _dense(pairs, g, v, dom[g], dom[v])
+        folded.append((g, t.argmin(axis=0)))
+        unary[v] = unary[v] + t.min(axis=0)
+        unary[g] = np.zeros(dom[g], dtype=np.int64)
+    return folded
+
+
+def _star_factor(cost, unary, f, jmap, keys) -> tuple[np.ndarray, np.ndarray]:
+    """(F over (producer class, joint S class), the producer class of each row of ``cost``)
+    for the F of the module docstring: per block of consumers
+    one (min, +) product of the producer's cost to each key class with the block's best
+    costs per key, then per partition the sum of its blocks, the minimum over partitions.
+    ``f[i]``: consumer i's factor with S over its own S classes, ``jmap[i]`` the joint S
+    class -> its own."""
+    rows, rcls = _row_classes(cost)          # producer choices with equal cost rows
+    kcols, kcls = _row_classes(cost.T)       # keys with equal cost columns: one cost class
+    rows_k = rows[:, _first_of(kcls, len(kcols))]  # (producer classes x key cost classes)
+    h, present = [], []                      # per consumer: best per key and own S class; keys it has
+    for u, fv, ks in zip(unary, f, keys):
+        keys_present, best = _segment_min(u[:, None] + fv, np.asarray(ks))
+        full = np.zeros((cost.shape[1], fv.shape[1]), dtype=np.int64)
+        full[keys_present] = best
+        mask = np.zeros(cost.shape[1], dtype=bool)
+        mask[keys_present] = True
+        h.append(full)
+        present.append(mask)
+    k = len(unary)
+    # Consumers alike (equal best costs per key and S class: q and k before attention) make
+    # blocks alike: one product per multiset of alike consumers.
+    alike = [next(j for j in range(i + 1) if np.array_equal(jmap[j], jmap[i]) and np.array_equal(h[j], h[i]))
+             for i in range(k)]
+    block_val, by_kind = {}, {}
+    for part in _PARTITIONS[k]:
+        for b in part:
+            if b in block_val:
+                continue
+            kind = tuple(sorted(alike[i] for i in b))
+            if kind not in by_kind:
+                mask = np.logical_and.reduce([present[i] for i in b])
+                if not mask.any():  # no key every member can read
+                    by_kind[kind] = None
+                else:
+                    bcls, reps = _classes_of(np.stack([jmap[i] for i in b], axis=1))  # joint -> block's S class
+                    hb = sum(h[i][:, reps[:, j]] for j, i in enumerate(b))
+                    cls_present, hbc = _segment_min(hb[mask], kcls[mask])
+                    by_kind[kind] = _min_plus(rows_k[:, cls_present], hbc)[:, bcls]  # (rows x joint S)
+            block_val[b] = by_kind[kind]
+    total = None
+    for part in _PARTITIONS[k]:
+        if any(block_val[b] is None for b in part):
+            continue
+        t = sum(block_val[b] for b in part)
+        total = t if total is None else np.minimum(total, t)
+    return total, rcls
+
+
+def _best_by_key(val: np.ndarray, ks: np.ndarray, nkeys: int) -> tuple[np.ndarray, np.ndarray]:
+    """(per key: the least value among the choices with that key, a choice attaining it);
+    keys no choice has get a value far above any sum of costs."""
+    order = np.lexsort((val, ks))  # by key, then value: first of each key is its best
+    starts = np.flatnonzero(np.r_[True, ks[order][1:] != ks[order][:-1]])
+    best = np.full(nkeys, np.iinfo(np.int64).max // 8, dtype=np.int64)
+    arg = np.full(nkeys, -1, dtype=np.intp)
+    best[ks[order][starts]] = val[order][starts]
+    arg[ks[order][starts]] = order[starts]
+    return best, arg
 
 
 def _classes_of(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
