@@ -1,8 +1,9 @@
 """cost_models (installed as ``stpc.cost_models``): what things cost. In: a cluster (preset or
 calibrated profile), a mesh shape, FLOPs and bytes. Out: modelled seconds and per-device bytes.
 
-Devices, clusters, roofline compute, alpha-beta communication, the one memory model
-(``MemoryModel``) and calibration profiles. Imports nothing from the rest of stpc (no
+Devices, clusters, roofline compute, alpha-beta communication, the overlap of parameter
+synchronisation with compute (``overlap``), the one memory model (``MemoryModel``) and
+calibration profiles. Imports nothing from the rest of stpc (no
 planner, pass or runtime).
 
 Units throughout: seconds, bytes, bytes/s, FLOP/s. The symbolic closed-form memory
@@ -15,6 +16,7 @@ from .compute import PhaseCost, matmul_phase_cost, matmul_phase_flops, roofline
 from .devices import DEVICES, DeviceSpec, canonical_dtype, get_device
 from .memory import (LAYOUTS, MemoryModel, MemoryParts, adamw_step_transient_bytes, bytes_per_param,
                      optimizer_state_bytes, training_step_peak)
+from .overlap import OVERLAP_COMPUTE_SLOWDOWN, exposed
 from .profile import default_profile_path, fit_alpha_beta, get_cluster, load_profile, save_profile, world_cluster
 
 __all__ = [
@@ -22,5 +24,5 @@ __all__ = [
     "matmul_phase_flops", "roofline", "DEVICES", "DeviceSpec", "canonical_dtype", "get_device",
     "LAYOUTS", "MemoryModel", "MemoryParts", "adamw_step_transient_bytes", "bytes_per_param",
     "optimizer_state_bytes", "training_step_peak", "fit_alpha_beta", "load_profile", "save_profile",
-    "world_cluster", "default_profile_path",
+    "world_cluster", "default_profile_path", "OVERLAP_COMPUTE_SLOWDOWN", "exposed",
 ]

@@ -46,6 +46,7 @@ from bisect import bisect_left
 
 from .cluster import Cluster, Link
 from .compute import roofline
+from .overlap import OVERLAP_COMPUTE_SLOWDOWN, exposed
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 
@@ -55,7 +56,8 @@ class CostModel:
     innermost). All methods return seconds as plain floats and are cheap enough to call
     many thousands of times (per-axis constants are precomputed here)."""
 
-    def __init__(self, cluster: Cluster, mesh_shape: tuple[int, ...]):
+    def __init__(self, cluster: Cluster, mesh_shape: tuple[int, ...],
+                 overlap_slowdown: float = OVERLAP_COMPUTE_SLOWDOWN):
         mesh_shape = tuple(int(x) for x in mesh_shape)
         if not mesh_shape or any(x < 1 for x in mesh_shape):
             raise ValueError(f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape}")
@@ -64,6 +66,7 @@ class CostModel:
                              f"{cluster.name!r} has {cluster.num_devices}")
         self.cluster = cluster
         self.mesh_shape = mesh_shape
+        self.overlap_slowdown = overlap_slowdown  # see ``overlap``: compute slowdown beside a collective
         self.device = cluster.device
         D = cluster.devices_per_node
         self._axes = []  # per axis: (n, crosses, n_in, n_out)
@@ -193,6 +196,11 @@ class CostModel:
             return 0.0
         a, b = self._ab(axis, "p2p", nbytes)
         return a + nbytes * b
+
+    def overlapped(self, comm_s, window_s):
+        """Seconds a collective that may run beside ``window_s`` of compute adds to the step
+        (``overlap.exposed`` with this model's slowdown; numpy arrays broadcast)."""
+        return exposed(comm_s, window_s, self.overlap_slowdown)
 
     @staticmethod
     def ring_step(compute_s: float, transfer_s: float) -> float:

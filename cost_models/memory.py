@@ -101,10 +101,14 @@ class MemoryModel:
         """Weight + gradient + optimizer bytes of one unsharded parameter."""
         return sum(bytes_per_param(self.layout, self.fp32_grad_accum))
 
-    def param_bytes(self, numel: float, shards: float = 1) -> float:
+    def param_bytes(self, numel: float, shards: float = 1, optimizer_shards: float = 1) -> float:
         """Weight, gradient and optimizer state of a parameter of ``numel`` elements whose
-        placement splits it ``shards`` ways (product of the mesh sizes of its split axes)."""
-        return numel * self.bytes_per_param / shards
+        placement splits it ``shards`` ways (product of the mesh sizes of its split axes);
+        ``optimizer_shards`` further divides the optimizer state alone (ZeRO-1 over the
+        data-parallel ranks that hold the parameter whole: Megatron's distributed optimizer)."""
+        if optimizer_shards == 1:
+            return numel * self.bytes_per_param / shards
+        return optimizer_state_bytes(numel / shards, self.layout, optimizer_shards, 1, self.fp32_grad_accum).total
 
     @staticmethod
     def saved_bytes(nbytes: float, shards: float = 1) -> float:

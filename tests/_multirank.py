@@ -134,7 +134,7 @@ def family_hints(family: str):
     """Hints that force one family of plans (None: the solver's own choice)."""
     from stpc.planner import Hints
 
-    if family == "megatron":
+    if family == "megatron":  # Megatron's TP+SP with TP on the last axis (``make_plan`` fixes the layout)
         return family
     if family in ("solved", "solved-h100", "solved-v100", "solved-budget"):
         return None
@@ -174,4 +174,8 @@ def make_plan(model: str, mesh, family: str, batch: int, seq: int, **overrides):
             return search(tg, mesh, cluster=cluster, budget_bytes=budget)
         except InfeasibleBudget as e:  # then the tightest budget that fits
             return search(tg, mesh, cluster=cluster, budget_bytes=e.min_budget * 1.001)
-    return search(tg, mesh, cluster=cluster, hints=family_hints(family), budget_bytes=budget)
+    hints = family_hints(family)
+    if family == "megatron":  # this layout, not the best of Megatron's space (``baselines``): TP+SP is the family
+        from stpc.planner.hints import megatron
+        hints = megatron(mesh)
+    return search(tg, mesh, cluster=cluster, hints=hints, budget_bytes=budget)

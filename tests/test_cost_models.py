@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stpc import models
-from stpc.cost_models import (CLUSTERS, Cluster, CostModel, DeviceSpec, Link, MemoryModel, fit_alpha_beta,
-                              get_cluster, get_device, load_profile, matmul_phase_cost, optimizer_state_bytes,
-                              roofline, save_profile)
+from stpc.cost_models import (CLUSTERS, OVERLAP_COMPUTE_SLOWDOWN, Cluster, CostModel, DeviceSpec, Link,
+                              MemoryModel, exposed, fit_alpha_beta, get_cluster, get_device, load_profile,
+                              matmul_phase_cost, optimizer_state_bytes, roofline, save_profile)
 from stpc.cost_models.estimator import closed_form_memory
 from stpc.cost_models.memory import adamw_step_transient_bytes, training_step_peak
 from stpc.cost_models.profile import fit_bands, predict
@@ -103,6 +103,23 @@ def test_cross_node_never_cheaper_than_intra(n_log, in_log, N, a_i, bw_i, slow_a
 def test_ring_step_overlaps():
     assert CostModel.ring_step(2.0, 3.0) == 3.0
     assert CostModel.ring_step(5.0, 3.0) == 5.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(0, 10), st.floats(0, 10), st.floats(0, 1))
+def test_overlap_exposes_what_compute_cannot_hide(comm, window, slowdown):
+    got = exposed(comm, window, slowdown)
+    assert min(comm, window) * slowdown + max(comm - window, 0) == pytest.approx(got, abs=1e-12)
+    assert 0 <= got <= comm + 1e-12                            # never worse than no overlap
+    assert exposed(comm, window, 1.0) == pytest.approx(comm)   # slowdown 1: nothing hidden
+    assert exposed(comm, 0.0, slowdown) == pytest.approx(comm)  # no compute beside it
+
+
+def test_overlap_slowdown_is_the_cited_figure():
+    assert OVERLAP_COMPUTE_SLOWDOWN == 0.189
+    cm = CostModel(get_cluster("dgx-h100"), (8,))
+    assert cm.overlapped(1.0, 2.0) == pytest.approx(0.189)
+    assert CostModel(get_cluster("dgx-h100"), (8,), overlap_slowdown=0.5).overlapped(1.0, 2.0) == 0.5
 
 
 def test_mesh_larger_than_cluster_is_an_error():

@@ -10,7 +10,7 @@ import torch.nn as nn
 from stpc import models, trace
 from stpc.cost_models import CostModel, bytes_per_param, get_cluster
 from stpc.placement import local_shape
-from stpc.planner import InfeasibleBudget, Plan, mesh_shapes, plan_graph
+from stpc.planner import Hints, InfeasibleBudget, Plan, mesh_shapes, plan_graph
 from stpc.planner.hints import megatron
 from stpc.planner.strategies import SAVES_INPUTS, SAVES_OUTPUT, enumerate_strategies, tensor_operands
 
@@ -161,6 +161,31 @@ def test_budget_forbidding_a_replicated_weight_shards_it():
     assert recompute_peak(tg, plan) <= weight_state * 0.6
 
 
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)])
+def test_weight_gradient_reduction_overlaps_the_backward_compute(mesh):
+    """Data parallel: the weight's gradient all-reduce (one per axis) runs beside the
+    linear's backward compute (here dW alone: its input needs no gradient), which the
+    axes share equally; what it adds is ``CostModel.overlapped`` of the two, not the whole
+    all-reduce."""
+    with torch.device("meta"):
+        m = BigLinear()
+    tg = trace(m, (torch.empty(64, 1024, device="meta"),))
+    dp = Hints(force=[(r".", lambda s: s.kind == "spatial" and all(t == "S0" for t in s.ins[0]))],
+               param_force=[(r".", lambda p: all(t == "R" for t in p))])
+    cm = CostModel(get_cluster("primepar-v100"), mesh)
+    plan = plan_graph(tg, cm, hints=dp)
+    lin = next(k for k, v in plan.nodes.items() if v.op == "linear.default")
+    fwd = cm.compute(2 * 64 * 1024 * 1024 / 4, (64 * 1024 * 2 + 1024 * 1024) * 4 / 4, "fp32")
+    nbytes = 1024 * 1024 * 4
+    # the all-reduce on each axis: of the gradient as split by the other axes (none here)
+    per_axis = [cm.overlapped(cm.all_reduce(nbytes, a), fwd / len(mesh)) for a in range(len(mesh))]
+    assert plan.nodes[lin].comm_s == pytest.approx(sum(per_axis), rel=1e-9)
+    whole = sum(cm.all_reduce(nbytes, a) for a in range(len(mesh)))
+    assert plan.nodes[lin].comm_s < whole
+    blind = plan_graph(tg, CostModel(get_cluster("primepar-v100"), mesh, overlap_slowdown=1.0), hints=dp)
+    assert blind.nodes[lin].comm_s == pytest.approx(whole, rel=1e-9)
+
+
 def test_megatron_hint_gives_column_then_row():
     tg = _meta_trace("gpt-tiny")
     plan = plan_graph(tg, CostModel(get_cluster("primepar-v100"), (2, 2)), hints=megatron((2, 2)))
@@ -204,8 +229,9 @@ def test_plan_json_roundtrip_hash_and_explain(tmp_path):
 def test_alternatives_rank_every_strategy_by_node_and_input_edge_time(name, mesh):
     """plan.explain's ranking against a plain recomputation: for each decision, every
     strategy scored as its own time plus its input edges with the neighbours as chosen
-    (any choice: here a random one); the top six by (time, description), plus the
-    chosen strategy's description if it is not among them."""
+    (any choice: here a random one; a reshard several consumers share is free for a
+    consumer whose placement another one already reads); the top six by (time,
+    description), plus the chosen strategy's description if it is not among them."""
     import random
 
     from stpc.planner import Hints, build_problem
@@ -218,6 +244,12 @@ def test_alternatives_rank_every_strategy_by_node_and_input_edge_time(name, mesh
     inputs = {}
     for (src, dst, _), edges in b._edge_cache.items():
         inputs.setdefault(dst, []).extend((src.group, e) for e in edges)
+    shared = {}  # consumer item -> (its seconds per producer choice and key, its keys, the others' keys)
+    for sr, (seconds, keys) in zip(tg.facts.shared, b._share_costs):
+        for j, (dst, _) in enumerate(sr.uses):
+            others = {int(ks[choice[d.group]]) for (d, _), ks in zip(sr.uses, keys) if d is not dst}
+            shared[dst] = (seconds[choice[sr.src.group]], keys[j], others)
+    assert name != "llama-tiny" or len(shared) == 5   # q, k, v and gate, up
     checked = 0
     for it in tg.facts.group_items:
         grp = b.groups[it.group]
@@ -226,6 +258,9 @@ def test_alternatives_rank_every_strategy_by_node_and_input_edge_time(name, mesh
         scored = []
         for c, s in enumerate(grp.strategies):
             t = grp.own_cost[c]
+            if it in shared:
+                row, keys, others = shared[it]
+                t += 0.0 if int(keys[c]) in others else float(row[keys[c]])
             for u, (ucls, vcls, table) in inputs.get(it, []):
                 t += table.get((ucls[c if u == it.group else choice[u]], vcls[c]), 0.0)
             scored.append((t, s.describe()))

@@ -6,6 +6,11 @@ Defaults (the same for every model unless given): global batch 8, sequence
 fp32 master weights and Adam state: 18 B/param; V100 has no bf16 units, so
 PrimePar-style V100 comparisons use fp16). The budget is the device memory of the
 cluster preset unless ``--budget-gib`` is given.
+
+``--hints megatron|fsdp-tp|spatial`` plans a baseline instead: the best plan of its own
+space (every DP x TP factorisation and axis order, ZeRO on or off; see
+``stpc.planner.baselines``) under the same cost model and budget; the layout it picked
+is printed and written to the JSON summary (``layout``).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from stpc.cli._common import meta_trace
 from stpc.cost_models import get_cluster
 from stpc.frontend import dump
 from stpc.planner import InfeasibleBudget, search
+from stpc.planner.baselines import describe_layout
 
 
 def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int | None = None,
@@ -48,7 +54,9 @@ def summary(plan) -> dict:
             "total_time_s": s.get("total_time_s"),
             "num_nodes": s["num_nodes"], "num_groups": s["num_groups"], "num_variables": s["num_variables"],
             "strategy_counts": plan.strategy_counts(), "fallback_ops": s["fallback_ops"],
-            "mesh_shapes_tried": s["mesh_shapes_tried"], "batch": s.get("batch"), "seq": s.get("seq")}
+            "mesh_shapes_tried": s["mesh_shapes_tried"], "batch": s.get("batch"), "seq": s.get("seq"),
+            "hints": s.get("hints"), "layout": s.get("layout")}
+
 
 
 def main_plan(argv: list[str]) -> int:
@@ -62,7 +70,8 @@ def main_plan(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--budget-gib", type=float, default=None, help="per-device memory budget")
     p.add_argument("--no-budget", action="store_true", help="plan without a memory limit")
-    p.add_argument("--hints", default=None, help="a preset: megatron, dp")
+    p.add_argument("--hints", default=None, help="a preset: megatron, fsdp-tp, spatial (baselines, each the "
+                   "best of its own layout space), dp")
     p.add_argument("--no-temporal", action="store_true", help="spatial strategies only (Alpa-like)")
     p.add_argument("--json", default=None, help="write the summary (and the plan beside it) here")
     p.add_argument("--dump", default=None, help="write the per-node plan table here (+ .dot)")
@@ -79,6 +88,7 @@ def main_plan(argv: list[str]) -> int:
     print(f"modelled step {plan.modelled_step_time_s * 1e3:.2f} ms  peak {plan.peak_memory_bytes / 2**30:.2f} "
           f"GiB/device  search {s['search_time_s']:.3f} s  total {s['total_time_s']:.2f} s  "
           f"nodes {s['num_nodes']}  variables {s['num_variables']}")
+    print(f"layout: {describe_layout(s['layout'])}" + (f"  (hints {s['hints']})" if s["hints"] else ""))
     print("strategies: " + ", ".join(f"{k} {v}" for k, v in s["strategy_counts"].items()))
     if s["fallback_ops"]:
         print("replicated (no sharding rule): " + ", ".join(f"{k} x{v}" for k, v in s["fallback_ops"].items()))

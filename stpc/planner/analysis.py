@@ -12,7 +12,13 @@ shared by every mesh shape the search tries:
     mesh, so they share one :class:`Item` with a count, and a mesh shape costs
     one item once however many layers repeat it;
   * the solver groups (one per parameter, input and untied decision item) and
-    the decision inputs that become solver edges, with their counts.
+    the decision inputs that become solver edges, with their counts;
+  * tensors several decision nodes read (:class:`SharedRead`): their reshards are
+    paid once per distinct placement (``stpc.planner.sharing``). Only star-shaped
+    ones are kept (each consumer meets, besides the producer, only its own leaf
+    groups and at most one group common to all: q, k, v -> attention), which the
+    exact elimination handles; the others stay one edge per consumer (an upper bound:
+    a merged reshard charged per consumer).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from stpc.frontend.trace import TracedGraph
+from stpc.planner.sharing import MAX_CONSUMERS
 from stpc.planner.strategies import (SAVES_INPUTS, SAVES_OUTPUT, aten, is_follower, is_view_like, op_spec,
                                      tensor_operands)
 
@@ -141,6 +148,16 @@ class Item:
     signature: tuple = ()          # ``node_signature`` plus which operands and output need grads
 
 
+@dataclass(eq=False)
+class SharedRead:
+    """``count`` producer nodes of item ``src`` whose output the decision operands
+    ``uses`` ((consumer Item, operand index), ...) all read."""
+
+    src: Item
+    uses: tuple
+    count: int
+
+
 @dataclass
 class GraphFacts:
     """The mesh-independent analysis of one traced graph (see the module docstring);
@@ -152,10 +169,12 @@ class GraphFacts:
     tie: dict
     items: list[Item]              # in graph order; group-opening items in group order
     node_item: dict                # node -> its Item (every placeholder/op in a group)
-    edge_uses: Counter             # (producer Item, decision Item, operand index) -> count
+    edge_uses: Counter             # (producer Item, decision Item, operand index) -> count, one per consumer
     saved_uses: Counter            # Item owning a tensor kept for backward -> count
     num_groups: int = 0
     group_items: list = field(default_factory=list)  # group -> the Item that opened it
+    shared: list = field(default_factory=list)       # SharedRead: decision inputs paid once per placement
+    unshared_reads: int = 0        # producer nodes read by several decisions but charged per consumer
 
     @classmethod
     def of(cls, tg: TracedGraph) -> "GraphFacts":
@@ -164,7 +183,9 @@ class GraphFacts:
         rg = requires_grad(graph, params)
         f = cls(params, rg, constants(graph), tie_layers(graph), [], {}, Counter(), Counter())
         f._operands = {n: tensor_operands(n) for n in graph.nodes if n.op == "call_function"}
+        f._reads: dict = defaultdict(list)  # operand node -> [(decision Item, operand index)]
         f._items(graph)
+        f._share_reads()
         for t in saved_bases(graph, rg, params, f._operands):
             it = f.node_item.get(t)
             if it is not None and it.kind != "param" and isinstance(t.meta["val"], torch.Tensor):
@@ -217,7 +238,51 @@ class GraphFacts:
                     for i, src in enumerate(opi):
                         if src is not None:
                             self.edge_uses[(src, it, i)] += 1
+                            self._reads[ops[i]].append((it, i))
             self.node_item[node] = it
+
+    def _share_reads(self):
+        """Move the star-shaped shared reads (module docstring) out of ``edge_uses`` into
+        ``shared``. Which groups touch which is a property of the graph alone."""
+        sets = Counter()
+        for o, uses in self._reads.items():
+            if len(uses) > 1:
+                sets[(self.node_item[o], tuple(sorted(uses, key=lambda u: (u[0].group, u[1]))))] += 1
+        adj = defaultdict(set)
+        for src, dst, _ in self.edge_uses:
+            if src.group != dst.group:
+                adj[src.group].add(dst.group)
+                adj[dst.group].add(src.group)
+        taken: set = set()
+        for (src, uses), count in sets.items():
+            u, vs = src.group, [d.group for d, _ in uses]
+            # (a parameter's edges overlap their consumer's compute, ``cost_models.overlap``: a
+            # share has no consumer of its own to overlap with, so parameters keep their edges)
+            ok = (len(set(vs)) == len(vs) <= MAX_CONSUMERS and u not in vs and not taken & {u, *vs}
+                  and self.group_items[u].kind != "param" and self._is_star(u, vs, adj, src, uses, count))
+            if not ok:
+                self.unshared_reads += count
+                continue
+            taken |= {u, *vs}
+            self.shared.append(SharedRead(src, uses, count))
+            for d, i in uses:
+                self.edge_uses[(src, d, i)] -= count
+                if not self.edge_uses[(src, d, i)]:
+                    del self.edge_uses[(src, d, i)]
+
+    def _is_star(self, u, vs, adj, src, uses, count) -> bool:
+        """Each consumer meets the producer only through this read, and otherwise only its
+        own leaves and at most one group common to all consumers."""
+        mine = set(uses)
+        for (a, b, i), c in self.edge_uses.items():
+            if {a.group, b.group} & {u} and {a.group, b.group} & set(vs):
+                if not (a is src and (b, i) in mine and c == count):
+                    return False
+        common = set()
+        for v in vs:
+            leaves = {g for g in adj[v] if adj[g] == {v}}
+            common |= adj[v] - leaves - {u}
+        return len(common) <= 1 and not common & {u, *vs}
 
     def _one_group(self, node, opi):
         """Indices of the live (non-constant) operands, if they all belong to one group
@@ -249,4 +314,4 @@ def analyse(tg: TracedGraph) -> GraphFacts:
     return tg.facts
 
 
-__all__ = ["analyse", "GraphFacts", "Item", "node_signature", "tie_layers", "layer_of", "requires_grad", "constants", "saved_bases"]
+__all__ = ["analyse", "GraphFacts", "Item", "SharedRead", "node_signature", "tie_layers", "layer_of", "requires_grad", "constants", "saved_bases"]

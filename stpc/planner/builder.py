@@ -13,6 +13,11 @@ Size control (none of it gives up exactness for the graph as modelled):
 Memory per device is ``cost_models.MemoryModel``'s: parameters + gradients +
 optimizer state (under their placements) + activations saved for backward (at the
 end of forward, where training peaks) + the largest transient working set of any node.
+
+Resharding is costed on the inputs of decision nodes: one solver edge per consumer,
+except where several consumers read one tensor (``GraphFacts.shared``): a
+``sharing.Share`` then pays each distinct placement they need once, as ``cleanup``
+merges the identical reshards at run time.
 """
 from __future__ import annotations
 
@@ -29,9 +34,11 @@ from stpc.cost_models import CostModel, MemoryModel
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse
-from stpc.planner.costs import NodeTimer, axis_reshard, dtype_name, reshard_cost, transient_bytes
+from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, reshard_cost,
+                               transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints
 from stpc.planner.plan import NodePlan, Plan
+from stpc.planner.sharing import Share
 from stpc.planner.solver import Edge, Problem, Solution, solve
 from stpc.planner.strategies import (Strategy, derive, enumerate_strategies, follow_rule, is_view_like,
                                      placement_choices, tensor_operands)
@@ -71,10 +78,16 @@ class Builder:
         self.derived: dict[Item, list[Strategy]] = {}  # derived item -> strategy per group choice
         self.fallback: Counter = Counter()
         self._edge_cache: dict = {}             # (producer, consumer, operand) -> per-axis edges
+        self._share_costs: list = []            # per SharedRead: (seconds per producer choice and key,
+                                                #   key per choice of each consumer)
+        self._item_order: dict | None = None    # item -> its place in graph order (read-back)
+        self.timers: dict[int, NodeTimer] = {}  # decision group -> its node's timer (overlap windows)
+        self._choice_lists: dict = {}           # placement choices by content: one list object each
         self._derive_cache: dict = {}
         self._enum_cache: dict = {}             # strategies by op spec and divisibility
         self._shared: dict = {}                 # results shared by items of one signature
         self._reshard: dict = {}                # axis_reshard by its arguments
+        self._reshard_phases: dict = {}         # axis_reshard_phases by its arguments
         self._axis_keys: dict = {}              # placement -> per-axis producer class key
         self._axis_tables: dict = {}            # per-axis class keys -> merged edge table
         self._by_key: dict = {}                 # derived/follower answers per signature and input
@@ -111,10 +124,13 @@ class Builder:
                     choices = [c for c in choices if pred(c)] or choices
             if fqn in self.hints.param_exact:
                 choices = self._exact(node, f"parameter {fqn}", choices, self.hints.param_exact[fqn])
+            choices = self._choice_lists.setdefault(tuple(choices), choices)  # (equal lists: one object)
             if node.name in self.tg.tied_params:  # the same tensor as an earlier parameter: held once
                 mem = [0.0] * len(choices)
             else:
-                mem = [self.memory.param_bytes(val.numel(), math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE))
+                zero = self.hints.optimizer_shard_axes  # ZeRO-1: state sharded where the weight is whole
+                mem = [self.memory.param_bytes(val.numel(), math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE),
+                                               math.prod(self.mesh[a] for a in zero if p[a] == REPLICATE))
                        for p in choices]
         else:
             # A user input: each rank loads its own shard, so any even split is free.
@@ -151,9 +167,9 @@ class Builder:
             timer = NodeTimer(node, self.cm, grads)
             place = self._shared_result(("place", id(strategies)), lambda: [s.out for s in strategies])
             return (strategies, fb, [timer(s) for s in strategies],
-                    transient_bytes(node, strategies, self.mesh, self.memory), place)
+                    transient_bytes(node, strategies, self.mesh, self.memory), place, timer)
 
-        strategies, fb, cost, tr, place = self._shared_result(("decision", it.signature), compute)
+        strategies, fb, cost, tr, place, timer = self._shared_result(("decision", it.signature), compute)
         if fb:
             self.fallback[str(node.target)] += 1
         kept = self._hinted(node, strategies)
@@ -164,6 +180,7 @@ class Builder:
             place = [s.out for s in strategies]
         self._open_group(it, strategies, cost, [0.0] * len(strategies), tr)
         self.place[it] = place
+        self.timers[it.group] = timer
 
     def _derived(self, it: Item):
         """A node whose live (non-constant) operands all come from one group — elementwise
@@ -251,15 +268,60 @@ class Builder:
         copies add up (in ns)."""
         merged: dict[tuple, dict] = {}
         for (src, dst, i), count in self.facts.edge_uses.items():
-            key = (src, dst, i)
-            if key not in self._edge_cache:
-                self._edge_cache[key] = self._operand_edges(src, dst, i)
-            for ucls, vcls, table in self._edge_cache[key]:
+            for ucls, vcls, table in self._edges_of(src, dst, i):
                 acc = merged.setdefault((src.group, dst.group, ucls, vcls), {})
                 for k, c in table.items():
                     acc[k] = acc.get(k, 0.0) + c * count
         return [Edge(u, v, ucls, vcls, {k: int(round(c * NS)) for k, c in t.items() if c})
                 for (u, v, ucls, vcls), t in merged.items()]
+
+    def _edges_of(self, src: Item, dst: Item, i: int):
+        key = (src, dst, i)
+        got = self._edge_cache.get(key)
+        if got is None:
+            got = self._edge_cache[key] = self._operand_edges(src, dst, i)
+        return got
+
+    def _shares(self) -> list[Share]:
+        """One ``Share`` per shared read: per axis, the reshard from each producer class to
+        each key's class there (its token and work split), as an edge costs it; summed
+        over the axes, paid once per distinct key (times the tied copies)."""
+        out, self._share_costs = [], []
+        for sr in self.facts.shared:
+            place = self.place[sr.src]
+            val = sr.src.node.meta["val"]
+            nbytes, rg = val.numel() * val.element_size(), sr.src.node in self.rg
+            index: dict = {}
+            keys = []
+            for dst, i in sr.uses:
+                strategies = self.groups[dst.group].strategies
+                keys.append(np.array([index.setdefault((s.ins[i], s.split_axes()), len(index)) for s in strategies]))
+            key_list = list(index)
+            producer = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))
+            axes, seconds = [], np.zeros((len(place), len(key_list)))
+            for a in range(len(self.mesh)):
+                ucls, ukeys = producer[a]
+                kcls, kkeys = _classes([(ins[a], split[a]) for ins, split in key_list])
+                sig = self.cm.axis_signature(a)
+                table = np.zeros((len(ukeys), len(kkeys)))
+                for pc, (tok, sf) in enumerate(ukeys):
+                    for qc, (q, split) in enumerate(kkeys):
+                        k = (sig, tok, q, nbytes / sf, split, rg)
+                        c = self._reshard.get(k)
+                        if c is None:
+                            c = self._reshard[k] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg)
+                        table[pc, qc] = c
+                if not table.any():
+                    continue
+                uc, kc = np.asarray(ucls), np.asarray(kcls)
+                axes.append((uc, kc, np.rint(table * (sr.count * NS)).astype(np.int64)))
+                seconds += table[np.ix_(uc, kc)]
+            dense = sum((t[np.ix_(uc, kc)] for uc, kc, t in axes), np.zeros(seconds.shape, dtype=np.int64))
+            rows, row_of = np.unique(dense, axis=0, return_inverse=True)
+            out.append(Share(sr.src.group, tuple(d.group for d, _ in sr.uses), row_of.reshape(-1), tuple(keys),
+                             rows, axes))
+            self._share_costs.append((seconds, keys))
+        return out
 
     def _operand_edges(self, src: Item, dst: Item, i: int):
         # (Combining the per-axis edges into one transport edge was measured: its tighter
@@ -267,9 +329,69 @@ class Builder:
         place, strategies = self.place[src], self.groups[dst.group].strategies
         val = src.node.meta["val"]
         nbytes, rg = val.numel() * val.element_size(), src.node in self.rg
+        if self.facts.group_items[src.group].kind == "param":
+            win = self._windows(dst, i)
+            key = ("param-edge", id(place), nbytes, rg, id(strategies), i, id(win))
+            return self._shared_result(key, lambda: self._param_edge(place, nbytes, rg, strategies, i, win))
         key = ("edges", id(place), nbytes, rg, id(strategies), i)
         return self._shared_result(key, lambda: [
             e for e in (self._axis_edge(place, nbytes, rg, strategies, i, a) for a in range(len(self.mesh))) if e[2]])
+
+    def _windows(self, dst: Item, i: int) -> list[tuple[float, float]]:
+        """Per choice of consumer ``dst``: the (forward, backward) compute that operand i's
+        synchronisation may hide behind (``NodeTimer.windows``). The consumer's parameters
+        share it by size (a weight and its bias), and the mesh axes (of more than one
+        device) share it equally: the exposed time of a sum of collectives is not a sum
+        over axes, and equal parts never under-charge it (the exposed time is convex in
+        the collective's time and 0 at 0); one axis carrying all the traffic on a
+        multi-axis mesh is over-charged."""
+        ops = tensor_operands(dst.node)
+        sizes = [o.meta["val"].numel() if it is not None and self.facts.group_items[it.group].kind == "param"
+                 else 0 for o, it in zip(ops, dst.operands)]
+        scale = sizes[i] / sum(sizes) / max(1, sum(n > 1 for n in self.mesh))
+        strategies, timer = self.groups[dst.group].strategies, self.timers[dst.group]
+        return self._shared_result(("windows", id(strategies), id(timer), scale), lambda: [
+            (f * scale, b * scale) for f, b in map(timer.windows, strategies)])
+
+    def _param_edge(self, place, nbytes, rg, strategies, i, win):
+        """Per-axis edges from a parameter to its consumer: on each axis the reshard's forward
+        and backward parts, each overlapped with the consumer's compute of that phase
+        (``CostModel.overlapped``, windows from :meth:`_windows`)."""
+        edges = []
+        for a in range(len(self.mesh)):
+            ucls, ukeys = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))[a]
+            vcls, vkeys = self._shared_result(("vcls-win", id(strategies), i, id(win)), lambda: (
+                self._consumer_window_classes(strategies, i, win)))[a]
+            sig = self.cm.axis_signature(a)
+            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, rg)
+            merged = self._axis_tables.get(key)
+            if merged is None:
+                need, col = _classes([(q, split) for q, split, _ in vkeys])  # the reshards, without windows
+                phases = np.zeros((2, len(ukeys), len(col)))
+                for pc, (tok, sf) in enumerate(ukeys):
+                    for qc, (q, split) in enumerate(col):
+                        k = (sig, tok, q, nbytes / sf, split, rg)
+                        c = self._reshard_phases.get(k)
+                        if c is None:
+                            c = self._reshard_phases[k] = axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split,
+                                                                              rg)
+                        phases[:, pc, qc] = c
+                fwd, bwd = phases[:, :, list(need)]
+                wins = np.array([w for _, _, w in vkeys]).reshape(-1, 2)
+                cost = self.cm.overlapped(fwd, wins[:, 0]) + self.cm.overlapped(bwd, wins[:, 1])
+                nz = np.nonzero(cost)
+                table = dict(zip(zip(nz[0].tolist(), nz[1].tolist()), cost[nz].tolist()))
+                merged = self._axis_tables[key] = _merge_classes(len(ukeys), len(vkeys), table)
+            rmap, cmap, table = merged
+            if table:
+                edges.append((tuple([rmap[c] for c in ucls]), tuple([cmap[c] for c in vcls]), table))
+        return edges
+
+    def _consumer_window_classes(self, strategies, i, win):
+        """Per axis: consumers alike on that axis for operand i (token, work split) and in
+        the compute the operand's synchronisation may hide behind share a class."""
+        rows = [(s.ins[i], s.split_axes(), w) for s, w in zip(strategies, win)]
+        return [_classes([(p[a], sp[a], w) for p, sp, w in rows]) for a in range(len(self.mesh))]
 
     def _axis_edge(self, place, nbytes, rg, strategies, i, a):
         # On axis a the cost sees only the producer's token there and how finely the
@@ -344,10 +466,12 @@ class Builder:
         return Problem(cost=[np.rint(g.cost * NS).astype(np.int64).tolist() for g in self.groups],
                        mem=[np.rint(g.mem).astype(np.int64).tolist() for g in self.groups],
                        transient=[[int(round(t)) for t in g.transient] for g in self.groups],
-                       edges=self._solver_edges() if edges else [], budget=None if budget is None else int(budget))
+                       edges=self._solver_edges() if edges else [], budget=None if budget is None else int(budget),
+                       shares=self._shares() if edges else [])
 
     def add_edges(self, problem: Problem) -> Problem:
         problem.edges = self._solver_edges()
+        problem.shares = self._shares()
         return problem
 
     # ---------------------------------------------------------------- read back
@@ -391,11 +515,36 @@ class Builder:
         return "follower", op, "spatial", self.place[it][c], (), -1, float(self.extra[it][c]), 0.0, 0.0
 
     def _edge_seconds(self, choice) -> dict:
-        """Per consumer item: modelled seconds of its input edges (one copy's worth)."""
+        """Per consumer item: modelled seconds of its input edges (one copy's worth); a
+        shared reshard is shown on the first consumer (in graph order) that needs it."""
         out = defaultdict(float)
         for (src, dst, i), edges in self._edge_cache.items():
             for ucls, vcls, table in edges:
                 out[dst] += table.get((ucls[choice[src.group]], vcls[choice[dst.group]]), 0.0)
+        for sr, (seconds, keys) in zip(self.facts.shared, self._share_costs):
+            row, paid = seconds[choice[sr.src.group]], set()
+            for (dst, _), ks in sorted(zip(sr.uses, keys), key=lambda t: self._order(t[0][0])):
+                k = int(ks[choice[dst.group]])
+                if k not in paid:
+                    paid.add(k)
+                    out[dst] += float(row[k])
+        return out
+
+    def _order(self, it: Item) -> int:
+        """An item's place in graph order (``GraphFacts.items`` is in graph order)."""
+        if self._item_order is None:
+            self._item_order = {x: k for k, x in enumerate(self.facts.items)}
+        return self._item_order[it]
+
+    def _share_marginals(self, choice) -> dict:
+        """Per consumer item of a shared read: seconds of that input under each of its
+        choices, the other consumers as planned (0 for a placement another one reads)."""
+        out = {}
+        for sr, (seconds, keys) in zip(self.facts.shared, self._share_costs):
+            row = seconds[choice[sr.src.group]]
+            for j, (dst, _) in enumerate(sr.uses):
+                taken = {int(ks[choice[d.group]]) for (d, _), ks in zip(sr.uses, keys) if d is not dst}
+                out[dst] = np.where(np.isin(keys[j], list(taken)), 0.0, row[keys[j]])
         return out
 
     def _alternatives(self, choice, top: int = 6) -> dict:
@@ -406,11 +555,14 @@ class Builder:
         for (src, dst, i), edges in self._edge_cache.items():
             for val in edges:
                 by_consumer[dst].append((src.group, val))
+        marginal = self._share_marginals(choice)
         for it in self.facts.group_items:
             grp = self.groups[it.group]
             if it.kind != "decision" or len(grp.strategies) < 2:
                 continue
             scored = np.array(grp.own_cost, dtype=float)
+            if it in marginal:
+                scored += marginal[it]
             for u, (ucls, vcls, table) in by_consumer[it]:
                 if u == it.group:  # the node feeds itself (both operands one tensor)
                     scored += [table.get((ucls[c], vcls[c]), 0.0) for c in range(len(scored))]

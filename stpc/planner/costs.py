@@ -7,7 +7,8 @@ forward + backward (dI) + gradient (dW) phases.
 Resharding along an edge, per mesh axis, from the producer's token ``p`` to the
 token ``q`` the consumer needs, for a tensor of ``nbytes`` (already divided by
 the splits on the other axes); forward cost plus the cost of its autograd dual
-in backward (only when the tensor needs a gradient):
+in backward (only when the tensor needs a gradient). On an edge out of a parameter
+both overlap with compute (``cost_models.overlap``; the builder applies it):
 
   p -> q            forward            backward
   same              -                  all-reduce if q is R and the consumer splits
@@ -38,30 +39,39 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
-def axis_reshard(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
-                 needs_grad: bool) -> float:
-    """Seconds to turn token ``p`` into ``q`` on one axis, forward plus backward dual."""
+def axis_reshard_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
+                        needs_grad: bool) -> tuple[float, float]:
+    """(forward, backward) seconds to turn token ``p`` into ``q`` on one axis: the forward
+    collective and its autograd dual (the table in the module docstring)."""
     if cm.mesh_shape[axis] == 1:
-        return 0.0
+        return 0.0, 0.0
     if p == q:
-        return cm.all_reduce(nbytes, axis) if (q == REPLICATE and consumer_split and needs_grad) else 0.0
+        return 0.0, (cm.all_reduce(nbytes, axis) if (q == REPLICATE and consumer_split and needs_grad) else 0.0)
     pk, qk = p[0], q[0]
     if pk == "R":
-        return cm.all_gather(nbytes, axis) if (qk != "P" and needs_grad) else 0.0
+        return 0.0, (cm.all_gather(nbytes, axis) if (qk != "P" and needs_grad) else 0.0)
     if pk == "P":
         if qk == "R":
             # A consumer that splits its work hands back a Partial gradient: reduce it too.
-            return cm.all_reduce(nbytes, axis) * (2 if (consumer_split and needs_grad) else 1)
-        return cm.reduce_scatter(nbytes, axis) + (cm.all_gather(nbytes, axis) if needs_grad else 0.0)
+            ar = cm.all_reduce(nbytes, axis)
+            return ar, (ar if (consumer_split and needs_grad) else 0.0)
+        return cm.reduce_scatter(nbytes, axis), (cm.all_gather(nbytes, axis) if needs_grad else 0.0)
     # p is a split (S or a grid token)
     if qk in "RP":
-        fwd = cm.all_gather(nbytes, axis)
         bwd = cm.reduce_scatter(nbytes, axis) if (consumer_split or qk == "P") else 0.0
-        return fwd + (bwd if needs_grad else 0.0)
+        return cm.all_gather(nbytes, axis), (bwd if needs_grad else 0.0)
     if pk == "B" and qk == "X" and parse(p)[1] == parse(q)[1]:
         step = cm.p2p(nbytes / cm.mesh_shape[axis], axis)
-        return step * (2 if needs_grad else 1)
-    return cm.all_to_all(nbytes, axis) * (2 if needs_grad else 1)
+        return step, (step if needs_grad else 0.0)
+    a2a = cm.all_to_all(nbytes, axis)
+    return a2a, (a2a if needs_grad else 0.0)
+
+
+def axis_reshard(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
+                 needs_grad: bool) -> float:
+    """Seconds to turn token ``p`` into ``q`` on one axis, forward plus backward dual."""
+    fwd, bwd = axis_reshard_phases(cm, axis, p, q, nbytes, consumer_split, needs_grad)
+    return fwd + bwd
 
 
 def reshard_cost(cm: CostModel, src: tuple[str, ...], dst: tuple[str, ...], full_bytes: float,
@@ -126,6 +136,15 @@ class NodeTimer:
             got = self._phases[split] = (fwd, bwd, grad)
         return got
 
+    def windows(self, s: Strategy) -> tuple[float, float]:
+        """(forward, backward) compute seconds a parameter's collectives may hide behind
+        (``cost_models.overlap``): a spatial strategy's phase times; none for a temporal
+        family, whose compute already hides its ring transfers."""
+        if s.kind != "spatial" and s.kind != "replicate-fallback":
+            return 0.0, 0.0
+        fwd, bwd, grad = self.phases(_work_split(s, self.mesh))  # (memoised per split)
+        return fwd, bwd + grad
+
     def __call__(self, s: Strategy) -> float:
         mesh, cm = self.mesh, self.cm
         split = s.split_axes()
@@ -175,4 +194,4 @@ def transient_bytes(node, strategies, mesh, memory: MemoryModel) -> list[float]:
     return sizes
 
 
-__all__ = ["reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "dtype_name"]
+__all__ = ["reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]

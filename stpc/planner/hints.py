@@ -1,13 +1,21 @@
 """Hints: constraints users (and baselines) put on the search, and the presets.
 
-``megatron(mesh_shape)`` reproduces Megatron-LM's tensor + sequence parallel
-layout on the last (innermost) mesh axis and data parallelism on the first:
-column-parallel q/k/v/fc1/gate/up projections and the vocab-parallel head and
-embedding (weight Shard(0)), row-parallel o/fc2/down projections (weight
-Shard(1)), no spatial-temporal families, replicated weights on the data axis
-with the batch split there. The glue between them (norms, residual adds,
-attention) is left to the solver, which on the same cost model picks the
-sequence-parallel layout where it is cheaper.
+``megatron(mesh_shape, dp_axis, tp_axis)`` reproduces Megatron-LM's tensor + sequence
+parallel layout on the TP axis and data parallelism on the DP axis: column-parallel
+q/k/v/fc1/gate/up projections and the vocab-parallel head and embedding (weight
+Shard(0)), row-parallel o/fc2/down projections (weight Shard(1)), no
+spatial-temporal families, replicated weights on the data axis with the batch split
+there. The glue between them (norms, residual adds, attention) is left to the solver,
+which on the same cost model picks the sequence-parallel layout where it is cheaper.
+Without axes it puts TP on the last (innermost) axis and DP on the first.
+
+``fsdp_tp(mesh_shape, dp_axis, tp_axis)`` is TorchTitan's 2-D default: the same TP+SP
+on the TP axis, and every parameter stored sharded over the DP axis (FSDP, ZeRO-3),
+gathered whole for its op (all-gather forward, reduce-scatter of the gradient
+backward; both overlap compute as FSDP's prefetch does, ``cost_models.overlap``).
+
+The presets searched over their whole layout space (every DP x TP factorisation and
+axis order) live in ``stpc.planner.baselines``.
 """
 from __future__ import annotations
 
@@ -31,6 +39,13 @@ class Hints:
     search raises :class:`HintUnsatisfiable` (a compiled model re-planned for new
     input shapes keeps its parameters where they are; a data loader that feeds
     shards fixes its inputs' placements).
+
+    ``optimizer_shard_axes``: mesh axes over which the optimizer state of a parameter
+    held whole there is sharded (ZeRO-1: Megatron's distributed optimizer). Only the
+    memory model sees it: its reduce-scatter of gradients and all-gather of updated
+    weights move what the data-parallel all-reduce moves. stpc's own runtime does not
+    shard optimizer state yet: a plan made with it runs with the state whole. It exists
+    so the Megatron baseline is costed as Megatron runs.
     """
 
     force: list[tuple[str, callable]] = field(default_factory=list)
@@ -39,33 +54,64 @@ class Hints:
     input_exact: dict[str, tuple[str, ...]] = field(default_factory=dict)
     temporal: bool = True
     name: str = ""
+    optimizer_shard_axes: tuple[int, ...] = ()
 
 
 COLUMN = r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj|lm_head)$"
 ROW = r"(o_proj|fc2|down_proj)$"
-_LINEAR_NAME = r"^linear(_\d+)?$"
+EMBEDDING = r"(embed|wte)\.weight$"
 
 
-def megatron(mesh_shape: tuple[int, ...]) -> Hints:
-    nd = len(mesh_shape)
-    tp = nd - 1
-    dp = 0 if nd > 1 else None
+def _tensor_parallel(dp: int | None, tp: int | None):
+    """Strategy predicates of Megatron's TP+SP linears with the batch split over ``dp``
+    (either axis may be absent)."""
+    def batch_split(s):
+        return dp is None or s.ins[0][dp] == "S0"
 
     def col(s):
-        return s.kind == "spatial" and s.ins[1][tp] == "S0" and (dp is None or s.ins[0][dp] == "S0")
+        return s.kind == "spatial" and (tp is None or s.ins[1][tp] == "S0") and batch_split(s)
 
     def row(s):
-        return s.kind == "spatial" and s.ins[1][tp] == "S1" and (dp is None or s.ins[0][dp] == "S0")
-
-    def weight(p):  # parameters: never ZeRO/grid-sharded on the data axis
-        return dp is None or p[dp] == "R"
+        return s.kind == "spatial" and (tp is None or s.ins[1][tp] == "S1") and batch_split(s)
 
     def not_temporal(s):
         return s.kind == "spatial" or s.kind == "replicate-fallback"
 
-    return Hints(force=[(COLUMN, col), (ROW, row), (r".", not_temporal)],
-                 param_force=[(r".", weight), (r"(embed|wte)\.weight$", lambda p: p[tp] in ("S0", "R"))],
-                 temporal=False, name="megatron")
+    return [(COLUMN, col), (ROW, row), (r".", not_temporal)]
+
+
+def _vocab_parallel(tp: int | None):
+    return (EMBEDDING, lambda p: tp is None or p[tp] in ("S0", "R"))
+
+
+def megatron(mesh_shape: tuple[int, ...], dp_axis: int | None = None, tp_axis: int | None = None,
+             distributed_optimizer: bool = False) -> Hints:
+    """Megatron-LM on ``mesh_shape``: TP+SP on ``tp_axis``, data parallelism on ``dp_axis``
+    (None: absent). With neither given: TP on the last axis, DP on the first of two.
+    ``distributed_optimizer``: ZeRO-1 over the DP axis (see ``Hints.optimizer_shard_axes``)."""
+    if dp_axis is None and tp_axis is None:
+        tp_axis = len(mesh_shape) - 1
+        dp_axis = 0 if len(mesh_shape) > 1 else None
+    dp, tp = dp_axis, tp_axis
+
+    def weight(p):  # parameters: never ZeRO/grid-sharded on the data axis
+        return dp is None or p[dp] == "R"
+
+    return Hints(force=_tensor_parallel(dp, tp), param_force=[(r".", weight), _vocab_parallel(tp)],
+                 temporal=False, name="megatron",
+                 optimizer_shard_axes=(dp,) if distributed_optimizer and dp is not None else ())
+
+
+def fsdp_tp(mesh_shape: tuple[int, ...], dp_axis: int, tp_axis: int | None = None) -> Hints:
+    """TorchTitan's FSDP (ZeRO-3) over ``dp_axis`` with TP+SP on ``tp_axis`` (None: FSDP
+    alone). A parameter no dim of which divides over the DP axis stays whole there."""
+    dp, tp = dp_axis, tp_axis
+
+    def sharded(p):
+        return p[dp][0] == "S"
+
+    return Hints(force=_tensor_parallel(dp, tp), param_force=[(r".", sharded), _vocab_parallel(tp)],
+                 temporal=False, name="fsdp-tp")
 
 
 def data_parallel(mesh_shape: tuple[int, ...]) -> Hints:
@@ -74,10 +120,19 @@ def data_parallel(mesh_shape: tuple[int, ...]) -> Hints:
                  param_force=[(r".", lambda p: all(t == "R" for t in p))], temporal=False, name="dp")
 
 
-PRESETS = {"megatron": megatron, "dp": data_parallel}
+def spatial(mesh_shape: tuple[int, ...]) -> Hints:
+    """stpc's own search with the spatial-temporal families off (Alpa-like)."""
+    return Hints(temporal=False, name="spatial")
+
+
+PRESETS = {"megatron": megatron, "dp": data_parallel, "spatial": spatial,
+           "fsdp-tp": lambda shape: fsdp_tp(shape, 0, 1 if len(shape) > 1 else None)}
 
 
 def preset(name: str, mesh_shape: tuple[int, ...]) -> Hints:
+    """The hints of preset ``name`` on one mesh shape (its default axes). ``search`` runs the
+    ``megatron`` and ``fsdp-tp`` presets over their whole layout space instead
+    (``stpc.planner.baselines``)."""
     try:
         return PRESETS[name](mesh_shape)
     except KeyError:

@@ -8,13 +8,19 @@ boundaries; pass an explicit shape such as ``4x8`` to choose it yourself).
 Each shape is solved exactly; the lowest modelled step time wins (ties: the
 fewer axes, then the earlier shape).
 
-Two phases. First every shape's problem is built, its smallest feasible memory
+The baseline presets (``stpc.planner.baselines``: ``megatron``, ``fsdp-tp``,
+``spatial``) are searched the same way over their own spaces: the candidates are
+then their layouts (every DP x TP factorisation, both axis orders, ZeRO on or
+off), each a mesh shape with its hints; ``plan.stats["layout"]`` records the one
+chosen.
+
+Two phases. First every candidate's problem is built, its smallest feasible memory
 checked against the budget, and its objective minimised without the memory rows
 (variable elimination: milliseconds). That optimum is a lower bound of the
-shape's budgeted optimum. Then shapes are visited cheapest bound first: a shape
+candidate's budgeted optimum. Then candidates are visited cheapest bound first: one
 whose memory-blind optimum fits the budget is solved; one where the budget binds
 goes to CP-SAT, capped by the best plan so far; and once a bound cannot beat the
-best plan, no later shape can, and the rest are discarded unsolved.
+best plan, no later candidate can, and the rest are discarded unsolved.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import time
 
 from stpc.cost_models import CostModel, get_cluster
 from stpc.frontend.trace import TracedGraph
+from stpc.planner import baselines
 from stpc.planner.analysis import analyse
 from stpc.planner.builder import NS, Builder, build_problem, make_plan
 from stpc.planner.hints import HintUnsatisfiable, Hints, preset
@@ -65,6 +72,16 @@ def parse_mesh(spec) -> tuple[tuple[int, ...] | None, int]:
     return (None, parts[0]) if len(parts) == 1 else (tuple(parts), math.prod(parts))
 
 
+def _candidates(hints, shape, n) -> list[tuple[tuple[int, ...], Hints, dict]]:
+    """(mesh shape, hints, what it is) of every point the search solves: the layouts of a
+    baseline preset, else every mesh shape (or the one given) under the hints."""
+    shapes = [shape] if shape else mesh_shapes(n)
+    if hints in baselines.BASELINES:
+        return baselines.candidates(hints, n, shape, shapes)
+    return [(s, preset(hints, s) if isinstance(hints, str) else (hints or Hints()),
+             {"mesh": "x".join(map(str, s))}) for s in shapes]
+
+
 @contextlib.contextmanager
 def _no_gc():
     """The search allocates many small short-lived objects next to a traced graph of
@@ -83,7 +100,10 @@ def _no_gc():
 def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | None = None,
            hints: str | Hints | None = None, temporal: bool = True, dtype: str = "fp32",
            optimizer_layout: str = "fp32-adam") -> Plan:
-    """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple)."""
+    """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple). ``hints``: a
+    ``Hints``, or a preset name: ``megatron``, ``fsdp-tp`` and ``spatial`` search their
+    whole layout space (``stpc.planner.baselines``; a given shape keeps the layouts on it),
+    ``dp`` constrains each mesh shape."""
     with _no_gc():
         return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout)
 
@@ -94,6 +114,7 @@ class _Shape:
 
     index: int
     mesh: tuple
+    layout: dict             # what the candidate is (a baseline's layout; else its mesh)
     builder: Builder
     problem: Problem
     choice: list | None      # elimination's optimum (None: too wide to eliminate)
@@ -110,34 +131,31 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     t0 = time.perf_counter()
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
     shape, n = parse_mesh(mesh)
-    shapes = [shape] if shape else mesh_shapes(n)
-    if hints == "megatron" and shape is None:
-        shapes = [s for s in shapes if len(s) <= 2]  # Megatron's DP x TP
     facts = analyse(tg)  # (done by ``stpc.trace``: mesh-independent)
     tried, infeasible, candidates = [], [], []
-    for idx, s in enumerate(shapes):
-        h = preset(hints, s) if isinstance(hints, str) else (hints or Hints())
+    for idx, (s, h, layout) in enumerate(_candidates(hints, shape, n)):
         if not temporal:
             h = dataclasses.replace(h, temporal=False)  # (the caller's Hints stay as they were)
         t_shape = time.perf_counter()
+        entry = {"mesh": list(s), "layout": layout}
         try:  # groups first: a budget no assignment fits is known before any edge is costed
             b, problem = build_problem(tg, CostModel(cl, s), budget_bytes, h, optimizer_layout, facts, edges=False)
         except HintUnsatisfiable as e:  # e.g. a forced family this shape cannot run
-            tried.append({"mesh": list(s), "modelled_step_time_s": None, "skipped": str(e), "solve_time_s": 0.0})
+            tried.append({**entry, "modelled_step_time_s": None, "skipped": str(e), "solve_time_s": 0.0})
             continue
         if budget_bytes is not None and (need := min_memory(problem)) > problem.budget:
             infeasible.append(need)
-            tried.append({"mesh": list(s), "modelled_step_time_s": None, "infeasible": True,
+            tried.append({**entry, "modelled_step_time_s": None, "infeasible": True,
                           "min_budget_bytes": need, "solve_time_s": time.perf_counter() - t_shape})
             continue
         b.add_edges(problem)
         t_built = time.perf_counter()
         choice, bound, peak = memory_blind_optimum(problem)
-        candidates.append(_Shape(idx, s, b, problem, choice, bound, peak, t_built - t_shape,
+        candidates.append(_Shape(idx, s, layout, b, problem, choice, bound, peak, t_built - t_shape,
                                  time.perf_counter() - t_built))
     best = None  # (objective ns, shape index, plan): lexicographically smallest wins
     for c in sorted(candidates, key=lambda c: (c.bound, c.index)):
-        entry = {"mesh": list(c.mesh), "lower_bound_s": c.bound / NS, "build_time_s": c.build_s}
+        entry = {"mesh": list(c.mesh), "layout": c.layout, "lower_bound_s": c.bound / NS, "build_time_s": c.build_s}
         if best is not None and (c.bound, c.index) >= best[:2]:
             tried.append({**entry, "modelled_step_time_s": None, "pruned": True, "solve_time_s": c.bound_s})
             continue
@@ -158,11 +176,12 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         tried.append({**entry, "modelled_step_time_s": plan.modelled_step_time_s, "pruned": False,
                       "peak_memory_bytes": plan.peak_memory_bytes, "solve_time_s": sol.solve_time_s,
                       "method": sol.method})
+        plan.stats["layout"] = c.layout
         best = (sol.objective_ns, c.index, plan)
     if best is None and infeasible:
         raise InfeasibleBudget(int(budget_bytes), min(infeasible))
     if best is None:
-        raise HintUnsatisfiable("no mesh shape satisfies the hints: "
+        raise HintUnsatisfiable("no mesh shape satisfies the hints (change the hints or the device count): "
                                 + "; ".join(t["skipped"] for t in tried if t.get("skipped")))
     plan = best[2]
     plan.stats["indivisible"] = indivisible(tg, plan.mesh_shape)

@@ -16,7 +16,9 @@ CP-SAT model
           (exact for 0/1 values; its LP relaxation is tight on trees)
   T       integer >= transient of the chosen choice of every group (the max)
   memory  sum mem[g,c] x[g,c] + T <= budget
-  minimise sum cost[g,c] x[g,c] + sum cost[k,p,q] e[k,p,q]
+  w[s,K]  integer per share s and key K: a reshard one producer's consumers share,
+          paid once (``stpc.planner.sharing``)
+  minimise sum cost[g,c] x[g,c] + sum cost[k,p,q] e[k,p,q] + sum w[s,K]
 Edges carry class maps so that the variables scale with the number of distinct
 placements, not with the product of strategy counts.
 """
@@ -28,7 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from ortools.sat.python import cp_model
 
+from stpc.planner import sharing
 from stpc.planner.elimination import TooWide, eliminate
+from stpc.planner.sharing import Share
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Problem:
     edges: list[Edge] = field(default_factory=list)
     budget: int | None = None        # bytes per device
     cap: int | None = None           # only solutions with objective <= cap are wanted
+    shares: list[Share] = field(default_factory=list)  # reshards paid once per distinct key
 
     def __post_init__(self):
         n = [len(c) for c in self.cost]
@@ -61,6 +66,7 @@ class Problem:
         obj = sum(self.cost[g][c] for g, c in enumerate(choice))
         for e in self.edges:
             obj += e.table.get((e.ucls[choice[e.u]], e.vcls[choice[e.v]]), 0)
+        obj += sum(s.value(choice) for s in self.shares)
         mem = sum(self.mem[g][c] for g, c in enumerate(choice))
         mem += max((self.transient[g][c] for g, c in enumerate(choice)), default=0)
         return obj, mem
@@ -146,6 +152,8 @@ def _build(p: Problem, minimise_memory: bool):
         for qc in Q:
             m.Add(sum(ev[pc, qc] for pc in P) == sum(x[e.v][c] for c in range(len(vcls)) if vcls[c] == qc))
         obj += [w * ev[pq] for pq, w in sorted(e.table.items()) if w and pq in ev]
+    for k, share in enumerate(p.shares):
+        obj += sharing.add_to_cpsat(m, x, share, str(k))
     mem_terms = []
     mem_const = 0
     for g, mems in enumerate(p.mem):
@@ -183,6 +191,7 @@ def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int
     Returns the reduced problem and, per group, the kept original choice indices."""
 
     keep = [list(range(len(c))) for c in p.cost]
+    in_share = {g for s in p.shares for g in (s.u, *s.vs)}  # (their costs are not pairwise: kept whole)
     for _ in range(rounds):
         incident = [[] for _ in p.cost]
         for e in p.edges:
@@ -192,7 +201,7 @@ def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int
         changed = False
         for g in range(len(p.cost)):
             k = keep[g]
-            if len(k) < 2:
+            if len(k) < 2 or g in in_share:
                 continue
             cols = [[p.cost[g][c] for c in k], [p.mem[g][c] for c in k], [p.transient[g][c] for c in k]]
             self_edge = False
@@ -229,7 +238,7 @@ def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int
                 transient=[[p.transient[g][c] for c in k] for g, k in enumerate(keep)],
                 edges=[Edge(e.u, e.v, tuple(e.ucls[c] for c in keep[e.u]), tuple(e.vcls[c] for c in keep[e.v]),
                             e.table) for e in p.edges],
-                budget=p.budget, cap=p.cap)
+                budget=p.budget, cap=p.cap, shares=p.shares)
     return q, keep
 
 
@@ -332,7 +341,8 @@ def solve_unconstrained(p: Problem) -> list[int]:
     unary = [np.asarray(c, dtype=np.int64) for c in p.cost]
     # Lexicographic key cost * scale + quantised memory, with the memory sum < scale,
     # when every sum stays in int64 (ub bounds the objective of any assignment).
-    ub = sum(int(u.max()) for u in unary) + sum(max(0, *e.table.values()) for e in p.edges if e.table)
+    ub = (sum(int(u.max()) for u in unary) + sum(max(0, *e.table.values()) for e in p.edges if e.table)
+          + sum(int(s.cost.max(initial=0)) * len(s.vs) for s in p.shares))
     scale = 1 << 20 if (ub + 1) * (1 << 20) < (1 << 58) else 1
     if scale > 1:
         unit = -(-(sum(max(m) for m in p.mem) + 1) // (scale - 1))
@@ -352,6 +362,8 @@ def solve_unconstrained(p: Problem) -> list[int]:
             pairs.setdefault((e.u, e.v), []).append((ucls, vcls, t))
         else:
             pairs.setdefault((e.v, e.u), []).append((vcls, ucls, t.T))
+    back = sharing.reduce(unary, pairs, p.shares, scale)
     _, choice = eliminate(unary, pairs)
+    back(choice)
     assert len(choice) == n
     return choice

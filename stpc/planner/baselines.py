@@ -1,0 +1,108 @@
+"""baselines: the layout space of each preset stpc is compared with, searched whole.
+
+A baseline is the best plan of its own space, under the same cost model and memory
+budget as stpc's own search: ``search`` solves every layout of the space exactly
+(or proves it cannot win) and keeps the fastest, as it does with mesh shapes.
+
+* ``megatron`` — Megatron-LM: tensor + sequence parallelism (TP) on one mesh axis,
+  data parallelism (DP) on the other; every factorisation dp x tp = N (pure DP and
+  pure TP included), both axis orders (``dp-outer``: DP across nodes, TP inside one,
+  the usual choice; ``tp-outer``: the reverse) and the distributed optimizer
+  (ZeRO-1 over DP) on or off. ZeRO-1 is modelled in memory only (the reduce-scatter
+  and all-gather it runs move what DP's all-reduce moves) and stpc's runtime does not
+  execute it (``Hints.optimizer_shard_axes``).
+* ``fsdp-tp`` — TorchTitan's 2-D default: FSDP (ZeRO-3) over DP, TP+SP over the other
+  axis; every factorisation with dp >= 2 (pure FSDP included), both orders. The
+  parameter all-gathers and gradient reduce-scatters overlap compute as FSDP's
+  prefetch does (``cost_models.overlap``, the same rule for every plan). The gathered
+  weights are kept from forward to backward (FSDP's ``reshard_after_forward=False``,
+  what stpc's runtime does with a sharded weight): no second all-gather in backward.
+* ``spatial`` — stpc's own search with the spatial-temporal families off (Alpa-like):
+  every mesh shape ``search.mesh_shapes`` tries.
+
+Activation recomputation is in no plan's space yet, baselines included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stpc.planner.hints import Hints, fsdp_tp, megatron, spatial
+
+BASELINES = ("megatron", "fsdp-tp", "spatial")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a Megatron/FSDP baseline uses N devices: the DP and TP degrees, which of the two
+    axes is outer (row-major: the outer axis strides across nodes first), and what ZeRO
+    shards over DP (0: nothing, 1: optimizer state, 3: everything)."""
+
+    dp: int
+    tp: int
+    order: str = "dp-outer"   # "dp-outer" | "tp-outer"; "-" when one degree is 1
+    zero: int = 0
+
+    def _outer_first(self) -> list[tuple[str, int]]:
+        return [("tp", self.tp), ("dp", self.dp)] if self.order == "tp-outer" else [("dp", self.dp), ("tp", self.tp)]
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(n for _, n in self._outer_first() if n > 1) or (1,)
+
+    def axes(self) -> tuple[int | None, int | None]:
+        """(DP axis, TP axis) in ``mesh_shape``; None for a degree of 1."""
+        kept = [name for name, n in self._outer_first() if n > 1]
+        return (kept.index("dp") if "dp" in kept else None), (kept.index("tp") if "tp" in kept else None)
+
+    def as_dict(self) -> dict:
+        return {"dp": self.dp, "tp": self.tp, "order": self.order, "zero": self.zero}
+
+    def describe(self) -> str:
+        where = {"dp-outer": ", dp-outer (TP on the inner axis)", "tp-outer": ", tp-outer (DP on the inner axis)"}
+        zero = {0: "", 1: ", ZeRO-1 (distributed optimizer)", 3: ", ZeRO-3 (FSDP)"}[self.zero]
+        return f"dp {self.dp} x tp {self.tp}{where.get(self.order, '')}{zero}"
+
+
+def layouts(name: str, n: int, mesh_shape: tuple[int, ...] | None = None) -> list[Layout]:
+    """Every layout of baseline ``name`` on ``n`` devices (only those whose mesh is
+    ``mesh_shape``, if given), in a fixed order: DP degree descending, DP outer before
+    TP outer, ZeRO-1 before none (so a tie in time goes to the smaller memory)."""
+    out = []
+    for dp in sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True):
+        tp = n // dp
+        orders = ["dp-outer", "tp-outer"] if dp > 1 and tp > 1 else ["-"]
+        if name == "megatron":
+            zeros = [1, 0] if dp > 1 else [0]
+        elif name == "fsdp-tp":
+            zeros = [3] if dp > 1 else []
+        else:
+            raise ValueError(f"no layout space for {name!r}; known: megatron, fsdp-tp")
+        out += [Layout(dp, tp, o, z) for o in orders for z in zeros]
+    return [lay for lay in out if mesh_shape is None or lay.mesh_shape == tuple(mesh_shape)]
+
+
+def layout_hints(name: str, layout: Layout) -> Hints:
+    dp, tp = layout.axes()
+    if name == "megatron":
+        return megatron(layout.mesh_shape, dp, tp, distributed_optimizer=layout.zero == 1)
+    return fsdp_tp(layout.mesh_shape, dp, tp)
+
+
+def describe_layout(layout: dict | None) -> str:
+    """One line for a plan's layout record (``plan.stats["layout"]``)."""
+    if not layout:
+        return ""
+    if "dp" in layout:
+        return Layout(**layout).describe()
+    return f"mesh {layout['mesh']}" + ("" if layout.get("temporal", True) else ", spatial families only")
+
+
+def candidates(name: str, n: int, mesh_shape: tuple[int, ...] | None, shapes: list[tuple[int, ...]]):
+    """(mesh shape, hints, layout record) of every point of baseline ``name``'s space;
+    ``shapes``: the mesh shapes stpc's own search tries (the ``spatial`` space)."""
+    if name == "spatial":
+        return [(s, spatial(s), {"mesh": "x".join(map(str, s)), "temporal": False}) for s in shapes]
+    return [(lay.mesh_shape, layout_hints(name, lay), lay.as_dict()) for lay in layouts(name, n, mesh_shape)]
+
+
+__all__ = ["BASELINES", "Layout", "layouts", "layout_hints", "candidates", "describe_layout"]
