@@ -74,11 +74,13 @@ class _Placements:
 
 
 def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, device="cpu",
-               on_pass=None, replicate_outputs: bool = True) -> fx.GraphModule:
-    """shard_params -> insert_collectives -> ring_decompose -> cleanup -> verify, for a
-    program whose tensors live on ``device``. ``on_pass(name, gm)`` is called after each
-    (e.g. to dump the graph). ``replicate_outputs=False`` leaves outputs as planned
-    (split ones stay split) where DTensor can say the placement."""
+               on_pass=None, replicate_outputs: bool = True, defer_grads: bool = False) -> fx.GraphModule:
+    """shard_params -> insert_collectives -> ring_decompose -> cleanup -> (defer_grad_sync) ->
+    verify, for a program whose tensors live on ``device``. ``on_pass(name, gm)`` is called
+    after each (e.g. to dump the graph). ``replicate_outputs=False`` leaves outputs as
+    planned (split ones stay split) where DTensor can say the placement; ``defer_grads``
+    hands data-parallel gradient reductions to a bucketed reducer (the caller installs it:
+    ``gm.meta["stpc_deferred_grads"]`` says for what)."""
     if on_pass:
         on_pass("traced", gm)
     gm = passes.shard_params(gm, plan, groups=groups, device=device)
@@ -87,7 +89,7 @@ def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, 
     gm = passes.insert_collectives(gm, plan, replicate_outputs=replicate_outputs)
     if on_pass:
         on_pass("insert_collectives", gm)
-    for name in ("ring_decompose", "cleanup", "verify"):
+    for name in ("ring_decompose", "cleanup") + (("defer_grad_sync",) if defer_grads else ()) + ("verify",):
         gm = getattr(passes, name)(gm, plan)
         if on_pass:
             on_pass(name, gm)
@@ -144,6 +146,8 @@ class _Options:
     local_inputs: dict          # user-input placeholder -> placement the caller feeds its shard in
     cache: PlanCache | None     # where searched plans are kept (None: search every time)
     strict: bool = False        # what is not planned is an error, not a warning
+    bucket_mb: float | None = 25.0  # data-parallel gradient buckets (None: reduce at each use)
+    timeout_s: float | None = None  # of the process groups stpc makes
 
 
 def _meta(x, placement=None, mesh_shape=()):
@@ -186,8 +190,9 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
         view = plan if name == "traced" else _Placements(gm)
         snapshots.append((name, _table(gm, view), _dot(gm, view)))
 
+    tg.gm.meta["stpc_tied_params"] = dict(tg.tied_params)
     gm = run_passes(tg.gm, plan, groups, mesh_device(mesh), on_pass=snap,
-                    replicate_outputs=opts.outputs == "replicate")
+                    replicate_outputs=opts.outputs == "replicate", defer_grads=opts.bucket_mb is not None)
     leaf_of = {name: i for i, name in enumerate(tg.user_inputs)}
     feed = []
     for node in gm.graph.nodes:
@@ -209,7 +214,12 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
     out_shapes = [tuple(o.meta["global_val"].shape) if isinstance(o, fx.Node) and "global_val" in o.meta
                   else None for o in outs]
     fn = torch.compile(gm, backend=opts.backend) if opts.backend else gm
-    return Program(plan, gm, fn, feed, tg.in_spec, tg.out_spec, out_placements, out_shapes, snapshots)
+    # a gradient summed over several axes is summed once, over their joint group
+    timeout = None if opts.timeout_s is None else datetime.timedelta(seconds=float(opts.timeout_s))
+    deferred = {tg.param_fqns[ph]: runtime.joint_group(mesh, tuple(groups.index(g) for g in names), timeout)
+                for ph, names in gm.meta.get("stpc_deferred_grads", {}).items()}
+    return Program(plan, gm, fn, feed, tg.in_spec, tg.out_spec, out_placements, out_shapes, snapshots,
+                   deferred=deferred, bucket_bytes=int((opts.bucket_mb or 0) * 2**20))
 
 
 def _report(plan: Plan, tg, opts: _Options) -> None:
@@ -267,7 +277,7 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
             plan: Plan | None = None, hints=None, cluster=None, budget_gib: float | None = None,
             temporal: bool = True, backend: str | None = None, input_placements=None,
             outputs: str = "replicate", max_plans: int = 4, cache=True, strict: bool = False,
-            timeout_s: float | None = None) -> DistributedModel:
+            timeout_s: float | None = None, bucket_mb: float | None = 25.0) -> DistributedModel:
     """Compile ``model`` for ``mesh`` on every rank and return it, parallelised in place.
 
     ``mesh``: a DeviceMesh, a shape such as ``(2, 2)`` / ``"2x2"``, or a device count
@@ -292,7 +302,10 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     instead of a :class:`stpc.validate.PlanWarning`. ``timeout_s``: the process groups stpc
     creates for the mesh time out after that many seconds (None: the backend's default), so
     a rank that dies or stalls makes the others raise :class:`stpc.runtime.CommFailure`
-    naming the operation instead of hanging.
+    naming the operation instead of hanging. ``bucket_mb``: gradients of parameters
+    replicated over a data-parallel axis are summed in buckets of that many MiB, launched
+    asynchronously as backward produces them (as DDP does); None: each is all-reduced
+    where it is used, synchronously.
 
     The returned model is ``model`` itself (its class becomes ``STPC<Class>``; its
     parameters DTensors of this rank's shards, buffers on the mesh's device); ``model.stpc``
@@ -331,8 +344,13 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
         except ValueError as e:
             raise InvalidArgument(f"stpc.compile: input_placements: {e}. Fix: one Shard(d) or Replicate() per "
                                   f"mesh axis of {mesh_spec}") from None
+    if bucket_mb is not None and (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float))
+                                  or not bucket_mb > 0):
+        raise InvalidArgument(f"stpc.compile: bucket_mb={bucket_mb!r} is not a positive number of MiB. Fix: e.g. "
+                              f"bucket_mb=25 (DDP's default), or None to reduce each gradient where it is used")
     store = None if cache is False else PlanCache(None if cache is True else cache)
-    opts = _Options(hints, cluster, budget, temporal, backend, outputs, local, store, strict)
+    opts = _Options(hints, cluster, budget, temporal, backend, outputs, local, store, strict,
+                    None if bucket_mb is None else float(bucket_mb), timeout_s)
 
     tg = _trace_call(model, example_inputs, example_kwargs, {}, mesh_spec)
     unknown = set(local) - set(tg.user_inputs)

@@ -33,6 +33,7 @@ from stpc import runtime
 from stpc.placement import is_grid, local_shape
 from stpc.runtime.dtensors import dtensor_placements, stored, to_plan_layout
 from stpc.runtime.failure import comm_failure
+from stpc.runtime.grad_reducer import GradReducer
 
 __all__ = ["DistributedModel", "Compiled", "Program", "ShapeMismatch", "full_meta_view", "adopt", "flatten_call",
            "local_bytes", "mesh_device"]
@@ -62,6 +63,10 @@ class Program:
     out_placements: list            # per flat output: placement tokens (None: not a tensor)
     out_shapes: list                # per flat output: global shape (None: not a tensor)
     snapshots: list = field(default_factory=list)
+    deferred: dict = field(default_factory=dict)  # param FQN -> group its gradient is summed over after
+                                                  # backward, in the order backward completes them
+    bucket_bytes: int = 0
+    reducer: object = None          # the runtime.GradReducer of ``deferred`` (made at the first run)
 
 
 def _leaf_key(x, local: bool):
@@ -159,6 +164,7 @@ class Compiled:
         prog = self.programs.get(key)
         if prog is None:
             prog = self._new_program(module, key, args, kwargs)
+        self._arm_reducer(module, prog)
         try:
             out = prog.fn(*self._feed(module, prog, flat))
         except RuntimeError as e:  # a compiled program's collectives fail inside generated code
@@ -166,6 +172,17 @@ class Compiled:
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         out = [self._wrap_output(x, p, s) for x, p, s in zip(out, prog.out_placements, prog.out_shapes)]
         return pytree.tree_unflatten(out, prog.out_spec)
+
+    def _arm_reducer(self, module, prog: Program) -> None:
+        """The backward of this call sums its deferred gradients with this program's reducer
+        (built on first use: the parameters are the module's DTensors by then); other
+        programs' reducers stand aside."""
+        if prog.deferred and prog.reducer is None:
+            prog.reducer = GradReducer([(module.get_parameter(fqn), group) for fqn, group in prog.deferred.items()],
+                                       prog.bucket_bytes)
+        for other in self.programs.values():
+            if other.reducer is not None:
+                other.reducer.enabled = other is prog
 
     def _new_program(self, module, key, args, kwargs) -> Program:
         first = self.programs[self.first]

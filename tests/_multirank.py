@@ -138,10 +138,8 @@ def family_hints(family: str):
         return family
     if family in ("solved", "solved-h100", "solved-v100", "solved-budget"):
         return None
-    if family == "dp":  # batch split on every axis, weights replicated (the "dp" preset, batch forced)
-        return Hints(force=[(r".", lambda s: s.kind == "spatial"),
-                            (r"^linear", lambda s: all(t == "S0" for t in s.ins[0]))],
-                     param_force=[(r".", lambda p: all(t == "R" for t in p))], temporal=False, name="dp")
+    if family == "dp":  # batch split at every linear on every axis, weights replicated
+        return "dp"
     if family in ("ag_ring", "rs_ring", "p2x2"):
         return Hints(force=[(r"^linear", lambda s, k=family: s.kind == k)], name=family)
     if family == "ag_rs":  # the classic pairing: column projections AG-ring, row projections RS-ring

@@ -115,8 +115,11 @@ def fsdp_tp(mesh_shape: tuple[int, ...], dp_axis: int, tp_axis: int | None = Non
 
 
 def data_parallel(mesh_shape: tuple[int, ...]) -> Hints:
-    """Pure data parallelism: batch split on every axis, weights replicated."""
-    return Hints(force=[(r".", lambda s: s.kind == "spatial")],
+    """Pure data parallelism (DDP): every linear's input split on its batch on every axis,
+    weights replicated. (Without the batch split, a small model is planned whole on every
+    rank: at that size latency beats any collective, and that is not what DDP runs.)"""
+    return Hints(force=[(r".", lambda s: s.kind == "spatial"),
+                        (r"^linear", lambda s: all(t == "S0" for t in s.ins[0]))],
                  param_force=[(r".", lambda p: all(t == "R" for t in p))], temporal=False, name="dp")
 
 

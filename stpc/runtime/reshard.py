@@ -55,7 +55,7 @@ from stpc.runtime.failure import comm_failure
 __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard_slice", "to_partial",
     "grad_all_reduce", "grid_gather", "grid_slice", "grid_skew", "grid_relayout", "grid_linear",
-    "vocab_parallel_embedding", "cross_entropy_count", "shard_tensor", "unshard_tensor", "axis_groups", "mesh_coords", "skew_peers",
+    "vocab_parallel_embedding", "cross_entropy_count", "shard_tensor", "unshard_tensor", "axis_groups", "joint_group", "mesh_coords", "skew_peers",
     "relayout_peers",
     "COMM_FUNCTIONS",
 ]
@@ -96,6 +96,28 @@ def axis_groups(mesh) -> list[str]:
     for name in names:
         _info(name)  # known before any program that names the group is compiled
     return names
+
+
+_JOINT: dict[tuple, str] = {}
+
+
+def joint_group(mesh, axes: tuple[int, ...], timeout=None) -> str:
+    """Name of the group over mesh axes ``axes`` taken together (this rank's: the ranks that
+    differ from it on those axes only), e.g. both axes of a 2-D data-parallel mesh, so one
+    collective sums over all of them. One axis: that axis's group. Collective on a new set
+    of axes: every rank calls it with the same axes in the same order."""
+    axes = tuple(sorted(axes))
+    if len(axes) == 1:
+        return mesh.get_group(axes[0]).group_name
+    key = (id(dist.distributed_c10d._get_default_group()), tuple(mesh.mesh.flatten().tolist()),
+           tuple(mesh.mesh.shape), axes)
+    if key not in _JOINT:
+        ranks = mesh.mesh.permute(*[a for a in range(mesh.ndim) if a not in axes], *axes)
+        ranks = ranks.reshape(-1, math.prod(int(mesh.mesh.shape[a]) for a in axes)).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
+        _JOINT[key] = group.group_name
+        _info(_JOINT[key])
+    return _JOINT[key]
 
 
 def mesh_coords(rank: int, mesh_shape) -> tuple[int, ...]:

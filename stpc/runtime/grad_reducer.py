@@ -1,0 +1,181 @@
+"""grad_reducer: data-parallel gradients summed in buckets, overlapped with backward (DDP's reducer).
+
+In: parameters (leaf tensors, DTensors included) whose local gradient is *partial* over
+a process group (each rank holds its share of the sum), each with that group's name, in
+the order backward completes their gradients, and a bucket size. Out: after every
+backward pass, each such parameter's ``.grad`` holds the complete sum.
+
+How (the design of ``torch.nn.parallel.DistributedDataParallel``'s reducer, for
+parameters DDP cannot wrap: stpc's program is one graph, its parameters DTensors of
+several layouts, and only some of them are data-parallel, over some mesh axes):
+
+* buckets: consecutive parameters of one group and dtype, up to ``bucket_bytes`` (the
+  first bucket ``first_bucket_bytes``, so communication starts early, as DDP's 1 MiB
+  first bucket does), in the order their gradients become ready;
+* a gradient hook on each parameter sees the gradient autograd computed for it in this
+  backward pass (the sum over all its uses) and copies it into its bucket's flat
+  buffer (allocated, not zeroed, when the bucket's first gradient arrives); when every
+  gradient of a bucket has arrived, and every earlier bucket has been launched, the
+  bucket is all-reduced asynchronously (``async_op=True``) while backward goes on.
+  Buckets launch strictly in index order, so every rank issues the same sequence;
+* at the end of the backward pass (an autograd engine callback) the reducer launches
+  what is left, waits for every bucket, and makes each parameter's ``.grad`` a view of
+  its reduced bucket (``gradient_as_bucket_view``: no copy back). The gradient autograd
+  accumulated in the meantime was this pass's partial one; it is dropped.
+* gradient accumulation (a second backward without ``zero_grad``): a parameter whose
+  ``.grad`` already holds a sum keeps it; its hook returns zeros so autograd adds
+  nothing, and the reduced gradient is added to ``.grad`` at the end. Buffers are
+  allocated per pass, so an earlier pass's ``.grad`` views are never overwritten.
+
+It knows nothing of plans or graphs: the compiled model tells it which parameters, in
+which order, over which groups (``passes.defer_grad_sync``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from stpc.runtime.failure import comm_failure
+from stpc.runtime.reshard import _pg
+
+__all__ = ["GradReducer", "DEFAULT_FIRST_BUCKET_BYTES"]
+
+DEFAULT_FIRST_BUCKET_BYTES = 2**20  # DDP's _DEFAULT_FIRST_BUCKET_BYTES
+
+
+class _Bucket:
+    def __init__(self, group: str, dtype: torch.dtype, device: torch.device):
+        self.group, self.dtype, self.device = group, dtype, device
+        self.params: list = []
+        self.offsets: list[int] = []
+        self.numel = 0
+        self.flat: Tensor | None = None      # this pass's gradients, flattened
+        self.arrived: set[int] = set()       # params whose gradient this pass has produced
+        self.accumulate: set[int] = set()    # params whose .grad already held a sum
+        self.work = None
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _as_grad(p, local: Tensor) -> Tensor:
+    """``local`` as a gradient of ``p`` (a DTensor of p's layout if p is one)."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return local
+
+
+class GradReducer:
+    """Sum partial gradients over their groups, bucketed and asynchronous; see the module docstring.
+
+    ``params``: ``(parameter, group name)`` in the order backward makes their gradients
+    ready (first ready first); a parameter listed twice is counted once.
+    """
+
+    def __init__(self, params: list[tuple[torch.nn.Parameter, str]], bucket_bytes: int = 25 * 2**20,
+                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES):
+        self.buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[int, int]] = {}
+        self._handles = []
+        self.enabled = True
+        self._armed = False
+        self._next = 0   # the next bucket to launch (buckets go in index order on every rank)
+        self.launch_log: list[int] = []  # last pass: gradients arrived when each bucket was launched
+        self._arrived = 0
+        for p, group in params:
+            if id(p) in self._where:
+                continue
+            local = _local(p)
+            nbytes = local.numel() * local.element_size()
+            cap = min(first_bucket_bytes, bucket_bytes) if len(self.buckets) <= 1 else bucket_bytes
+            b = self.buckets[-1] if self.buckets else None
+            if b is None or (b.group, b.dtype, b.device) != (group, p.dtype, local.device) or (
+                    b.params and (b.numel * local.element_size() + nbytes > cap)):
+                b = _Bucket(group, p.dtype, local.device)
+                self.buckets.append(b)
+            self._where[id(p)] = (len(self.buckets) - 1, len(b.params))
+            b.params.append(p)
+            b.offsets.append(b.numel)
+            b.numel += local.numel()
+            self._handles.append(p.register_hook(self._hook_for(p)))
+
+    # ------------------------------------------------------------------ backward
+    def _hook_for(self, p):
+        def hook(grad: Tensor) -> Tensor:
+            if not self.enabled:
+                return grad
+            if not self._armed:  # first gradient of this backward pass: finish at its end
+                self._armed = True
+                self.launch_log, self._arrived = [], 0
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            bi, pi = self._where[id(p)]
+            b = self.buckets[bi]
+            if b.flat is None:
+                b.flat = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+            local = _local(grad)
+            b.flat[b.offsets[pi]:b.offsets[pi] + local.numel()].view_as(local).copy_(local)
+            b.arrived.add(pi)
+            self._arrived += 1
+            self._launch_ready()
+            if p.grad is not None:  # accumulating over passes: add the reduced sum at the end
+                b.accumulate.add(pi)
+                return torch.zeros_like(grad)
+            return grad  # autograd makes it .grad for now; replaced by the reduced view at the end
+        return hook
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and len(self.buckets[self._next].arrived) == len(
+                self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        if b.flat is None:  # no gradient reached this bucket this pass: its sum is zero
+            b.flat = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+        elif len(b.arrived) < len(b.params):  # some did not: their share of the sum is zero
+            for i, p in enumerate(b.params):
+                if i not in b.arrived:
+                    b.flat[b.offsets[i]:b.offsets[i] + _local(p).numel()].zero_()
+        self.launch_log.append(self._arrived)
+        try:
+            b.work = dist.all_reduce(b.flat, group=_pg(b.group), async_op=True)
+        except RuntimeError as e:
+            raise comm_failure("bucketed gradient all_reduce", b.group, e) from e
+
+    def _finish(self) -> None:
+        """End of backward: launch the rest (in order), wait, hand the sums to ``.grad``."""
+        self._armed = False
+        try:
+            while self._next < len(self.buckets):
+                self._launch(self.buckets[self._next])
+                self._next += 1
+            for b in self.buckets:
+                b.work.wait()
+        except RuntimeError as e:
+            raise comm_failure("bucketed gradient all_reduce", None, e) from e
+        finally:
+            self._next = 0
+        with torch.no_grad():
+            for b in self.buckets:
+                for i, p in enumerate(b.params):
+                    if i not in b.arrived:
+                        continue  # no gradient reached it this pass (on any rank: one program)
+                    local = _local(p)
+                    piece = b.flat[b.offsets[i]:b.offsets[i] + local.numel()].view(local.shape)
+                    if i in b.accumulate:
+                        _local(p.grad).add_(piece)
+                    else:
+                        p.grad = _as_grad(p, piece)
+                b.arrived.clear()
+                b.accumulate.clear()
+                b.flat, b.work = None, None
+
+    def remove(self) -> None:
+        """Unhook every parameter."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

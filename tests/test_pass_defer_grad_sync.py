@@ -1,0 +1,103 @@
+"""defer_grad_sync: the per-use gradient all-reduces of data-parallel parameters leave the
+graph for the bucketed reducer, and only where every path of the parameter has one."""
+import torch
+
+from _graphs import targets, traced_and_plan
+from stpc import runtime
+from stpc.passes import cleanup, defer_grad_sync, insert_collectives, ring_decompose, shard_params
+
+
+def _lowered(model, mesh, family):
+    tg, plan = traced_and_plan(model, mesh, family)
+    groups = ["g0", "g1"][:len(plan.mesh_shape)]
+    gm = shard_params(tg.gm, plan, groups=groups)
+    gm = cleanup(ring_decompose(insert_collectives(gm, plan), plan), plan)
+    gm.meta["stpc_tied_params"] = dict(tg.tied_params)
+    return tg, plan, gm
+
+
+def _param_reads(gm, name):
+    """The grad_all_reduce nodes reading placeholder ``name`` directly."""
+    ph = next(n for n in gm.graph.nodes if n.name == name)
+    return [u for u in ph.users if u.target is runtime.grad_all_reduce]
+
+
+def test_data_parallel_parameters_are_deferred_in_ready_order():
+    tg, plan, gm = _lowered("llama-tiny", "4", "dp")
+    before = targets(gm)["grad_all_reduce"]
+    params = [n.name for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("param")]
+    through_f = {p for p in params if _param_reads(gm, p)}
+    linears = {p for p in params if p.endswith("proj_weight") or p == "p_lm_head_weight"}
+    gm = defer_grad_sync(gm, plan)
+    deferred = gm.meta["stpc_deferred_grads"]
+    # every linear weight is read by batch-split work only (through one f): each f goes;
+    # what the plan computes on the whole batch (here the tiny model's norms, embedding)
+    # has a complete gradient already and no f to defer
+    assert linears <= set(deferred) == through_f and all(g == ["g0"] for g in deferred.values())
+    assert targets(gm)["grad_all_reduce"] == before - len(deferred)
+    assert not any(_param_reads(gm, p) for p in params)
+    # ready order: the head (used last in forward) first, then layer 1 before layer 0
+    order = list(deferred)
+    assert order[0] == "p_lm_head_weight"
+    assert order.index("p_layers_1_mlp_down_proj_weight") < order.index("p_layers_0_mlp_down_proj_weight")
+    assert order.index("p_layers_0_mlp_down_proj_weight") < order.index("p_layers_0_attn_q_proj_weight")
+    gm.graph.lint()
+
+
+def test_two_data_parallel_axes_defer_over_both():
+    _, plan, gm = _lowered("llama-tiny", "2x2", "dp")
+    gm = defer_grad_sync(gm, plan)
+    assert set(map(tuple, gm.meta["stpc_deferred_grads"].values())) == {("g0", "g1")}
+    assert targets(gm)["grad_all_reduce"] == 0
+
+
+def test_tied_parameter_read_whole_by_one_consumer_keeps_its_reduction():
+    # gpt-tiny's head is tied to the embedding; under `dp` the planner embeds the whole batch
+    # on every rank (its weight gradient there is complete), so summing the tied parameter's
+    # gradient over the axis would double that part: it must stay reduced where it is used
+    tg, plan, gm = _lowered("gpt-tiny", "4", "dp")
+    assert tg.tied_params == {"p_lm_head_weight": "p_wte_weight"}
+    gm = defer_grad_sync(gm, plan)
+    deferred = gm.meta["stpc_deferred_grads"]
+    assert "p_lm_head_weight" not in deferred and len(deferred) > 10
+    assert len(_param_reads(gm, "p_lm_head_weight")) == 1
+
+
+def test_activation_reductions_of_tensor_parallelism_stay():
+    # pure TP: weights are split, not replicated over a data axis; the f's left are on
+    # activations (a replicated norm output read by column-parallel linears)
+    _, plan, gm = _lowered("gpt-tiny", "4", "megatron")
+    before = targets(gm)["grad_all_reduce"]
+    gm = defer_grad_sync(gm, plan)
+    assert gm.meta["stpc_deferred_grads"] == {}
+    assert targets(gm)["grad_all_reduce"] == before > 0
+
+
+def _graph(second_reads_through_f: bool):
+    g = torch.fx.Graph()
+    w = g.placeholder("w")
+    w.meta["param"] = "w"
+    x = g.placeholder("x")
+    f1 = g.call_function(runtime.grad_all_reduce, (w,), {"group": "g0"})
+    f1.meta["comm"] = {"op": "grad_all_reduce", "axis": 0}
+    y1 = g.call_function(torch.ops.aten.mm.default, (x, f1))
+    w2 = w
+    if second_reads_through_f:
+        w2 = g.call_function(runtime.grad_all_reduce, (w,), {"group": "g0"})
+        w2.meta["comm"] = {"op": "grad_all_reduce", "axis": 0}
+    y2 = g.call_function(torch.ops.aten.mm.default, (y1, w2))
+    g.output(y2)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    gm.meta["stpc_groups"] = ["g0"]
+    return gm
+
+
+def test_every_path_must_be_partial():
+    # Before: w read twice, both through f -> Expected: both f's gone, w deferred on g0
+    gm = defer_grad_sync(_graph(True))
+    assert gm.meta["stpc_deferred_grads"] == {"w": ["g0"]}
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.aten.mm.default] * 2
+    # Before: one read through f, one whole -> Expected: unchanged (w's gradient is a mix)
+    gm = defer_grad_sync(_graph(False))
+    assert gm.meta["stpc_deferred_grads"] == {}
+    assert targets(gm)["grad_all_reduce"] == 1
