@@ -10,18 +10,22 @@ Each pass is a documented ``GraphModule -> GraphModule`` function, run in this o
   cleanup            drop asserts, merge duplicate reshards, cancel gather/slice pairs, DCE
   defer_grad_sync    data-parallel gradient all-reduces leave the graph for the bucketed,
                      overlapped ``runtime.GradReducer`` (when the caller asks for buckets)
+  prefetch_params    ZeRO/FSDP parameter gathers coalesced per layer, issued one layer ahead
   verify             static check: all ranks issue matching collectives and P2P transfers
 """
 from ._common import LoweringError
 from .cleanup import cleanup
 from .defer_grad_sync import defer_grad_sync
 from .insert_collectives import insert_collectives, reshard_steps
+from .prefetch_params import prefetch_params
 from .ring_decompose import ring_decompose
 from .shard_params import shard_params
 from .verify import VerifyError, comm_schedule, verify
 
-PIPELINE = ("shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync", "verify")
+PIPELINE = ("shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync", "prefetch_params",
+            "verify")
 
 __all__ = ["LoweringError", "shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync",
+           "prefetch_params",
            "verify", "VerifyError",
            "comm_schedule", "reshard_steps", "PIPELINE"]

@@ -127,6 +127,8 @@ def comm_schedule(gm: fx.GraphModule, plan, rank: int) -> list[dict]:
         group = (a, coords[:a] + coords[a + 1:])
         members = [_global(coords[:a] + (j,) + coords[a + 1:], mesh) for j in range(n)]
         shape, dtype = _input_shape(node, mesh, coords)
+        if "flat_numel" in c:  # a coalesced gather: one flat buffer of every shard it carries
+            shape, dtype = (c["flat_numel"],), str(node.meta["val"].dtype)
         base = {"group": group, "members": members, "node": node.name, "shape": shape, "dtype": dtype}
         if c.get("p2p") or c["op"] == "grid_skew":
             for step, (to, frm, tag) in enumerate(_p2p_steps(c, node, grank, n)):

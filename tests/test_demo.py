@@ -9,4 +9,4 @@ def test_demo_matches_single_device(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "-> MATCH" in out.stdout and "(agreed)" in out.stdout
     assert (tmp_path / "plan.json").exists()
-    assert sorted(p.name for p in (tmp_path / "passes").glob("*.txt"))[-1] == "06_verify.txt"
+    assert sorted(p.name for p in (tmp_path / "passes").glob("*.txt"))[-1] == "07_verify.txt"

@@ -1,0 +1,121 @@
+"""prefetch_params: ZeRO/FSDP parameter gathers coalesced per layer and issued one layer ahead.
+
+Expects: a graph after ``cleanup`` (one gather per parameter and layout).
+
+A parameter stored sharded over a mesh axis and read whole is gathered by one
+``runtime.all_gather`` per parameter, waited on where it is issued, right before its op:
+dozens of small synchronous collectives per layer. This pass does what FSDP does with
+its per-module groups:
+
+  * the gathers of parameters read directly from their placeholder are grouped: the
+    parameters one layer reads (the module path of their first consumer up to its first
+    index, ``layers.3``; a run of consecutive gathers outside any indexed module forms one
+    group), on one group of ranks, with one dtype and gradient kind;
+  * each group becomes one ``runtime.gather_start`` (one all-gather of the group's shards
+    flattened) and one ``runtime.gather_wait`` (waits, cuts each parameter out), the wait
+    placed right before the group's first consumer;
+  * the start of each group is issued right after the previous group's wait, so the
+    next layer's parameters travel while this layer computes (prefetch one layer ahead);
+    in backward the gradients of a group are reduce-scattered in one collective.
+
+Guarantees: the same values and gradients (a reduce-scatter of a concatenation is the
+concatenation of the reduce-scatters). The whole parameters live as long as before
+(they are saved for backward as the gathered ones were); in flight, one more layer's.
+"""
+from __future__ import annotations
+
+import operator
+import re
+
+import torch.fx as fx
+
+from ._common import fake, fake_mode_of, finish
+from stpc import runtime
+from stpc.placement import parse
+
+
+def _block(node: fx.Node, order: dict) -> str:
+    """The layer a gather belongs to: its first consumer's module path up to the first index."""
+    path = ""
+    for u in sorted(node.users, key=lambda u: order[u]):
+        path = u.meta.get("module", "")
+        if path:
+            break
+    m = re.match(r"^(.*?\.\d+)(\.|$)", path)
+    return m.group(1) if m else ""
+
+
+def _gathers(gm: fx.GraphModule) -> list[fx.Node]:
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is runtime.all_gather:
+            src = n.args[0]
+            if isinstance(src, fx.Node) and src.op == "placeholder" and src.meta.get("param"):
+                out.append(n)
+    return out
+
+
+def prefetch_params(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
+    """Coalesce and prefetch the parameter gathers; see the module docstring."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    gathers = _gathers(gm)
+    if not gathers:
+        return finish(gm)
+
+    def first_use(n):
+        return min(order[u] for u in n.users)
+
+    # groups: consecutive (by first use) gathers of one layer, group, dtype and gradient kind
+    groups: list[list[fx.Node]] = []
+    last_key = None
+    for n in sorted(gathers, key=first_use):
+        key = (_block(n, order), n.kwargs["group"], n.kwargs.get("grad", "rs"), n.meta["val"].dtype,
+               n.meta["val"].device)
+        if groups and key == last_key:
+            groups[-1].append(n)
+        else:
+            groups.append([n])
+        last_key = key
+    mode = fake_mode_of(gm)
+    previous_wait = None
+    for members in groups:
+        shards = [n.args[0] for n in members]
+        dims = [n.kwargs["dim"] for n in members]
+        group, grad = members[0].kwargs["group"], members[0].kwargs.get("grad", "rs")
+        comm = members[0].meta["comm"]
+        n_ranks = members[0].meta["val"].shape[dims[0]] // shards[0].meta["val"].shape[dims[0]]
+        numel = sum(s.meta["val"].numel() for s in shards)
+        val = members[0].meta["val"]
+        first = min((u for n in members for u in n.users), key=lambda u: order[u])
+        # the start goes right after the previous group's wait (prefetch), else before its use
+        anchor = previous_wait.next if previous_wait is not None else first
+        with gm.graph.inserting_before(anchor):
+            start = gm.graph.call_function(runtime.gather_start, (shards, group, grad))
+        start.meta["val"] = fake(mode, (numel * n_ranks,), val.dtype, val.device)
+        start.meta["comm"] = {**{k: v for k, v in comm.items() if k not in ("dim",)}, "op": "all_gather",
+                              "grad": grad, "coalesced": len(members), "flat_numel": numel}
+        with gm.graph.inserting_before(first):
+            wait = gm.graph.call_function(runtime.gather_wait,
+                                          (start, [list(s.meta["val"].shape) for s in shards], dims, group))
+            wait.meta["val"] = tuple(n.meta["val"] for n in members)
+            for i, n in enumerate(members):
+                got = gm.graph.call_function(operator.getitem, (wait, i))
+                got.meta.update({k: v for k, v in n.meta.items() if k != "comm"})
+                n.replace_all_uses_with(got)
+                gm.graph.erase_node(n)
+        previous_wait = got  # the last getitem: the next start goes after this group's wait
+    _check_axes(gm)
+    return finish(gm)
+
+
+def _check_axes(gm: fx.GraphModule) -> None:
+    """Every coalesced gather's dims are real splits (a stale graph would mis-cut parameters)."""
+    for n in gm.graph.nodes:
+        if n.target is runtime.gather_wait:
+            for src, d in zip(n.args[0].args[0], n.args[2]):
+                p = src.meta.get("placement")
+                if p is not None and not any(parse(t)[0] == "S" and parse(t)[1][0] == d for t in p):
+                    raise AssertionError(f"prefetch_params: {src.name} is not split on dim {d} ({p})")
+
+
+__all__ = ["prefetch_params"]

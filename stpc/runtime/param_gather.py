@@ -1,0 +1,103 @@
+"""param_gather: the shards of several parameters gathered whole in one collective, issued
+early and waited late (FSDP's coalesced, prefetched all-gather).
+
+    out = gather_start(shards, group)                      # one all-gather, not waited on
+    full = gather_wait(out, shapes, dims, group)           # waits; each parameter whole
+
+``gather_start`` flattens this rank's shards into one buffer and issues one
+``all_gather_into_tensor`` over ``group`` (a functional collective: it returns at once,
+the data arrives while the caller computes); ``gather_wait`` waits for it and cuts each
+parameter out of the rank-major buffer, joining the ranks' pieces along the dim it is
+split on. Backward is the dual: ``gather_wait`` lays the gradients of the whole
+parameters back out rank-major, ``gather_start`` reduce-scatters them in one collective
+(``grad="rs"``: the consumers split their work over the group, so each rank holds a
+partial gradient) or keeps this rank's part (``grad="slice"``: the gradient is complete)
+and cuts it into the shards' gradients.
+
+Plain differentiable distributed functions of local tensors; they know nothing of plans.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from stpc.runtime.reshard import _c10d, _guarded, _rank, _size
+
+__all__ = ["gather_start", "gather_wait"]
+
+
+def _start(flat: Tensor, n: int, group: str) -> Tensor:
+    return _c10d.all_gather_into_tensor(flat, n, group)
+
+
+def _reduce_scatter(flat: Tensor, n: int, group: str) -> Tensor:
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", n, group))
+
+
+class _GatherStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, grad, *shards):
+        ctx.group, ctx.grad = group, grad
+        ctx.shapes = [s.shape for s in shards]
+        flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1).contiguous()
+        return _guarded("all_gather (coalesced parameters)", _start, group, flat, _size(group), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        n = _size(ctx.group)
+        if ctx.grad == "rs":
+            mine = _guarded("reduce_scatter (coalesced parameter gradients)", _reduce_scatter, ctx.group,
+                            g.contiguous(), n, ctx.group)
+        else:
+            mine = g.view(n, -1)[_rank(ctx.group)]
+        grads, offset = [], 0
+        for shape in ctx.shapes:
+            k = math.prod(shape)
+            grads.append(mine[offset:offset + k].view(shape))
+            offset += k
+        return (None, None, *grads)
+
+
+class _GatherWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, shapes, dims, group):
+        n = _size(group)
+        ctx.shapes, ctx.dims, ctx.n, ctx.like = shapes, dims, n, (out.dtype, out.device)
+        buf = _c10d.wait_tensor(out).view(n, -1)
+        fulls, offset = [], 0
+        for shape, d in zip(shapes, dims):
+            k = math.prod(shape)
+            piece = buf[:, offset:offset + k].reshape(n, *shape)  # [rank, *shard]
+            full = list(shape)
+            full[d] *= n
+            fulls.append(piece.movedim(0, d).reshape(full))
+            offset += k
+        return tuple(fulls)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = ctx.n
+        parts = []
+        for g, shape, d in zip(grads, ctx.shapes, ctx.dims):
+            if g is None:  # a parameter no consumer differentiates: no gradient to reduce
+                parts.append(torch.zeros(n, math.prod(shape), dtype=ctx.like[0], device=ctx.like[1]))
+                continue
+            split = list(shape)
+            split[d:d + 1] = [n, shape[d]]
+            parts.append(g.reshape(split).movedim(d, 0).reshape(n, -1))  # rank-major, as gathered
+        return torch.cat(parts, dim=1).reshape(-1), None, None, None
+
+
+def gather_start(shards: list[Tensor], group: str, grad: str = "rs") -> Tensor:
+    """Issue one all-gather of every shard in ``shards`` over ``group``; returns the buffer to
+    hand to :func:`gather_wait` (not to read before). ``grad``: ``"rs"`` (the gradients of
+    the whole parameters are partial over the group) or ``"slice"`` (they are complete)."""
+    return _GatherStart.apply(group, grad, *shards)
+
+
+def gather_wait(out: Tensor, shapes: list, dims: list[int], group: str) -> tuple[Tensor, ...]:
+    """The whole parameters from ``out`` (of :func:`gather_start`): parameter i's shard has
+    shape ``shapes[i]`` and is split on dim ``dims[i]`` over ``group``."""
+    return _GatherWait.apply(out, [tuple(s) for s in shapes], list(dims), group)

@@ -1,0 +1,52 @@
+"""prefetch_params: ZeRO parameter gathers become one coalesced gather per layer, issued one
+layer ahead of its use."""
+from _graphs import targets, traced_and_plan
+from stpc import runtime
+from stpc.passes import cleanup, insert_collectives, prefetch_params, ring_decompose, shard_params, verify
+
+
+def _lowered(model, mesh, family):
+    tg, plan = traced_and_plan(model, mesh, family)
+    gm = shard_params(tg.gm, plan, groups=["g0", "g1"][:len(plan.mesh_shape)])
+    return plan, cleanup(ring_decompose(insert_collectives(gm, plan), plan), plan)
+
+
+def _param_gathers(gm):
+    return [n for n in gm.graph.nodes if n.target is runtime.all_gather and n.args[0].op == "placeholder"]
+
+
+def test_zero_gathers_coalesce_per_layer_and_prefetch():
+    plan, gm = _lowered("llama-tiny", "4", "zero")
+    before = _param_gathers(gm)
+    params = {n.args[0].name for n in before}
+    assert len(before) >= 18  # every weight of both layers, the embedding and the head
+    gm = prefetch_params(gm, plan)
+    assert not _param_gathers(gm)
+    starts = [n for n in gm.graph.nodes if n.target is runtime.gather_start]
+    waits = [n for n in gm.graph.nodes if n.target is runtime.gather_wait]
+    assert len(starts) == len(waits) < len(before) / 3
+    # every parameter gathered exactly once, and the layers' gathers hold the layers' weights
+    carried = [s.name for n in starts for s in n.args[0]]
+    assert sorted(carried) == sorted(params)
+    per_layer = {i: {s.name for s in n.args[0]} for i, n in enumerate(starts)}
+    layer0 = next(k for k, v in per_layer.items() if "p_layers_0_mlp_down_proj_weight" in v)
+    assert all(name.startswith("p_layers_0_") for name in per_layer[layer0])
+    assert {f"p_layers_0_{m}" for m in ("attn_q_proj_weight", "mlp_up_proj_weight")} <= per_layer[layer0]
+    # each wait sits right before its group's first consumer; each later start right after the
+    # previous group's wait, before that group's compute (one layer ahead)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for k, (start, wait) in enumerate(zip(starts, waits)):
+        first_use = min(order[u] for g in wait.users for u in g.users)
+        assert order[wait] < first_use
+        if k:
+            assert order[waits[k - 1]] < order[start] < min(order[u] for g in waits[k - 1].users for u in g.users)
+        assert start.meta["comm"]["flat_numel"] == sum(s.meta["val"].numel() for s in start.args[0])
+    verify(gm, plan)  # every rank issues the same coalesced gathers
+
+
+def test_plans_without_sharded_parameters_are_unchanged():
+    plan, gm = _lowered("llama-tiny", "2x2", "dp")
+    before = targets(gm)
+    assert not _param_gathers(gm)
+    gm = prefetch_params(gm, plan)
+    assert targets(gm) == before
