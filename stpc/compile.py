@@ -330,6 +330,8 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     example_kwargs = dict(example_kwargs or {})
     example_inputs = validate.example_inputs(model, example_inputs, example_kwargs, device_type)
     budget = validate.budget(budget_gib)
+    hints = validate.hints(hints)
+    backend = validate.backend(backend)
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                   or not timeout_s > 0):
         raise InvalidArgument(f"stpc.compile: timeout_s={timeout_s!r} is not a positive number of seconds. Fix: "

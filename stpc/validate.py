@@ -18,10 +18,11 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 
-from stpc.cost_models import CLUSTERS, Cluster, get_cluster, world_cluster
+from stpc.cost_models import CLUSTERS, Cluster, default_profile_path, get_cluster, world_cluster
+from stpc.planner.hints import PRESETS, Hints
 
 __all__ = ["InvalidArgument", "NotPlanned", "PlanWarning", "mesh_spec", "example_inputs", "budget", "cluster",
-           "world_device_type"]
+           "world_device_type", "hints", "backend"]
 
 _SPEC = re.compile(r"^\s*\d+\s*(x\s*\d+\s*)*$", re.IGNORECASE)
 
@@ -40,8 +41,18 @@ class NotPlanned(InvalidArgument):
 
 
 def world_device_type() -> str:
-    """The device type of this world's ranks: CUDA under NCCL, the CPU otherwise (gloo)."""
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    """The device type of this world's ranks, from the backend the world was initialised
+    with: ``"cuda"`` under ``"nccl"``, or under a per-device string that gives CUDA a
+    backend (``"cpu:gloo,cuda:nccl"``) where CUDA is available; ``"cpu"`` otherwise
+    (``"gloo"``, ``"cpu:gloo"``). A world initialised without a backend has torch's
+    default for this machine (``dist.get_backend_config()``: CUDA's NCCL where there is a GPU)."""
+    name = str(dist.get_backend())
+    if name == "undefined":
+        name = str(dist.get_backend_config())
+    if ":" not in name:  # one backend for every device
+        return "cuda" if name == "nccl" else "cpu"
+    devices = {pair.split(":", 1)[0].strip() for pair in name.split(",") if ":" in pair}
+    return "cuda" if "cuda" in devices and torch.cuda.is_available() else "cpu"
 
 
 def mesh_spec(mesh, plan, world: int, device_type: str):
@@ -157,7 +168,9 @@ def cluster(name_or_cluster, world: int, device_type: str) -> str | Cluster:
         try:
             return world_cluster(world, device_type, name, local)
         except ValueError as e:
-            raise InvalidArgument(f"stpc.compile: {e}") from None
+            raise InvalidArgument(f"stpc.compile: {str(e).split('; ')[0]}. Fix: pass cluster= a preset "
+                                  f"({', '.join(CLUSTERS)}), or (re)write this machine's profile "
+                                  f"{default_profile_path()} with `python -m stpc calibrate`") from None
     if isinstance(name_or_cluster, Cluster):
         got = name_or_cluster
     else:
@@ -172,3 +185,36 @@ def cluster(name_or_cluster, world: int, device_type: str) -> str | Cluster:
                               f"{world} ranks. Fix: cluster=None (it follows the world) or a cluster of at least "
                               f"{world} devices")
     return name_or_cluster
+
+
+def hints(h):
+    """The hints, after checking they are hints: None, a preset's name or a :class:`Hints`."""
+    if h is None or isinstance(h, Hints):
+        return h
+    if isinstance(h, str):
+        if h not in PRESETS:
+            raise InvalidArgument(f"stpc.compile: hints={h!r} is not a hints preset. Fix: hints= one of "
+                                  f"{', '.join(map(repr, PRESETS))}, a stpc.planner.Hints, or None (no hints)")
+        return h
+    raise InvalidArgument(f"stpc.compile: hints={h!r} ({type(h).__name__}) are not hints. Fix: pass a "
+                          f"stpc.planner.Hints (e.g. Hints(param_exact={{'wte.weight': ('S0',)}})), a preset "
+                          f"({', '.join(map(repr, PRESETS))}) or None")
+
+
+def backend(b):
+    """The ``torch.compile`` backend, after checking it is one: None (no torch.compile), a
+    registered backend's name or a callable backend."""
+    if b is None or (callable(b) and not isinstance(b, str)):
+        return b
+    if isinstance(b, str) and b:
+        from torch._dynamo import list_backends  # lazy: ~0.3 s to import, only a backend name needs it
+
+        known = list_backends(exclude_tags=())
+        if b in known:
+            return b
+        raise InvalidArgument(f"stpc.compile: backend={b!r} is not a torch.compile backend. Fix: backend="
+                              f"'inductor', 'aot_eager' or 'eager' (registered here: {', '.join(sorted(known))}), a "
+                              f"callable backend, or None to run without torch.compile")
+    raise InvalidArgument(f"stpc.compile: backend={b!r} ({type(b).__name__}) is not a torch.compile backend. Fix: "
+                          f"backend='inductor' (or another name from torch._dynamo.list_backends()), a callable "
+                          f"backend, or None to run without torch.compile")

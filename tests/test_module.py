@@ -206,12 +206,22 @@ def _placed_io(rank, world):
     pm = stpc.compile(model, (2, 2), (idx, tgt), input_placements={"idx": batch, "targets": batch}, max_plans=1)
     row = pm.stpc.mesh.get_coordinate()[0]
     mine = slice(row * B // 2, (row + 1) * B // 2)
-    loss = pm(idx[mine], tgt[mine])  # only this rank's shard goes in
+    fed, feed = [], pm.stpc._feed  # what the program receives, to check it is the caller's tensor
+
+    def spy(module, prog, flat):
+        fed.append(feed(module, prog, flat))
+        return fed[-1]
+
+    pm.stpc._feed = spy
+    shard = (idx[mine], tgt[mine])
+    loss = pm(*shard)  # only this rank's shard goes in
     loss.backward()
+    ptrs = {t.data_ptr() for t in fed[-1] if isinstance(t, torch.Tensor)}
+    no_copy = all(t.data_ptr() in ptrs for t in shard)
     ref = single(idx, tgt)
     ref.backward()
     grads = full_grads(pm)
-    out = {"planned": [pm.stpc.plan.nodes[n].out for n in ("idx", "targets")],
+    out = {"planned": [pm.stpc.plan.nodes[n].out for n in ("idx", "targets")], "shard_fed_as_is": no_copy,
            "loss": _rel(loss.detach(), ref.detach()),
            "grad": max(_rel(grads[k], p.grad) for k, p in single.named_parameters())}
     # the full batch where a shard is expected is a shape the plan was not made for: with room
@@ -223,7 +233,12 @@ def _placed_io(rank, world):
         out["refused"] = str(e)
     # logits: without targets the model returns them (a new signature: planned anew)
     sharded = stpc.compile(other, (2, 2), (idx,), outputs="sharded", hints=family_hints("dp"))  # batch split
+    fed, feed = [], sharded.stpc._feed
+    sharded.stpc._feed = spy
     logits = sharded(idx)
+    # the full batch in: what the program gets of it (its rows, or all of it) is a view, no copy
+    out["rows_fed_as_view"] = any(t.untyped_storage().data_ptr() == idx.untyped_storage().data_ptr()
+                                  for t in fed[-1] if isinstance(t, torch.Tensor))
     out["sharded_type"] = type(logits).__name__
     out["sharded_placements"] = [str(p) for p in logits.placements] if isinstance(logits, DTensor) else None
     full = logits.full_tensor() if isinstance(logits, DTensor) else logits
@@ -241,3 +256,4 @@ def test_input_and_output_placements():
         assert r["refused"] and "local shard shape (2, 16)" in r["refused"], r
         assert r["logits"] <= 1 and r["grad_through"], r
         assert r["sharded_type"] == "DTensor" and r["sharded_placements"] == ["S(0)"] * 2, r
+        assert r["shard_fed_as_is"] and r["rows_fed_as_view"], r  # no copy of the inputs per call

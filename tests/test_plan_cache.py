@@ -2,6 +2,7 @@
 file is reported, ignored and rewritten."""
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -15,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import stpc  # noqa: E402
 from stpc import models  # noqa: E402
-from stpc.planner import Hints, search  # noqa: E402
+from stpc.planner import Hints, Plan, search  # noqa: E402
 from stpc.planner.cache import CacheWarning, PlanCache, plan_key  # noqa: E402
 from stpc.runtime.launch import spawn  # noqa: E402
 
@@ -59,12 +60,20 @@ def test_round_trip_and_damaged_files(tmp_path, tg, plan):
     path = cache.put(key, plan)
     assert cache.get(key).hash() == plan.hash()
     text = path.read_text()
+    d = json.loads(text)
+    unverified = json.dumps({k: v for k, v in d.items() if k != "plan_hash"})
+    assert Plan.from_json(unverified).hash() == plan.hash()  # a whole plan, but nothing vouches for it
+    nodes_list = json.dumps({**d, "nodes": list(d["nodes"])})
     for damaged in (text[: len(text) // 2],                                   # truncated
                     text.replace('"S0"', '"S1"', 1),                          # edited: hash no longer matches
-                    pickle.dumps(plan).decode("latin-1")):                    # not JSON at all
+                    pickle.dumps(plan).decode("latin-1"),                     # not JSON at all
+                    "null", "1", "[]", '"plan"', "{}",                        # JSON, but not a plan object
+                    unverified,                                               # no plan_hash: unverifiable
+                    json.dumps({**d, "plan_hash": None}),
+                    nodes_list):                                              # a field of the wrong type
         path.write_text(damaged)
         with pytest.warns(CacheWarning, match="corrupt"):
-            assert cache.get(key) is None
+            assert cache.get(key) is None, damaged[:40]
         cache.put(key, plan)  # rewritten whole
         assert cache.get(key).hash() == plan.hash()
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind

@@ -5,10 +5,10 @@ import inspect
 import pathlib
 import pkgutil
 import re
+import tomllib
 
-import stpc
-
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def _table() -> str:
@@ -17,12 +17,27 @@ def _table() -> str:
     return text[start:text.index("\n## ", start + 1)]
 
 
+def _stpc_modules() -> set[str]:
+    """Every module of every package pyproject installs: ``stpc.passes`` and
+    ``stpc.cost_models`` live in folders of their own (package-dir), which walking
+    ``stpc.__path__`` never reaches in an editable install."""
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    names = set(packages)
+    for package in packages:
+        names |= {mod.name for mod in pkgutil.walk_packages(importlib.import_module(package).__path__, package + ".")}
+    return {n for n in names if not n.startswith(("stpc.cli", "stpc.__main__"))}
+
+
+def test_every_package_is_walked():
+    modules = _stpc_modules()
+    assert {"stpc.passes._common", "stpc.passes.verify", "stpc.cost_models.profile", "stpc.planner.solver",
+            "stpc.runtime.agreement", "stpc.validate"} <= modules, sorted(modules)
+
+
 def _stpc_exceptions() -> set[str]:
     found = set()
-    for mod in pkgutil.walk_packages(stpc.__path__, "stpc."):
-        if mod.name.startswith(("stpc.cli", "stpc.__main__")):
-            continue
-        m = importlib.import_module(mod.name)
+    for name in sorted(_stpc_modules()):
+        m = importlib.import_module(name)
         for name, obj in vars(m).items():
             if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == m.__name__:
                 found.add(name)

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
-from stpc import models
-from stpc.planner import search
+from stpc import models, validate
+from stpc.cost_models import CLUSTERS, get_device, save_profile
+from stpc.planner import Hints, search
 from stpc.runtime.launch import spawn
 from stpc.validate import InvalidArgument, budget, cluster, example_inputs, mesh_spec
 
@@ -91,10 +94,129 @@ def test_the_default_cluster_follows_the_world(monkeypatch, tmp_path):
         cluster("no-such-cluster", 4, "cpu")
 
 
+def _gpu(monkeypatch, name: str, count: int) -> None:
+    """This process sees ``count`` GPUs called ``name`` (no GPU needed: only the names are read)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_the_default_cluster_of_a_cuda_world_is_its_gpus_node(monkeypatch, tmp_path):
+    monkeypatch.setenv("STPC_PROFILE", str(tmp_path / "none.json"))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    _gpu(monkeypatch, "NVIDIA H100 80GB HBM3", 8)
+    h100 = cluster(None, 8, "cuda")
+    assert h100.name == "dgx-h100-8" and h100.device == get_device("H100-SXM")
+    assert (h100.nodes, h100.devices_per_node) == (1, 8) and h100.intra == CLUSTERS["dgx-h100"].intra
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: 2 nodes of 4 GPUs
+    assert (cluster(None, 8, "cuda").nodes, cluster(None, 8, "cuda").devices_per_node) == (2, 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    _gpu(monkeypatch, "Tesla V100-SXM2-32GB", 4)
+    v100 = cluster(None, 8, "cuda")  # 4 GPUs a node: 2 nodes
+    assert v100.device == get_device("V100-32GB") and (v100.nodes, v100.devices_per_node) == (2, 4)
+    _gpu(monkeypatch, "NVIDIA GeForce GTX 1080", 1)
+    with pytest.raises(InvalidArgument, match="no cost model for the GPU 'NVIDIA GeForce GTX 1080'. Fix: pass cluster="):
+        cluster(None, 1, "cuda")
+
+
+def _profile(path, backend: str, name: str = "this-box") -> None:
+    save_profile({"version": 1, "name": name, "backend": backend, "ranks": 2,
+                  "device": {"name": "calibrated", "peak_flops": dict.fromkeys(("fp32", "tf32", "bf16", "fp16"), 1e11), "mem_bw": 2e10, "mem_bytes": 2**34},
+                  "link": {"alpha_s": 1e-5, "bw_bytes_per_s": 1e9},
+                  "collectives": {"all_reduce": {"alpha_s": 2e-5, "bw_bytes_per_s": 5e8}}}, str(path))
+
+
+def test_the_default_cluster_is_this_machines_calibrated_profile(monkeypatch, tmp_path):
+    monkeypatch.delenv("STPC_PROFILE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the profile's default place: $XDG_CACHE_HOME/stpc
+    assert cluster(None, 3, "cpu").name == "cpu-local-3"  # none written yet
+    (tmp_path / "stpc").mkdir()
+    _profile(tmp_path / "stpc" / "profile.json", "gloo")
+    got = cluster(None, 3, "cpu")
+    assert got.name == "this-box" and got.device.name == "calibrated" and got.device.mem_bytes == 2**34
+    assert (got.nodes, got.devices_per_node) == (1, 3)  # measured on 2 ranks, resized to the world
+    assert got.collective_links["all_reduce"].bw_bytes_per_s == 5e8
+    _gpu(monkeypatch, "NVIDIA H100 80GB HBM3", 8)  # a gloo profile says nothing of a CUDA world
+    assert cluster(None, 8, "cuda").name == "dgx-h100-8"
+    monkeypatch.setenv("STPC_PROFILE", str(tmp_path / "gpu.json"))  # $STPC_PROFILE comes first
+    _profile(tmp_path / "gpu.json", "nccl", name="gpu-box")
+    assert cluster(None, 8, "cuda").name == "gpu-box" and cluster(None, 2, "cpu").name == "cpu-local-2"
+    (tmp_path / "gpu.json").write_text('{"version": 1}')  # a broken profile: named, with the way out
+    with pytest.raises(InvalidArgument, match=f"missing key.*Fix: .*{tmp_path / 'gpu.json'} with `python -m stpc "
+                                              f"calibrate`"):
+        cluster(None, 8, "cuda")
+
+
+@pytest.fixture
+def world_of_one():
+    """A real gloo world of one rank in this process (a HashStore: nothing listens)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_mesh_on_another_device_type_is_refused(world_of_one):
+    mesh = init_device_mesh("cpu", (1,))
+    assert mesh_spec(mesh, None, 1, "cpu") == (1,)
+    with pytest.raises(InvalidArgument, match="the DeviceMesh is on 'cpu' but this world's backend \\(gloo\\) runs "
+                                              "on 'cuda'. Fix: build the mesh with init_device_mesh\\('cuda'"):
+        mesh_spec(mesh, None, 1, "cuda")
+    assert validate.world_device_type() == "cpu"  # the real gloo world
+
+
+@pytest.mark.parametrize("backend,cuda,want", [
+    ("gloo", True, "cpu"), ("nccl", True, "cuda"), ("cpu:gloo", True, "cpu"),
+    ("cpu:gloo,cuda:nccl", True, "cuda"), ("cuda:nccl,cpu:gloo", True, "cuda"), ("cpu:gloo, cuda:nccl", True, "cuda"),
+    ("cpu:gloo,cuda:nccl", False, "cpu"),     # the string asks for CUDA, the machine has none
+    ("cuda:nccl", True, "cuda"), ("mpi", True, "cpu"),
+])
+def test_the_worlds_device_type_reads_mixed_backends(monkeypatch, backend, cuda, want):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert validate.world_device_type() == want
+
+
+@pytest.mark.parametrize("config,want", [("cpu:gloo,cuda:nccl", "cuda"), ("cpu:gloo", "cpu")])
+def test_a_world_without_a_backend_has_torchs_default(monkeypatch, config, want):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "undefined")  # init_process_group() with none
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert validate.world_device_type() == want
+
+
+def test_hints_are_checked():
+    h = Hints(param_exact={"wte.weight": ("S0",)})
+    assert validate.hints(None) is None and validate.hints(h) is h
+    for name in ("megatron", "dp", "spatial", "fsdp-tp"):
+        assert validate.hints(name) == name
+    for bad, match in [("foo", "hints='foo' is not a hints preset"), ("Megatron", "not a hints preset"),
+                       ({"wte.weight": ("S0",)}, "are not hints"), (["megatron"], "are not hints"),
+                       (lambda s: True, "are not hints"), (3, "are not hints")]:
+        with pytest.raises(InvalidArgument, match=match) as e:
+            validate.hints(bad)
+        assert "Fix:" in str(e.value) and "'megatron'" in str(e.value), bad
+
+
+def test_backend_is_checked():
+    def my_backend(gm, example_inputs):
+        return gm
+
+    for good in (None, "inductor", "aot_eager", "eager", my_backend):
+        assert validate.backend(good) is good
+    for bad, match in [("inductr", "backend='inductr' is not a torch.compile backend"), ("", "is not a"),
+                       (3, "\\(int\\) is not a torch.compile backend"), (["inductor"], "is not a")]:
+        with pytest.raises(InvalidArgument, match=match) as e:
+            validate.backend(bad)
+        assert "Fix:" in str(e.value) and "inductor" in str(e.value), bad
+
+
 CASES = [({"mesh": 0}, "size < 1"), ({"mesh": "2by2"}, "not a mesh spec"), ({"mesh": 8}, "8 devices but this job has 2"),
          ({"budget_gib": -1}, "budget_gib"), ({"example_inputs": (torch.zeros(2, 4), torch.zeros(1))}, "do not fit"),
          ({"cluster": "nope"}, "unknown cluster"), ({"max_plans": 0}, "max_plans"), ({"outputs": "all"}, "outputs"),
-         ({"input_placements": {"x": ("S0", "S1")}}, "input_placements")]
+         ({"input_placements": {"x": ("S0", "S1")}}, "input_placements"),
+         ({"hints": "foo"}, "not a hints preset"), ({"hints": {"x": 1}}, "are not hints"),
+         ({"backend": "inductr"}, "not a torch.compile backend")]
 
 
 def _bad_compile(rank, world):

@@ -10,8 +10,9 @@ not cached.
 
 Files are JSON (``Plan.to_json``, never pickle), written to a temporary file in the same
 folder and renamed over the target (atomic on POSIX): two ranks writing the same plan
-at once leave one whole file. A file that does not parse, or whose content does not
-match its ``plan_hash``, is reported with a warning, ignored and rewritten.
+at once leave one whole file. A file that does not parse, is not a JSON object, has no
+``plan_hash`` or whose content does not match it is reported with a warning, ignored and
+rewritten.
 """
 from __future__ import annotations
 
@@ -126,8 +127,13 @@ class PlanCache:
             warnings.warn(f"stpc: cannot read cached plan {p} ({e}); planning again", CacheWarning, stacklevel=2)
             return None
         try:
+            d = json.loads(text)
+            if not isinstance(d, dict):
+                raise ValueError(f"holds a JSON {type(d).__name__}, not a plan")
+            if not isinstance(d.get("plan_hash"), str):
+                raise ValueError("has no plan_hash to verify its content by")
             return Plan.from_json(text)
-        except (ValueError, TypeError, KeyError) as e:  # truncated, corrupted, or of another format
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # truncated, corrupted, of another format
             warnings.warn(f"stpc: cached plan {p} is corrupt ({type(e).__name__}: {str(e)[:120]}); "
                           f"ignoring it, it will be rewritten", CacheWarning, stacklevel=2)
             return None

@@ -8,6 +8,10 @@
 * the communication each rank will issue: every rank derives, from its own program, the
   sequence of collectives and transfers each rank will issue; a rank whose own sequence
   is not the one the others expect of it would hang or corrupt data at the first step.
+
+The checks' tensors live where the group's collectives take them (:func:`_comm_device`):
+the CPU under gloo or a mixed ``"cpu:gloo,cuda:nccl"`` world, this rank's current CUDA
+device under NCCL alone (which moves no CPU tensors).
 """
 from __future__ import annotations
 
@@ -15,9 +19,31 @@ import hashlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 __all__ = ["check_plan_agreement", "PlanMismatch", "check_tensors_agree", "TensorMismatch",
            "check_schedule_agreement", "ScheduleMismatch"]
+
+
+def _comm_device(group=None) -> torch.device:
+    """The device ``group``'s (default WORLD) collectives take their tensors on: the one
+    torch's own object collectives use (the CPU when the group has a CPU backend; else its
+    backend's device, e.g. CUDA under NCCL alone), this rank's current device of that type."""
+    kind = distributed_c10d._get_object_coll_device(group)
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, kind, None)
+    return torch.device(kind, module.current_device()) if hasattr(module, "current_device") else torch.device(kind)
+
+
+def _all_gather(mine: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's ``mine`` (same shape and dtype everywhere), gathered on the group's
+    device and returned on the CPU."""
+    device = _comm_device(group)
+    mine = mine.to(device)
+    got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, mine, group=group)
+    return [t.cpu() for t in got]
 
 
 class PlanMismatch(RuntimeError):
@@ -33,10 +59,8 @@ def check_plan_agreement(plan_hash: str, group=None) -> None:
         digest = b""
     if len(digest) != 32:  # not a Plan.hash(): hash it to a fixed width
         digest = hashlib.sha256(plan_hash.encode()).digest()
-    mine = torch.tensor(list(digest), dtype=torch.uint8)
-    n = dist.get_world_size(group)
-    got = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(got, mine, group=group)
+    got = _all_gather(torch.tensor(list(digest), dtype=torch.uint8), group)
+    n = len(got)
     hashes = [bytes(t.tolist()).hex()[:12] for t in got]
     bad = [r for r in range(n) if hashes[r] != hashes[0]]
     if bad:
@@ -67,15 +91,12 @@ def check_tensors_agree(named: dict, group=None, what: str = "tensors") -> None:
     # first the names, in a fixed-size message: tables of different lengths must not meet
     # in one all_gather (that could hang or fail obscurely)
     head = torch.tensor([len(names), _digest_bytes("\n".join(names).encode())], dtype=torch.int64)
-    heads = [torch.empty_like(head) for _ in range(n)]
-    dist.all_gather(heads, head, group=group)
+    heads = _all_gather(head, group)
     differ = [r for r in range(n) if not torch.equal(heads[r], heads[0])]
     if differ:
         raise TensorMismatch(f"ranks {differ} hold a different set of {what} than rank 0 ({len(names)} here). "
                              f"Fix: build the same model on every rank before stpc.compile.")
-    mine = torch.tensor([_digest(named[k]) for k in names], dtype=torch.int64)
-    got = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(got, mine, group=group)
+    got = _all_gather(torch.tensor([_digest(named[k]) for k in names], dtype=torch.int64), group)
     bad = {}
     for r in range(1, n):
         for i in torch.nonzero(got[r] != got[0]).flatten().tolist():
@@ -101,8 +122,7 @@ def check_schedule_agreement(mine: str, expected: list[str], group=None) -> None
     if len(expected) != n:
         raise ValueError(f"{len(expected)} expected digests for {n} ranks")
     to_bytes = lambda h: torch.tensor(list(hashlib.sha256(h.encode()).digest()), dtype=torch.uint8)  # noqa: E731
-    got = [torch.empty(32, dtype=torch.uint8) for _ in range(n)]
-    dist.all_gather(got, to_bytes(mine), group=group)
+    got = _all_gather(to_bytes(mine), group)
     bad = [r for r in range(n) if not torch.equal(got[r], to_bytes(expected[r]))]
     if bad:
         raise ScheduleMismatch(
