@@ -9,8 +9,8 @@ its per-module groups:
 
   * the gathers of parameters read directly from their placeholder are grouped: the
     parameters one layer reads (the module path of their first consumer up to its first
-    index, ``layers.3``; a run of consecutive gathers outside any indexed module forms one
-    group), on one group of ranks, with one dtype and gradient kind;
+    index, ``layers.3``; outside any indexed module, a run of consecutive gathers), on one
+    group of ranks, with one dtype and gradient kind;
   * each group becomes one ``runtime.gather_start`` (one all-gather of the group's shards
     flattened) and one ``runtime.gather_wait`` (waits, cuts each parameter out), the wait
     placed right before the group's first consumer;
@@ -36,11 +36,11 @@ from stpc.placement import parse
 
 def _block(node: fx.Node, order: dict) -> str:
     """The layer a gather belongs to: its first consumer's module path up to the first index."""
-    path = ""
-    for u in sorted(node.users, key=lambda u: order[u]):
-        path = u.meta.get("module", "")
-        if path:
-            break
+    path, todo = "", sorted(node.users, key=lambda u: order[u])
+    while todo and not path:  # through communication nodes (no module of their own) to the compute
+        u = todo.pop(0)
+        path = u.meta.get("module", "") if "comm" not in u.meta else ""
+        todo += sorted(u.users, key=lambda v: order[v]) if "comm" in u.meta else []
     m = re.match(r"^(.*?\.\d+)(\.|$)", path)
     return m.group(1) if m else ""
 
@@ -65,19 +65,24 @@ def prefetch_params(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
     def first_use(n):
         return min(order[u] for u in n.users)
 
-    # groups: consecutive (by first use) gathers of one layer, group, dtype and gradient kind
+    # groups: the gathers of one layer on one group of ranks, with one dtype and gradient kind
+    # (a layer's gathers on two mesh axes make two groups); outside any indexed module, a run
+    # of consecutive gathers (the embedding at the start, the head at the end: not one group)
     groups: list[list[fx.Node]] = []
-    last_key = None
+    open_groups: dict = {}
+    block = None
     for n in sorted(gathers, key=first_use):
-        key = (_block(n, order), n.kwargs["group"], n.kwargs.get("grad", "rs"), n.meta["val"].dtype,
-               n.meta["val"].device)
-        if groups and key == last_key:
-            groups[-1].append(n)
-        else:
-            groups.append([n])
-        last_key = key
+        b = _block(n, order)
+        if b != block:  # the next layer (or a run of root-level gathers) starts
+            open_groups, block = {}, b
+        key = (n.kwargs["group"], n.kwargs.get("grad", "rs"), n.meta["val"].dtype, n.meta["val"].device)
+        if key not in open_groups:
+            open_groups[key] = []
+            groups.append(open_groups[key])
+        open_groups[key].append(n)
     mode = fake_mode_of(gm)
     previous_wait = None
+    groups.sort(key=lambda members: min(first_use(n) for n in members))
     for members in groups:
         shards = [n.args[0] for n in members]
         dims = [n.kwargs["dim"] for n in members]

@@ -2,18 +2,21 @@
 and demo runs on disk and stdout, through the library's stages (each verb adds no logic of its own).
 
 trace (a zoo model's graph), plan (search one model on a cluster preset), calibrate
-(measure this machine into a cost-model profile), demo (the README's main job).
+(measure this machine into a cost-model profile), demo (the README's main job), bench
+(measured benchmarks, each regenerating its section of benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
 import sys
 
+from stpc.cli.bench import main_bench
 from stpc.cli.calibrate import main_calibrate
 from stpc.cli.demo import main_demo
 from stpc.cli.plan import main_plan
 from stpc.cli.trace import main_trace
 
-COMMANDS = {"demo": main_demo, "trace": main_trace, "plan": main_plan, "calibrate": main_calibrate}
+COMMANDS = {"demo": main_demo, "trace": main_trace, "plan": main_plan, "calibrate": main_calibrate,
+            "bench": main_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,268 @@
+"""``python -m stpc bench runtime``: stpc's programs against torch's own engines, side by side.
+
+The same model, data, optimizer (AdamW, foreach) and ranks for every engine; each pair
+runs one layout both ways:
+
+==================  ======================================  =========================================
+pair                stpc                                    torch (``stpc.cli.bench_engines``)
+==================  ======================================  =========================================
+data parallel       the ``dp`` preset on mesh (N,)          ``DistributedDataParallel``
+tensor parallel     ``megatron`` at dp 1 x tp N (TP+SP)     ``parallelize_module`` TP+SP, loss_parallel
+fsdp                ``fsdp-tp`` at dp N x tp 1 (ZeRO-3)     FSDP2 ``fully_shard`` per block
+fsdp + tp           ``fsdp-tp`` at dp N/2 x tp 2            FSDP2 over dp, TP+SP over tp (TorchTitan)
+solved              stpc's own plan (its search, N devices) the fastest of the torch engines
+==================  ======================================  =========================================
+
+Every engine is built on every rank in one process, and the steps are interleaved (one step
+of each engine per round, the order rotating every round) so the machine's drift hits all
+alike. A step is ``zero_grad; forward; backward; optimizer.step`` between two barriers;
+its time is the slowest rank's. Reported: the median over ``--steps`` rounds after
+``--warmup``, and per engine the peak memory of one step on the worst rank: the bytes live
+at its start (parameters, optimizer state, persistent engine buffers such as DDP's
+gradient buckets) plus the highest level the CPU allocator reached during the step
+(``torch.profiler`` memory events, every allocation through c10 included). All engines
+start from the same weights and data: their first losses must agree (checked).
+
+Targets (issue 17): each stpc preset within 5% of its torch counterpart's step time (or
+faster), the solved plan no slower than the fastest counterpart, memory no higher than the
+counterpart's.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
+
+from stpc.cli.bench_engines import Engine, build_engine
+from stpc.compile import compile as stpc_compile
+from stpc.frontend import models
+from stpc.planner.baselines import Layout, layout_hints
+from stpc.runtime.launch import spawn
+
+TIME_TARGET = 1.05   # stpc step time / torch's, at most (issue 17)
+
+
+class StpcEngine(Engine):
+    """An stpc-compiled model in the benchmark's engine interface."""
+
+    def __init__(self, name: str, layout: str, model, idx, tgt):
+        super().__init__(name, layout, model, idx, tgt)
+
+    def forward_backward(self) -> torch.Tensor:
+        loss = self.model(self.idx, self.tgt)
+        loss.backward()
+        return loss.detach()
+
+
+def _stpc_engine(label: str, spec: dict, model, idx, tgt, n: int) -> StpcEngine:
+    if "layout" in spec:
+        preset, layout = spec["layout"]
+        pm = stpc_compile(model, layout.mesh_shape, (idx, tgt), hints=layout_hints(preset, layout), cache=False)
+        where = f"{preset} {layout.describe()}"
+    else:
+        pm = stpc_compile(model, spec.get("mesh", n), (idx, tgt), hints=spec.get("hints"), cache=False)
+        where = f"{spec.get('hints') or 'solved'} on mesh {'x'.join(map(str, pm.stpc.plan.mesh_shape))}"
+    counts = pm.stpc.plan.strategy_counts()
+    fams = ", ".join(f"{k} {v}" for k, v in counts.items())
+    return StpcEngine(label, f"{where} ({fams})", pm, idx, tgt)
+
+
+def pairs(n: int) -> list[tuple[str, dict, str | None, tuple]]:
+    """(pair, stpc spec, torch engine, torch mesh) of the benchmark on ``n`` ranks."""
+    out = [("data parallel", {"hints": "dp", "mesh": (n,)}, "ddp", (n,)),
+           ("tensor parallel", {"layout": ("megatron", Layout(1, n, "-"))}, "tp", (n,)),
+           ("fsdp", {"layout": ("fsdp-tp", Layout(n, 1, "-", 3))}, "fsdp", (n,))]
+    if n % 2 == 0 and n > 2:
+        out.append(("fsdp + tp", {"layout": ("fsdp-tp", Layout(n // 2, 2, "dp-outer", 3))}, "fsdp-tp", (n // 2, 2)))
+    out.append(("solved", {}, None, ()))
+    return out
+
+
+def _live_bytes(engine: Engine, opt) -> int:
+    """Bytes of the distinct storages alive between steps: parameters, buffers, gradients,
+    optimizer state, and DDP's gradient buckets (allocated by its C++ reducer at
+    construction; their sizes are read from DDP's own logging data)."""
+    seen: dict[int, int] = {}
+
+    def add(t):
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+
+    for p in engine.model.parameters():
+        add(p.detach())
+        if p.grad is not None:
+            add(p.grad)
+    for b in engine.model.buffers():
+        add(b)
+    for state in opt.state.values():
+        for v in state.values():
+            add(v)
+    total = sum(seen.values())
+    if hasattr(engine.model, "_get_ddp_logging_data"):
+        total += sum(int(x) for x in str(engine.model._get_ddp_logging_data().get("bucket_sizes", "")).split(", ")
+                     if x.strip())
+    return total
+
+
+def _step(engine: Engine, opt) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    loss = engine.forward_backward()
+    opt.step()
+    return loss
+
+
+def _peak_of_step(engine: Engine, opt) -> int:
+    """Live bytes at the step's start plus the highest the allocator climbed during it."""
+    base = _live_bytes(engine, opt)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _step(engine, opt)
+    level = peak = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        level += e.nbytes()
+        peak = max(peak, level)
+    return base + peak
+
+
+def _worker(rank: int, world: int, cfg: dict) -> dict:
+    torch.manual_seed(0)
+    base = models.build(cfg["model"], n_layers=cfg["layers"])
+    g = torch.Generator().manual_seed(1)
+    vocab = base.cfg.vocab
+    idx = torch.randint(0, vocab, (cfg["batch"], cfg["seq"]), generator=g)
+    tgt = torch.randint(0, vocab, (cfg["batch"], cfg["seq"]), generator=g)
+    engines: list[tuple[str, str, Engine]] = []  # (pair, side, engine)
+    for label, spec, torch_name, mesh in pairs(world):
+        engines.append((label, "stpc", _stpc_engine(label, spec, copy.deepcopy(base), idx, tgt, world)))
+        if torch_name:
+            engines.append((label, "torch", build_engine(torch_name, copy.deepcopy(base), idx, tgt, mesh)))
+    opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for _, _, e in engines]
+    times = [[] for _ in engines]
+    first_loss = [None] * len(engines)
+    rounds = cfg["warmup"] + cfg["steps"]
+    for r in range(rounds):
+        order = list(range(len(engines)))
+        order = order[r % len(order):] + order[:r % len(order)]  # rotate: no engine always first
+        for i in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = _step(engines[i][2], opts[i])
+            dt = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step is the slowest rank's
+            if r == 0:
+                first_loss[i] = float(loss)
+            if r >= cfg["warmup"]:
+                times[i].append(float(dt))
+    peaks = []
+    for i, (_, _, e) in enumerate(engines):
+        dist.barrier()
+        p = torch.tensor([_peak_of_step(e, opts[i])], dtype=torch.float64)
+        dist.all_reduce(p, op=dist.ReduceOp.MAX)
+        peaks.append(int(p))
+    if rank != 0:
+        return {}
+    return {"engines": [{"pair": pair, "side": side, "name": e.name, "layout": e.layout,
+                         "median_step_s": statistics.median(times[i]), "steps_s": times[i],
+                         "peak_bytes": peaks[i], "first_loss": first_loss[i]}
+                        for i, (pair, side, e) in enumerate(engines)]}
+
+
+def evaluate(records: list[dict]) -> list[dict]:
+    """One row per pair: stpc against its counterpart (the solved plan against the fastest
+    torch engine), with the ratios and whether each target is met."""
+    torch_side = [r for r in records if r["side"] == "torch"]
+    fastest = min(torch_side, key=lambda r: r["median_step_s"]) if torch_side else None
+    rows = []
+    for r in records:
+        if r["side"] != "stpc":
+            continue
+        other = next((t for t in torch_side if t["pair"] == r["pair"]), None) or fastest
+        if other is None:
+            continue
+        ratio = r["median_step_s"] / other["median_step_s"]
+        limit = 1.0 if r["pair"] == "solved" else TIME_TARGET
+        rows.append({"pair": r["pair"], "stpc": r, "torch": other, "time_ratio": ratio,
+                     "time_met": ratio <= limit, "time_limit": limit,
+                     "memory_ratio": r["peak_bytes"] / other["peak_bytes"],
+                     "memory_met": r["peak_bytes"] <= other["peak_bytes"]})
+    return rows
+
+
+def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
+    rows = evaluate(records)
+    losses = [r["first_loss"] for r in records]
+    agree = max(losses) - min(losses) <= 1e-4 * abs(min(losses))
+    lines = [
+        "## Runtime: stpc against torch's own engines (issue 17)", "",
+        f"Command: `{command}`", "", machine, "",
+        f"Model `{cfg['model']}` cut to {cfg['layers']} layers, global batch {cfg['batch']} x seq {cfg['seq']}, "
+        f"fp32, AdamW (foreach), {cfg['ranks']} gloo ranks on this machine (one intra-op thread each). "
+        f"Interleaved: {cfg['warmup']} warm-up rounds, then the median of {cfg['steps']} rounds; a step's time "
+        f"is the slowest rank's. Peak memory: one step on the worst rank (live bytes at its start + the "
+        f"allocator's highest climb during it). First-step losses of all engines "
+        f"{'agree' if agree else 'DISAGREE'} ({min(losses):.6f} .. {max(losses):.6f}).", "",
+        "| pair | stpc (plan) | torch | stpc step s | torch step s | stpc / torch | target | met | "
+        "stpc peak MiB | torch peak MiB | memory met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        s, t = row["stpc"], row["torch"]
+        lines.append(f"| {row['pair']} | {s['layout']} | {t['name']} ({t['layout']}) | {s['median_step_s']:.3f} | "
+                     f"{t['median_step_s']:.3f} | {row['time_ratio']:.3f} | <= {row['time_limit']:.2f} | "
+                     f"{'yes' if row['time_met'] else 'NO'} | {s['peak_bytes'] / 2**20:.1f} | "
+                     f"{t['peak_bytes'] / 2**20:.1f} | {'yes' if row['memory_met'] else 'NO'} |")
+    lines.append("")
+    missed = [r for r in rows if not (r["time_met"] and r["memory_met"])]
+    lines.append(f"Targets met: {len(rows) - len(missed)} of {len(rows)} rows."
+                 + ("" if not missed else " Missed: " + "; ".join(
+                     f"{r['pair']} ({'time ' + format(r['time_ratio'], '.3f') if not r['time_met'] else ''}"
+                     f"{', ' if not r['time_met'] and not r['memory_met'] else ''}"
+                     f"{'memory ' + format(r['memory_ratio'], '.3f') if not r['memory_met'] else ''})" for r in missed)))
+    return "\n".join(lines) + "\n"
+
+
+def run(cfg: dict) -> list[dict]:
+    """Spawn the ranks and return one record per engine."""
+    out = spawn(_worker, cfg["ranks"], cfg, timeout_s=cfg.get("timeout_s", 1800))
+    return out[0]["engines"]
+
+
+def main_runtime(argv: list[str], machine_line, write_section) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stpc bench runtime", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt-50m")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10, help="timed rounds (each: one step of every engine)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", help="write one record per engine here")
+    ap.add_argument("--results", help="regenerate this markdown file's runtime section (e.g. benchmarks/RESULTS.md)")
+    args = ap.parse_args(argv)
+    cfg = {k: getattr(args, k) for k in ("model", "layers", "batch", "seq", "ranks", "steps", "warmup")}
+    records = run(cfg)
+    command = "python -m stpc bench runtime " + " ".join(argv)
+    text = report(cfg, records, machine_line(), command.strip())
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "engines": records, "rows": [
+                {k: v for k, v in r.items() if k not in ("stpc", "torch")} | {"stpc": r["stpc"]["name"],
+                                                                            "torch": r["torch"]["name"]}
+                for r in evaluate(records)]}, f, indent=1)
+    if args.results:
+        write_section(args.results, "runtime", text)
+    return 0
+
+
+__all__ = ["main_runtime", "pairs", "evaluate", "report", "run", "StpcEngine"]
