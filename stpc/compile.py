@@ -389,6 +389,7 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
                 f"{fmt(stored_for[key])} and {fmt(placement)}; force one placement for it with Hints.param_force")
         stored_for[key] = placement
     grids = grid_axes(stored_for.values())
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=float(timeout_s))
     all_exact = {fqn: stored_for[canon[id(p)]] for fqn, p in names.items() if canon[id(p)] in stored_for}
     leaf_of = {name: i for i, name in enumerate(tg.user_inputs)}
     local_leaves = {leaf_of[k]: v for k, v in local.items()}
@@ -405,7 +406,8 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     compiled = Compiled(mesh=dm, storage=storage_mesh(dm, grids, group_options(dm.device_type, timeout_s)),
                         grids=grids, groups=groups,
                         param_placements=stored_for, orig_class=type(model), make_program=make_program,
-                        max_plans=max_plans, local_leaves=local_leaves)
+                        max_plans=max_plans, local_leaves=local_leaves,
+                        check_group=runtime.resolve_group(runtime.joint_group(dm, tuple(range(dm.ndim)), timeout)))
     flat, spec = flatten_call(example_inputs, example_kwargs)
     compiled.add(compiled.signature(flat, spec, model.training, example=True), prog)
     return adopt(model, compiled)

@@ -101,7 +101,7 @@ class Compiled:
 
     def __init__(self, *, mesh: DeviceMesh, storage: DeviceMesh, grids: tuple, groups: list[str],
                  param_placements: dict, orig_class: type, make_program: Callable, max_plans: int,
-                 local_leaves: dict):
+                 local_leaves: dict, check_group=None):
         self.mesh = mesh                  # the plan's mesh (one dim per plan axis)
         self.storage_mesh = storage       # parameters' DTensor mesh (grid axes split in two)
         self.grids = grids
@@ -115,6 +115,8 @@ class Compiled:
         self.local_leaves = local_leaves  # leaf index -> placement of the shard the caller feeds
         self.programs: dict = {}
         self.first = None
+        self.check_group = check_group    # where every call's signature is compared (None: WORLD)
+        self._digests: dict = {}
 
     # ------------------------------------------------------------------ views
     @property
@@ -161,6 +163,7 @@ class Compiled:
     def run(self, module: nn.Module, args, kwargs):
         flat, spec = flatten_call(args, kwargs)
         key = self.signature(flat, spec, module.training)
+        self._agree(key)
         prog = self.programs.get(key)
         if prog is None:
             prog = self._new_program(module, key, args, kwargs)
@@ -184,6 +187,17 @@ class Compiled:
             if other.reducer is not None:
                 other.reducer.enabled = other is prog
 
+    def _agree(self, key) -> None:
+        """Every call, before any of its communication: the ranks compare the call's
+        signature (one all-gather of a 32-byte digest), so ranks called with different
+        shapes (each compiled, or one new) raise :class:`ShapeMismatch` together instead
+        of running different programs against each other."""
+        digest = self._digests.get(key)
+        if digest is None:
+            digest = self._digests[key] = hashlib.sha256(repr(key).encode()).hexdigest()
+        _check_same_on_all_ranks(digest, what="input signature", group=self.check_group,
+                                 shown=[_describe(k) for k in key[1]])
+
     def _new_program(self, module, key, args, kwargs) -> Program:
         first = self.programs[self.first]
         first_key = self.first
@@ -196,7 +210,6 @@ class Compiled:
                 f"{' in train mode' if key[2] else ' in eval mode'} and {len(self.programs)} plan(s) are "
                 f"cached (max_plans={self.max_plans}). Fix: call with the compiled shapes, or "
                 f"stpc.compile with a larger max_plans so other shapes are planned too")
-        _check_same_on_all_ranks(repr(key), what="input signature")
         prog = self.make_program(module, args, kwargs, first)
         self.add(key, prog)
         return prog
@@ -249,12 +262,12 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _check_same_on_all_ranks(text: str, what: str) -> None:
-    digest = hashlib.sha256(text.encode()).hexdigest()
+def _check_same_on_all_ranks(digest: str, what: str, group=None, shown=None) -> None:
     try:
-        runtime.check_plan_agreement(digest)
+        runtime.check_plan_agreement(digest, group)
     except runtime.PlanMismatch as e:
-        raise ShapeMismatch(f"stpc: ranks were called with different {what}s ({e}). Fix: every rank must "
+        mine = f"; this rank was called with {shown}" if shown else ""
+        raise ShapeMismatch(f"stpc: ranks were called with different {what}s ({e}){mine}. Fix: every rank must "
                             f"call the model with inputs of the same shapes and dtypes") from None
 
 

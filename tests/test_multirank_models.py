@@ -206,7 +206,14 @@ def _other_batch(rank, world, plan_json):
     ref.backward()
     grads = full_grads(pm)
     worst = max(_rel(grads[k], p.grad) for k, p in single.named_parameters())
-    return refused, _rel(loss.detach(), ref.detach()), worst, len(pm.stpc.programs)
+    # both shapes compiled now; ranks called with different ones (each compiled) must not run
+    # their programs against each other: every rank refuses, before any communication
+    try:
+        pm(*(ex if rank == 0 else (idx, tgt)))
+        diverged = None
+    except stpc.ShapeMismatch as e:
+        diverged = str(e)
+    return refused, _rel(loss.detach(), ref.detach()), worst, len(pm.stpc.programs), diverged
 
 
 def test_a_call_with_other_shapes_is_planned_or_refused_never_sliced():
@@ -214,9 +221,12 @@ def test_a_call_with_other_shapes_is_planned_or_refused_never_sliced():
     loss): with room for one plan every rank refuses, naming both shapes; by default the
     new shape is planned (every rank agreeing) and matches one device."""
     plan = make_plan("gpt-tiny", "2", "dp", B, S).to_json()
-    for refused, loss_err, grad_err, programs in spawn(_other_batch, 2, plan, timeout_s=300):
+    for rank, (refused, loss_err, grad_err, programs, diverged) in enumerate(spawn(_other_batch, 2, plan,
+                                                                                  timeout_s=300)):
         assert refused and f"shape {(B + 1, S)}" in refused and f"shape {(B, S)}" in refused, refused
         assert loss_err <= 1 and grad_err <= 1 and programs == 2
+        assert diverged and "different input signatures" in diverged, diverged
+        assert f"shape {(B + rank, S)}" in diverged  # each rank names what it was called with
 
 
 def test_an_uneven_split_is_an_error():

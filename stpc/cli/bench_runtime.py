@@ -61,17 +61,19 @@ class StpcEngine(Engine):
         return loss.detach()
 
 
-def _stpc_engine(label: str, spec: dict, model, idx, tgt, n: int) -> StpcEngine:
+def _stpc_engine(label: str, spec: dict, model, idx, tgt, n: int, cluster=None) -> StpcEngine:
     if "layout" in spec:
         preset, layout = spec["layout"]
-        pm = stpc_compile(model, layout.mesh_shape, (idx, tgt), hints=layout_hints(preset, layout), cache=False)
+        pm = stpc_compile(model, layout.mesh_shape, (idx, tgt), hints=layout_hints(preset, layout), cache=False,
+                          cluster=cluster)
         where = f"{preset} {layout.describe()}"
     else:
-        pm = stpc_compile(model, spec.get("mesh", n), (idx, tgt), hints=spec.get("hints"), cache=False)
+        pm = stpc_compile(model, spec.get("mesh", n), (idx, tgt), hints=spec.get("hints"), cache=False,
+                          cluster=cluster)
         where = f"{spec.get('hints') or 'solved'} on mesh {'x'.join(map(str, pm.stpc.plan.mesh_shape))}"
     counts = pm.stpc.plan.strategy_counts()
     fams = ", ".join(f"{k} {v}" for k, v in counts.items())
-    return StpcEngine(label, f"{where} ({fams})", pm, idx, tgt)
+    return StpcEngine(label, f"{where} ({fams}; costed on {pm.stpc.plan.cluster})", pm, idx, tgt)
 
 
 def pairs(n: int) -> list[tuple[str, dict, str | None, tuple]]:
@@ -143,7 +145,8 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     tgt = torch.randint(0, vocab, (cfg["batch"], cfg["seq"]), generator=g)
     engines: list[tuple[str, str, Engine]] = []  # (pair, side, engine)
     for label, spec, torch_name, mesh in pairs(world):
-        engines.append((label, "stpc", _stpc_engine(label, spec, copy.deepcopy(base), idx, tgt, world)))
+        engines.append((label, "stpc", _stpc_engine(label, spec, copy.deepcopy(base), idx, tgt, world,
+                                                    cfg.get("cluster"))))
         if torch_name:
             engines.append((label, "torch", build_engine(torch_name, copy.deepcopy(base), idx, tgt, mesh)))
     opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for _, _, e in engines]
@@ -246,10 +249,12 @@ def main_runtime(argv: list[str], machine_line, write_section) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10, help="timed rounds (each: one step of every engine)")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cluster", help="what stpc plans on: a preset or a `python -m stpc calibrate` profile "
+                                      "(default: the world's: this machine's profile if there is one, else cpu-local)")
     ap.add_argument("--json", help="write one record per engine here")
     ap.add_argument("--results", help="regenerate this markdown file's runtime section (e.g. benchmarks/RESULTS.md)")
     args = ap.parse_args(argv)
-    cfg = {k: getattr(args, k) for k in ("model", "layers", "batch", "seq", "ranks", "steps", "warmup")}
+    cfg = {k: getattr(args, k) for k in ("model", "layers", "batch", "seq", "ranks", "steps", "warmup", "cluster")}
     records = run(cfg)
     command = "python -m stpc bench runtime " + " ".join(argv)
     text = report(cfg, records, machine_line(), command.strip())

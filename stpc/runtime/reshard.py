@@ -55,7 +55,7 @@ from stpc.runtime.failure import comm_failure
 __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard_slice", "to_partial",
     "grad_all_reduce", "grid_gather", "grid_slice", "grid_skew", "grid_relayout", "grid_linear",
-    "vocab_parallel_embedding", "cross_entropy_count", "shard_tensor", "unshard_tensor", "axis_groups", "joint_group", "mesh_coords", "skew_peers",
+    "vocab_parallel_embedding", "cross_entropy_count", "shard_tensor", "unshard_tensor", "axis_groups", "joint_group", "resolve_group", "mesh_coords", "skew_peers",
     "relayout_peers",
     "COMM_FUNCTIONS",
 ]
@@ -67,6 +67,11 @@ __all__ = [
 @lru_cache(maxsize=None)
 def _pg(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group named ``group_name`` (as graph nodes and ring ops name groups)."""
+    return _pg(group_name)
 
 
 # group name -> (size, this rank's index in it). A plain dict that torch.compile reads (and
