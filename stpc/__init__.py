@@ -10,6 +10,7 @@ from stpc.module import DistributedModel, ShapeMismatch
 from stpc.validate import InvalidArgument, NotPlanned, PlanWarning
 from stpc.frontend import TracedGraph, dump, models
 from stpc.planner import Hints, Plan, search
+from stpc.planner.summary import plan_diff
 
-__all__ = ["compile", "trace", "DistributedModel", "ShapeMismatch", "InvalidArgument", "NotPlanned", "PlanWarning", "TracedGraph", "Plan", "Hints", "search", "dump", "models"]
+__all__ = ["compile", "trace", "DistributedModel", "ShapeMismatch", "InvalidArgument", "NotPlanned", "PlanWarning", "TracedGraph", "Plan", "Hints", "search", "plan_diff", "dump", "models"]
 __version__ = "0.1.0"

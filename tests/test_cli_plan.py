@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_plan_cli_json(tmp_path):
     out = tmp_path / "p.json"
@@ -21,6 +23,10 @@ def test_plan_cli_json(tmp_path):
     from stpc.planner import Plan
     assert Plan.load(str(tmp_path / "p.plan.json")).hash() == d["plan_hash"]
     assert "modelled step" in (tmp_path / "p.txt").read_text()
+    # the default print is the plan's summary; its split is in the JSON too
+    assert "compute + exposed comm = the step time" in r.stdout and "(x 2, tied: planned once)" in r.stdout
+    bd = d["breakdown"]
+    assert abs(bd["compute_s"] + bd["exposed_s"] - d["modelled_step_time_s"]) < 1e-9
 
 
 def test_plan_cli_infeasible_budget_message(tmp_path):
@@ -29,3 +35,83 @@ def test_plan_cli_infeasible_budget_message(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 3
     assert "smallest feasible budget" in r.stdout
+
+
+# ---------------------------------------------------------------- --model: zoo, factory, Hugging Face config
+
+FACTORY = '''
+import torch
+from stpc import models
+
+
+def build(batch=4, seq=16, layers=2):
+    with torch.device("meta"):
+        model = models.build("llama-tiny", n_layers=layers)
+    return model, models.example_inputs("llama-tiny", batch, seq)
+
+
+def keywords():
+    with torch.device("meta"):
+        model = models.build("gpt-tiny")
+    idx, tgt = models.example_inputs("gpt-tiny", 4, 16)
+    return model, {"idx": idx, "targets": tgt}
+'''
+
+
+def _main(capsys, *argv):
+    from stpc.cli import main
+
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_a_factory_at_reduced_depth(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_models.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = _main(capsys, "plan", "--model", "my_models:build", "--mesh", "4", "--cluster", "cpu-local",
+                           "--layers", "3", "--batch", "8", "--seq", "32")
+    assert code == 0, err
+    assert "model my_models:build (n_layers=3)" in out and "batch 8 seq 32" in out
+    assert "layers.0 .. layers.2  (x 3, tied: planned once)" in out and "attn.q_proj" in out
+    code, out, err = _main(capsys, "plan", "--model", "my_models:keywords", "--mesh", "2", "--cluster", "cpu-local",
+                           "--brief")
+    assert code == 0, err
+    assert "layout: mesh 2" in out and "strategies:" in out and "x 2, tied" not in out
+    # a flag the factory does not take is a usage error, not a traceback
+    code, out, err = _main(capsys, "plan", "--model", "my_models:keywords", "--mesh", "2", "--batch", "3")
+    assert code == 2 and "takes no batch parameter" in err and "Traceback" not in err
+
+
+def test_plan_and_trace_a_hugging_face_config(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    cfg = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 64, "bos_token_id": 0, "eos_token_id": 0}
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    code, out, err = _main(capsys, "plan", "--model", str(folder / "config.json"), "--mesh", "2x2", "--cluster",
+                           "cpu-local", "--batch", "4", "--seq", "128", "--layers", "3")
+    assert code == 0, err
+    assert "llama:tiny-llama (n_layers=3)" in out and "batch 4 seq 64" in out  # seq capped at the positions
+    assert "model.layers.0 .. model.layers.2  (x 3, tied: planned once)" in out
+    assert "self_attn.q_proj" in out and "lm_head" in out
+    code, out, err = _main(capsys, "trace", "--model", str(folder), "--batch", "2", "--seq", "16")
+    assert code == 0, err
+    assert "parameters" in out and "nodes" in out
+
+
+def test_unknown_model_is_a_usage_error(capsys):
+    from stpc import models
+
+    for verb in ("plan", "trace"):
+        argv = [verb, "--model", "llama-7b"] + (["--mesh", "2"] if verb == "plan" else [])
+        code, out, err = _main(capsys, *argv)
+        assert code == 2, (verb, out, err)
+        assert len(err.strip().splitlines()) == 1 and "unknown model 'llama-7b'" in err
+        assert all(name in err for name in models.CONFIGS) and "config.json" in err and "module:factory" in err
+    code, _, err = _main(capsys, "plan", "--model", "no_such_module_x:build", "--mesh", "2")
+    assert code == 2 and "no module 'no_such_module_x'" in err
+    code, _, err = _main(capsys, "plan", "--model", "missing/config.json", "--mesh", "2")
+    assert code == 2 and "no such Hugging Face config file" in err

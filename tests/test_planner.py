@@ -219,6 +219,9 @@ def test_plan_json_roundtrip_hash_and_explain(tmp_path):
     path.write_text(__import__("json").dumps(d))
     with pytest.raises(ValueError, match="corrupt"):
         Plan.load(str(path))
+    for text in ("null", "[]", "1", '{"nodes": []}', '{"model": "m"}'):  # JSON, but not a plan
+        with pytest.raises(ValueError, match="corrupt"):
+            Plan.from_json(text)
     lin = next(k for k, v in plan.nodes.items() if v.op == "linear.default")
     ex = plan.explain(lin)
     assert "alternatives" in ex and ex.count("\n") >= 3 and "*" in ex

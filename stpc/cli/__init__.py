@@ -1,7 +1,7 @@
 """cli: the ``python -m stpc`` verbs. In: command-line arguments. Out: plans, dumps, profiles
 and demo runs on disk and stdout, through the library's stages (each verb adds no logic of its own).
 
-trace (a zoo model's graph), plan (search one model on a cluster preset), calibrate
+trace (a model's graph: a zoo name, a factory or a Hugging Face config), plan (search one model on a cluster), calibrate
 (measure this machine into a cost-model profile), demo (the README's main job), bench
 (measured benchmarks, each regenerating its section of benchmarks/RESULTS.md).
 """

@@ -1,4 +1,14 @@
-"""``python -m stpc plan``: plan one training step of a zoo model on meta tensors.
+"""``python -m stpc plan``: plan one training step of a model on meta tensors, and print the
+plan in a page (``plan.summary()``: step time split into compute / exposed / hidden
+communication, per-device memory by part, one block per distinct layer with each
+matmul-like op's strategy and its cheapest alternative by full effect).
+
+``--model``: a zoo name, ``package.module:factory`` (a callable returning ``(model,
+example_inputs)``, called with the ``--batch``/``--seq``/``--layers`` given), or a path to a
+Hugging Face ``config.json`` (built on meta, random weights, nothing downloaded; called with
+``input_ids`` and ``labels`` of ``--batch x --seq``). An unknown one is a usage error (exit
+code 2) that lists the zoo. ``--layers N`` builds the model N layers deep (plan at reduced
+depth). ``--brief`` prints the few header lines only.
 
 Defaults (the same for every model unless given): global batch 8, sequence
 2048 (capped at the model's position table), fp32 with AdamW (16 B/param);
@@ -16,9 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
-from stpc.cli._common import meta_trace
+from stpc.cli._common import MODEL_HELP, UnknownModel, meta_trace
 from stpc.cost_models import get_cluster
 from stpc.frontend import dump
 from stpc.planner import InfeasibleBudget, search
@@ -27,10 +38,12 @@ from stpc.planner.baselines import describe_layout
 
 def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int | None = None,
                seq: int | None = None, dtype: str = "fp32", budget_gib: float | None = None,
-               hints: str | None = None, temporal: bool = True, use_budget: bool = True):
-    """Trace ``model`` on meta tensors and search; returns (plan, traced graph)."""
+               hints: str | None = None, temporal: bool = True, use_budget: bool = True,
+               layers: int | None = None):
+    """Trace ``model`` (a zoo name, ``package.module:factory`` or a Hugging Face config path:
+    ``stpc.cli._common.load_model``) on meta tensors and search; returns (plan, traced graph)."""
     t0 = time.perf_counter()
-    tg, batch, seq = meta_trace(model, batch, seq, dtype)
+    tg, batch, seq = meta_trace(model, batch, seq, dtype, layers)
     t1 = time.perf_counter()
     cl = get_cluster(cluster)
     budget = None
@@ -62,7 +75,8 @@ def summary(plan) -> dict:
 def main_plan(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m stpc plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--layers", type=int, default=None, help="build the model with this many layers")
     p.add_argument("--mesh", required=True, help="N (the planner picks the shape) or a shape like 4x8")
     p.add_argument("--cluster", default="primepar-v100", help="preset name or a calibrate profile .json")
     p.add_argument("--batch", type=int, default=None)
@@ -75,10 +89,14 @@ def main_plan(argv: list[str]) -> int:
     p.add_argument("--no-temporal", action="store_true", help="spatial strategies only (Alpa-like)")
     p.add_argument("--json", default=None, help="write the summary (and the plan beside it) here")
     p.add_argument("--dump", default=None, help="write the per-node plan table here (+ .dot)")
+    p.add_argument("--brief", action="store_true", help="print the header lines only, not the plan's summary")
     a = p.parse_args(argv)
     try:
         plan, tg = plan_model(a.model, a.mesh, a.cluster, a.batch, a.seq, a.dtype, a.budget_gib, a.hints,
-                              not a.no_temporal, use_budget=not a.no_budget)
+                              not a.no_temporal, use_budget=not a.no_budget, layers=a.layers)
+    except UnknownModel as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except InfeasibleBudget as e:
         print(f"error: {e}")
         return 3
@@ -89,9 +107,18 @@ def main_plan(argv: list[str]) -> int:
           f"GiB/device  search {s['search_time_s']:.3f} s  total {s['total_time_s']:.2f} s  "
           f"nodes {s['num_nodes']}  variables {s['num_variables']}")
     print(f"layout: {describe_layout(s['layout'])}" + (f"  (hints {s['hints']})" if s["hints"] else ""))
-    print("strategies: " + ", ".join(f"{k} {v}" for k, v in s["strategy_counts"].items()))
     if s["fallback_ops"]:
         print("replicated (no sharding rule): " + ", ".join(f"{k} x{v}" for k, v in s["fallback_ops"].items()))
+    if a.brief:
+        print("strategies: " + ", ".join(f"{k} {v}" for k, v in s["strategy_counts"].items()))
+    else:
+        t_sum = time.perf_counter()
+        print()
+        print(plan.summary(), end="")
+        print(f"(summary {time.perf_counter() - t_sum:.2f} s: its re-solves; plan.explain(node) ranks every "
+              "alternative of a node)")
+        s["summary_time_s"] = plan.stats.get("summary_time_s")
+        s["breakdown"] = plan.stats.get("breakdown")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=1, sort_keys=True)

@@ -623,6 +623,7 @@ def make_plan(b: Builder, problem: Problem, sol: Solution, build_time_s: float, 
              "tied_nodes": len(b.tie), "fallback_ops": dict(b.fallback), "hints": b.hints.name}
     plan = b.to_plan(sol.choice, sol, problem, {"dtype": dtype, "budget": b.budget, "stats": stats})
     plan.stats["strategy_counts"] = plan.strategy_counts()
+    plan.attach(b, problem, sol)  # the problem, for plan.explain's re-solves (not serialised, not hashed)
     return plan
 
 

@@ -2,7 +2,13 @@
 
 JSON on disk (no pickle), a stable hash over what decides the program (mesh,
 per-node placements, modelled costs — never timings), and readable views:
-``plan.table()`` and ``plan.explain(node_name)``.
+``plan.summary()`` (the plan in a page), ``plan.explain(node_name)`` (a node's
+strategies ranked by their full effect on the step time), ``plan.table()`` (every node);
+``stpc.planner.summary`` writes the first two and ``plan_diff``.
+
+A plan planned in this process keeps the problem it was solved from (``Plan.attach``:
+not serialised, not in the hash), which the full-effect ranking re-solves; a plan
+loaded from JSON has none and says so.
 """
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ import hashlib
 import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+
+from stpc.planner.summary import Solved, explain, summary
 
 
 @dataclass
@@ -31,6 +39,7 @@ class NodePlan:
     comm_s: float = 0.0            # modelled resharding seconds on its input edges
     mem_bytes: float = 0.0         # persistent bytes per device it accounts for
     tied_to: str = ""              # the representative node of an identical layer
+    module: str = ""               # the nn.Module path it came from (not hashed: for reading)
 
     def describe(self) -> str:
         tag = "" if self.kind in ("spatial", "") else f"{self.kind}@{self.axis} "
@@ -75,25 +84,41 @@ class Plan:
                 f"{k} {v}" for k, v in self.stats["indivisible"].items()) + "\n"
         return head + "\n".join("  ".join(c.ljust(x) for c, x in zip(r, w)) for r in rows) + "\n"
 
-    def explain(self, node_name: str) -> str:
-        """The chosen strategy of ``node_name`` and its best alternatives, each with the
-        modelled seconds of the node plus its input edges with the neighbours as planned."""
-        if node_name not in self.nodes:
-            raise KeyError(f"no node {node_name!r} in the plan")
-        n = self.nodes[node_name]
-        rep = n.tied_to or node_name
-        lines = [f"{node_name} ({n.op}, {n.role}): {n.describe()}"
-                 + (f"  [tied to {n.tied_to}]" if n.tied_to else "")]
-        alts = self.alternatives.get(rep)
-        if not alts:
-            lines.append("  no alternatives: " + ("follows its input" if n.role == "follower" else
-                                                  "a single choice"))
-        else:
-            lines.append("  alternatives (modelled ms: node + input edges, neighbours as planned):")
-            for desc, secs in alts:
-                mark = "*" if desc == n.describe() else " "
-                lines.append(f"  {mark} {desc:40s} {secs * 1e3:10.4f}")
-        return "\n".join(lines)
+    def explain(self, node_name: str, top: int = 6, time_limit_s: float = 10.0) -> str:
+        """The chosen strategy of ``node_name`` and its best ``top`` alternatives ranked by
+        full effect: the modelled step time of the best plan in which the node's group (it,
+        its followers, its tied copies) takes each (the problem re-solved with the group
+        fixed). A plan loaded from disk has no problem to re-solve: it gives the local
+        ranking (node + input edges, neighbours as planned) and says so. Where the memory
+        budget binds, each alternative is CP-SAT's, up to ``time_limit_s``."""
+        return explain(self, node_name, top, time_limit_s)
+
+    def summary(self) -> str:
+        """The plan in a page: step time split into compute / exposed / hidden communication,
+        per-device memory into parameters / gradients / optimizer / activations / transient,
+        and per distinct layer each matmul-like node's strategy and its cheapest alternative
+        (``stpc.planner.summary``)."""
+        return summary(self)
+
+    @property
+    def solved(self):
+        """The problem this plan was solved from (``summary.Solved``), or None (loaded from disk)."""
+        return self.__dict__.get("_solved")
+
+    def attach(self, builder, problem, solution) -> None:
+        """Keep the problem this plan was solved from (the builder, its integer problem and
+        the chosen assignment), for the full-effect views; also records each node's module
+        path. Not serialised, not hashed."""
+        self._solved = Solved(builder, problem, solution.choice, solution.objective_ns, solution.peak_bytes)
+        for name, module in self._solved.modules().items():
+            n = self.nodes.get(name)
+            if n is not None:
+                n.module = module
+
+    def __getstate__(self):  # pickling / deepcopy leave the problem behind (it holds the graph)
+        d = dict(self.__dict__)
+        d.pop("_solved", None)
+        return d
 
     # ------------------------------------------------------------------ identity and disk
     def _canonical(self) -> dict:
@@ -108,9 +133,14 @@ class Plan:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def to_json(self) -> str:
+        """Keys sorted, except the nodes (and their alternatives), which keep graph order:
+        a loaded plan reads (``summary``, ``table``) in the order it was planned."""
         d = asdict(self)
         d["plan_hash"] = self.hash()
-        return json.dumps(d, indent=1, sort_keys=True)
+        ordered = {k: d.pop(k) for k in ("nodes", "alternatives")}
+        out = json.loads(json.dumps(d, sort_keys=True))
+        out.update(ordered)
+        return json.dumps(out, indent=1)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -119,10 +149,15 @@ class Plan:
     @staticmethod
     def from_json(text: str) -> "Plan":
         d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError(f"plan file is corrupt: not a plan object (JSON {type(d).__name__})")
         want = d.pop("plan_hash", None)
-        d["nodes"] = {k: NodePlan(**v) for k, v in d["nodes"].items()}
-        d["alternatives"] = {k: [tuple(a) for a in v] for k, v in d.get("alternatives", {}).items()}
-        plan = Plan(**d)
+        try:
+            d["nodes"] = {k: NodePlan(**v) for k, v in d["nodes"].items()}
+            d["alternatives"] = {k: [tuple(a) for a in v] for k, v in d.get("alternatives", {}).items()}
+            plan = Plan(**d)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"plan file is corrupt: {type(e).__name__}: {e}") from None
         if want is not None and plan.hash() != want:
             raise ValueError("plan file is corrupt: its content does not match its plan_hash")
         return plan

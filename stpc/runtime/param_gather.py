@@ -9,10 +9,13 @@ early and waited late (FSDP's coalesced, prefetched all-gather).
 the data arrives while the caller computes); ``gather_wait`` waits for it and cuts each
 parameter out of the rank-major buffer, joining the ranks' pieces along the dim it is
 split on. Backward is the dual: ``gather_wait`` lays the gradients of the whole
-parameters back out rank-major, ``gather_start`` reduce-scatters them in one collective
-(``grad="rs"``: the consumers split their work over the group, so each rank holds a
-partial gradient) or keeps this rank's part (``grad="slice"``: the gradient is complete)
-and cuts it into the shards' gradients.
+parameters back out rank-major and (``grad="rs"``: the consumers split their work over
+the group, so each rank holds a partial gradient) launches their one reduce-scatter at
+once, so it travels while backward computes the earlier layers; ``gather_start``, which
+the autograd engine runs after those (it was made earlier in forward), waits for it and
+cuts it into the shards' gradients (``grad="slice"``: the gradient is complete, this
+rank keeps its part). Under ``torch.compile`` the reduce-scatter is issued and waited in
+``gather_start``'s backward (the compiler schedules it).
 
 Plain differentiable distributed functions of local tensors; they know nothing of plans.
 """
@@ -47,7 +50,11 @@ class _GatherStart(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         n = _size(ctx.group)
-        if ctx.grad == "rs":
+        pending = getattr(ctx, "pending", None)
+        if pending is not None:  # launched by gather_wait's backward: only wait for it here
+            ctx.pending = None
+            mine = _guarded("reduce_scatter (coalesced parameter gradients)", _c10d.wait_tensor, ctx.group, pending)
+        elif ctx.grad == "rs":
             mine = _guarded("reduce_scatter (coalesced parameter gradients)", _reduce_scatter, ctx.group,
                             g.contiguous(), n, ctx.group)
         else:
@@ -65,6 +72,11 @@ class _GatherWait(torch.autograd.Function):
     def forward(ctx, out, shapes, dims, group):
         n = _size(group)
         ctx.shapes, ctx.dims, ctx.n, ctx.like = shapes, dims, n, (out.dtype, out.device)
+        # eager: this gather's start node, so backward can launch its reduce-scatter early
+        start = out.grad_fn
+        ctx.start = start if (isinstance(start, _GatherStart._backward_cls) and start.grad == "rs"
+                              and not torch.compiler.is_compiling()) else None
+        ctx.group = group
         buf = _c10d.wait_tensor(out).view(n, -1)
         fulls, offset = [], 0
         for shape, d in zip(shapes, dims):
@@ -87,7 +99,16 @@ class _GatherWait(torch.autograd.Function):
             split = list(shape)
             split[d:d + 1] = [n, shape[d]]
             parts.append(g.reshape(split).movedim(d, 0).reshape(n, -1))  # rank-major, as gathered
-        return torch.cat(parts, dim=1).reshape(-1), None, None, None
+        flat = torch.cat(parts, dim=1).reshape(-1)
+        start, ctx.start = ctx.start, None
+        if start is None:
+            return flat, None, None, None
+        # launch the layer's reduce-scatter now: it travels while backward computes the earlier
+        # layers, and the start node (run later by the engine) waits for it; autograd gets a
+        # stand-in of the right shape (no memory), which the start node ignores
+        start.pending = _guarded("reduce_scatter (coalesced parameter gradients)", _c10d.reduce_scatter_tensor,
+                                 ctx.group, flat, "sum", n, ctx.group)
+        return torch.zeros((), dtype=flat.dtype, device=flat.device).expand(flat.shape), None, None, None
 
 
 def gather_start(shards: list[Tensor], group: str, grad: str = "rs") -> Tensor:
