@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -34,6 +35,7 @@ from stpc.placement import is_grid, local_shape
 from stpc.runtime.dtensors import dtensor_placements, stored, to_plan_layout
 from stpc.runtime.failure import comm_failure
 from stpc.runtime.grad_reducer import GradReducer
+from stpc.validate import PlanWarning
 
 __all__ = ["DistributedModel", "Compiled", "Program", "ShapeMismatch", "full_meta_view", "adopt", "flatten_call",
            "local_bytes", "mesh_device"]
@@ -117,6 +119,7 @@ class Compiled:
         self.first = None
         self.check_group = check_group    # where every call's signature is compared (None: WORLD)
         self._digests: dict = {}
+        self._hooks_warned: tuple = ()
 
     # ------------------------------------------------------------------ views
     @property
@@ -163,6 +166,7 @@ class Compiled:
     def run(self, module: nn.Module, args, kwargs):
         flat, spec = flatten_call(args, kwargs)
         key = self.signature(flat, spec, module.training)
+        self._warn_submodule_hooks(module)
         self._agree(key)
         prog = self.programs.get(key)
         if prog is None:
@@ -186,6 +190,19 @@ class Compiled:
         for other in self.programs.values():
             if other.reducer is not None:
                 other.reducer.enabled = other is prog
+
+    def _warn_submodule_hooks(self, module) -> None:
+        """Forward hooks on submodules never fire (the program replaces their calls): say so,
+        once per set of hooked submodules, instead of leaving the hooks silently dead."""
+        hooked = tuple(name for name, m in module.named_modules()
+                       if name and (m._forward_hooks or m._forward_pre_hooks))
+        if hooked and hooked != self._hooks_warned:
+            self._hooks_warned = hooked
+            more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
+            warnings.warn(f"stpc: forward hooks on submodules {', '.join(hooked[:3])}{more} do not fire: the "
+                          f"compiled program replaces their calls (hooks on the model itself and on parameters "
+                          f"and their gradients do). Fix: hook the compiled model itself, or compute what the hook "
+                          f"needs from the model's outputs", PlanWarning, stacklevel=4)
 
     def _agree(self, key) -> None:
         """Every call, before any of its communication: the ranks compare the call's

@@ -56,6 +56,18 @@ def _surface(rank, world, model_name, plan_json, overrides):
     pm.register_forward_hook(lambda m, a, o: seen.append("post"))
     first = next(pm.parameters())
     first.register_hook(lambda gr: seen.append("grad") or gr)
+    # a submodule's forward hook cannot fire (the program replaces its call): a warning says so
+    import warnings
+
+    inner = next(m for name, m in pm.named_modules() if name)
+    handle = inner.register_forward_hook(lambda m, a, o: seen.append("inner"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm(*batches[0])
+    out["submodule_hook_warned"] = any(issubclass(w.category, stpc.PlanWarning) and "do not fire" in str(w.message)
+                                       for w in caught)
+    handle.remove()
+    seen.clear()
 
     # optimizers on the DTensor parameters, each against the same optimizer on one device
     errors = {}
