@@ -296,10 +296,17 @@ def test_deterministic_across_processes():
 
 def test_mesh_shapes():
     assert mesh_shapes(4) == [(4,), (2, 2)]
+    assert mesh_shapes(8) == [(8,), (4, 2), (2, 4), (2, 2, 2)]  # every order: which axis is inner matters
     for n in (8, 16, 32, 64):
         shapes = mesh_shapes(n)
-        assert all(math.prod(s) == n and len(s) <= 3 and list(s) == sorted(s, reverse=True) for s in shapes)
-        assert (n,) in shapes
+        assert all(math.prod(s) == n and len(s) <= 3 for s in shapes) and len(set(shapes)) == len(shapes)
+        assert (n,) in shapes and all(tuple(reversed(s)) in shapes for s in shapes)
+    # on 4-GPU nodes 2x8 (the 8-axis spans nodes) and 8x2 (the 2-axis inside a node) differ;
+    # inside one 8-GPU node 4x2 and 2x4 are one problem with its axes renamed
+    v100 = mesh_shapes(16, cluster=get_cluster("primepar-v100"))
+    assert (2, 8) in v100 and (8, 2) in v100
+    h100 = mesh_shapes(8, cluster=get_cluster("dgx-h100"))
+    assert (4, 2) in h100 and (2, 4) not in h100
 
 
 @pytest.mark.parametrize("n", [4, 8, 16, 32, 64])

@@ -21,6 +21,13 @@ cluster preset unless ``--budget-gib`` is given.
 space (every DP x TP factorisation and axis order, ZeRO on or off; see
 ``stpc.planner.baselines``) under the same cost model and budget; the layout it picked
 is printed and written to the JSON summary (``layout``).
+
+``--plot FILE.png`` writes two pictures (``stpc.viz``, needs matplotlib): ``FILE-memory.png``,
+the modelled per-device memory over the step (parameters, gradients, optimizer state,
+activations growing through forward and released through backward, each op's transient)
+and its parts at the peak; ``FILE-layers.png``, the modelled step time per distinct layer
+(compute / exposed / hidden communication) beside the megatron preset's best plan on the
+same devices and budget (beside stpc's own plan when ``--hints megatron``).
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ import time
 from stpc.cli._common import MODEL_HELP, UnknownModel, meta_trace
 from stpc.cost_models import get_cluster
 from stpc.frontend import dump
-from stpc.planner import InfeasibleBudget, search
+from stpc.planner import HintUnsatisfiable, InfeasibleBudget, search
 from stpc.planner.baselines import describe_layout
 
 
@@ -90,7 +97,16 @@ def main_plan(argv: list[str]) -> int:
     p.add_argument("--json", default=None, help="write the summary (and the plan beside it) here")
     p.add_argument("--dump", default=None, help="write the per-node plan table here (+ .dot)")
     p.add_argument("--brief", action="store_true", help="print the header lines only, not the plan's summary")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write FILE-memory.png (memory over the step) "
+                   "and FILE-layers.png (per-layer step time against the megatron preset); needs matplotlib")
     a = p.parse_args(argv)
+    viz = None
+    if a.plot:
+        try:
+            from stpc import viz  # lazy: matplotlib (~0.5 s, a test extra) is only needed for --plot
+        except ImportError as e:
+            print(f"error: --plot needs matplotlib ({e}); fix: pip install matplotlib", file=sys.stderr)
+            return 1
     try:
         plan, tg = plan_model(a.model, a.mesh, a.cluster, a.batch, a.seq, a.dtype, a.budget_gib, a.hints,
                               not a.no_temporal, use_budget=not a.no_budget, layers=a.layers)
@@ -129,4 +145,21 @@ def main_plan(argv: list[str]) -> int:
             f.write(plan.table())
         dump(tg, a.dump.removesuffix(".txt") + ".graph.txt", plan=plan)
         print(f"wrote {a.dump}")
+    if viz is not None:
+        _plot(viz, a, plan, tg)
     return 0
+
+
+def _plot(viz, a, plan, tg) -> None:
+    """``--plot``: the baseline (the megatron preset; stpc's own plan if this one is megatron's)
+    searched on the same graph, devices and budget, then ``stpc.viz.plot_plan``."""
+    other = None if a.hints == "megatron" else "megatron"
+    try:
+        base = search(tg, a.mesh, get_cluster(a.cluster), budget_bytes=plan.budget_bytes, hints=other,
+                      temporal=not a.no_temporal, dtype=a.dtype,
+                      optimizer_layout="fp32-adam" if a.dtype == "fp32" else "mixed-adam")
+    except (InfeasibleBudget, HintUnsatisfiable, ValueError) as e:
+        print(f"(no {other or 'stpc'} baseline in the picture: {str(e).splitlines()[0]})")
+        base = None
+    for path in viz.plot_plan(plan, a.plot, base, tg):
+        print(f"wrote {path}")

@@ -42,23 +42,38 @@ from stpc.planner.solver import (InfeasibleBudget, NoBetterPlan, Problem, elimin
                                  min_memory, solve)
 
 
-def mesh_shapes(n: int, max_axes: int = 3) -> list[tuple[int, ...]]:
-    """Every factorisation of ``n`` into at most ``max_axes`` factors >= 2, largest first."""
+def mesh_shapes(n: int, max_axes: int = 3, cluster=None) -> list[tuple[int, ...]]:
+    """Every factorisation of ``n`` into at most ``max_axes`` factors >= 2, in every order
+    (the order decides which axis is innermost, i.e. which groups share a node: 2x8 and 8x2
+    are different layouts, and a baseline may use either), fewest axes first, then largest
+    factors first. With ``cluster``: an order whose axes cost exactly as an earlier
+    shape's (the same (size, link) per axis, permuted) is the same problem with its axes
+    renamed, and is left out."""
     out = []
 
-    def rec(rest, prefix, hi):
+    def rec(rest, prefix):
         if rest == 1:
             if prefix:
                 out.append(tuple(prefix))
             return
         if len(prefix) == max_axes:
             return
-        for f in range(min(hi, rest), 1, -1):
+        for f in range(rest, 1, -1):
             if rest % f == 0:
-                rec(rest // f, prefix + [f], f)
+                rec(rest // f, prefix + [f])
 
-    rec(n, [], n)
-    return sorted(out, key=lambda s: (len(s), s)) or [(1,)]
+    rec(n, [])
+    out = sorted(out, key=lambda s: (len(s), [-f for f in s])) or [(1,)]
+    if cluster is None:
+        return out
+    kept, seen = [], set()
+    for s in out:
+        cm = CostModel(cluster, s) if math.prod(s) <= cluster.num_devices else None
+        key = tuple(sorted(map(str, (cm.axis_signature(a) for a in range(len(s)))))) if cm else s
+        if key not in seen:
+            seen.add(key)
+            kept.append(s)
+    return kept
 
 
 def parse_mesh(spec) -> tuple[tuple[int, ...] | None, int]:
@@ -72,10 +87,10 @@ def parse_mesh(spec) -> tuple[tuple[int, ...] | None, int]:
     return (None, parts[0]) if len(parts) == 1 else (tuple(parts), math.prod(parts))
 
 
-def _candidates(hints, shape, n) -> list[tuple[tuple[int, ...], Hints, dict]]:
+def _candidates(hints, shape, n, cluster=None) -> list[tuple[tuple[int, ...], Hints, dict]]:
     """(mesh shape, hints, what it is) of every point the search solves: the layouts of a
     baseline preset, else every mesh shape (or the one given) under the hints."""
-    shapes = [shape] if shape else mesh_shapes(n)
+    shapes = [shape] if shape else mesh_shapes(n, cluster=cluster)
     if hints in baselines.BASELINES:
         return baselines.candidates(hints, n, shape, shapes)
     return [(s, preset(hints, s) if isinstance(hints, str) else (hints or Hints()),
@@ -133,7 +148,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     shape, n = parse_mesh(mesh)
     facts = analyse(tg)  # (done by ``stpc.trace``: mesh-independent)
     tried, infeasible, candidates = [], [], []
-    for idx, (s, h, layout) in enumerate(_candidates(hints, shape, n)):
+    for idx, (s, h, layout) in enumerate(_candidates(hints, shape, n, cl)):
         if not temporal:
             h = dataclasses.replace(h, temporal=False)  # (the caller's Hints stay as they were)
         t_shape = time.perf_counter()
