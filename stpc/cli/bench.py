@@ -4,7 +4,8 @@ benchmarks/RESULTS.md (``--results FILE``; the section sits between
 so no figure in it is ever typed by hand).
 
 Benchmarks: ``runtime`` (stpc's programs against torch's own engines, side by side on the
-same ranks; ``stpc.cli.bench_runtime``).
+same ranks; ``stpc.cli.bench_runtime``), ``fidelity`` (the planner's predicted peak memory
+and step time against measured runs of five plans; ``stpc.cli.bench_fidelity``).
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from datetime import datetime, timezone
 
 import torch
 
+from stpc.cli.bench_fidelity import main_fidelity
 from stpc.cli.bench_runtime import main_runtime
 
-BENCHES = {"runtime": main_runtime}
+BENCHES = {"runtime": main_runtime, "fidelity": main_fidelity}
 
 
 def machine_line() -> str:

@@ -57,8 +57,8 @@ class _GatherStart(torch.autograd.Function):
         elif ctx.grad == "rs":
             mine = _guarded("reduce_scatter (coalesced parameter gradients)", _reduce_scatter, ctx.group,
                             g.contiguous(), n, ctx.group)
-        else:
-            mine = g.view(n, -1)[_rank(ctx.group)]
+        else:  # this rank's part, copied out: a view would keep the whole gathered gradient alive
+            mine = g.reshape(n, -1)[_rank(ctx.group)].clone()
         grads, offset = [], 0
         for shape in ctx.shapes:
             k = math.prod(shape)

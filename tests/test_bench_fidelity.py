@@ -1,0 +1,223 @@
+"""``python -m stpc bench fidelity``: the judging (Kendall's tau-b, the targets), the report
+on a synthetic run, the phase-split memory measurement against ``bench_runtime``'s, and (slow)
+an end-to-end run on 4 gloo ranks at a tiny size with its JSON schema."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from stpc.cli import bench
+from stpc.cli.bench_fidelity import (DEFAULT_PLANS, _profile_step, json_records, judge, kendall_tau, notes,
+                                     param_mismatches, plan_spec, rel_error, report)
+from stpc.cli.bench_runtime import StpcEngine, _peak_of_step, _step
+from stpc.frontend import models
+
+KEYS = ("plan", "predicted_peak_bytes", "measured_peak_bytes", "predicted_step_s", "measured_step_s")
+
+
+# ----------------------------------------------------------------------------- Kendall's tau-b
+
+
+def test_tau_same_and_reversed_order():
+    assert kendall_tau([1, 2, 3, 4, 5], [10, 20, 30, 40, 50]) == pytest.approx(1.0)
+    assert kendall_tau([1, 2, 3, 4, 5], [5, 4, 3, 2, 1]) == pytest.approx(-1.0)
+    # only the order counts, not the values
+    assert kendall_tau([0.1, 0.5, 0.2], [3.0, 9.0, 4.0]) == pytest.approx(1.0)
+
+
+def test_tau_one_swap():
+    # 6 pairs, one discordant: (5 - 1) / 6
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+
+
+def test_tau_b_with_ties():
+    # a tie in x only: P=5, Q=0, T=1, U=0 -> 5 / sqrt((5+1)(5+0))
+    assert kendall_tau([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(5 / math.sqrt(30))
+    # a tie in y only is symmetric
+    assert kendall_tau([1, 2, 3, 4], [1, 2, 2, 3]) == pytest.approx(5 / math.sqrt(30))
+    # a pair tied on both sides counts in neither the numerator nor either side's untied pairs:
+    # pairs 6, joint tie 1 -> P=5 -> 5 / sqrt(5 * 5) = 1
+    assert kendall_tau([1, 2, 2, 3], [1, 2, 2, 3]) == pytest.approx(1.0)
+    # a tie against a strict order: x = [1, 1, 2], y = [1, 2, 3]: P=2, T=1 -> 2 / sqrt(3 * 2)
+    assert kendall_tau([1, 1, 2], [1, 2, 3]) == pytest.approx(2 / math.sqrt(6))
+
+
+def test_tau_undefined():
+    assert kendall_tau([], []) is None
+    assert kendall_tau([1.0], [2.0]) is None
+    assert kendall_tau([1, 1, 1], [1, 2, 3]) is None  # one side all tied
+    with pytest.raises(ValueError):
+        kendall_tau([1, 2], [1])
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def _rec(plan, pm, mm, pt, mt):
+    return {"plan": plan, "predicted_peak_bytes": pm, "measured_peak_bytes": mm, "predicted_step_s": pt,
+            "measured_step_s": mt}
+
+
+def test_rel_error_sign():
+    assert rel_error(90.0, 100.0) == pytest.approx(-0.10)   # the model is low: negative
+    assert rel_error(125.0, 100.0) == pytest.approx(0.25)
+
+
+def test_judge_all_met():
+    recs = [_rec("a", 104, 100, 1.2, 1.0), _rec("b", 196, 200, 1.6, 2.0), _rec("c", 300, 300, 2.9, 3.0)]
+    v = judge(recs)
+    assert v["memory_met"] and v["time_met"] and v["order_met"]
+    assert v["tau"] == pytest.approx(1.0)
+    assert [r["plan"] for r in v["rows"]] == ["a", "b", "c"]
+    assert v["rows"][0]["memory_error"] == pytest.approx(0.04)
+    assert v["rows"][1]["time_error"] == pytest.approx(-0.2)
+
+
+def test_judge_boundaries_and_misses():
+    # exactly at the limits counts as met; one step over misses; one swap breaks the order
+    recs = [_rec("a", 105, 100, 1.25, 1.0), _rec("b", 100, 100, 0.7, 2.0), _rec("c", 94, 100, 1.3, 1.5)]
+    v = judge(recs)
+    rows = {r["plan"]: r for r in v["rows"]}
+    assert rows["a"]["memory_met"] and rows["a"]["time_met"]
+    assert rows["b"]["memory_met"] and not rows["b"]["time_met"]     # -65%
+    assert not rows["c"]["memory_met"] and rows["c"]["time_met"]     # -6%, -13%
+    assert not v["memory_met"] and not v["time_met"]
+    assert not v["order_met"] and v["tau"] < 1
+
+
+def test_judge_targets_are_parameters():
+    recs = [_rec("a", 110, 100, 1.4, 1.0), _rec("b", 220, 200, 2.8, 2.0)]
+    assert not judge(recs)["memory_met"]
+    v = judge(recs, memory_target=0.10, time_target=0.40)
+    assert v["memory_met"] and v["time_met"] and v["order_met"]
+
+
+# ----------------------------------------------------------------------------- plans, report
+
+
+def test_plan_specs():
+    assert DEFAULT_PLANS == ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2")
+    assert plan_spec("megatron", 4) == (4, "megatron")
+    assert plan_spec("solved", 4) == (4, None)
+    mesh, hints = plan_spec("p2x2", 4)
+    assert mesh == (4,) and hints.name == "p2x2"
+    with pytest.raises(ValueError, match="axis of 4"):
+        plan_spec("p2x2", 8)
+    with pytest.raises(ValueError, match="unknown plan"):
+        plan_spec("nope", 4)
+
+
+def test_registered():
+    assert bench.BENCHES["fidelity"].__name__ == "main_fidelity"
+
+
+def _profiled(weight, opt):
+    return {"start_bytes": 3 * weight + opt, "forward_end_bytes": 2 * weight + opt + 500,
+            "forward_max_bytes": 2 * weight + opt + 600, "backward_max_bytes": 3 * weight + opt + 400,
+            "optimizer_max_bytes": 4 * weight + opt, "zero_grad_max_bytes": 3 * weight + opt,
+            "forward_s": 0.4, "backward_s": 0.8, "optimizer_s": 0.1, "zero_grad_s": 0.0,
+            "gemm_s": 0.7, "comm_s": 0.2, "ring_s": 0.05, "other_s": 0.3, "top_ops": [],
+            "weight_bytes": weight, "grad_bytes": weight, "optimizer_bytes": opt}
+
+
+def _full_record(plan="megatron", zero1=True):
+    r = _rec(plan, 2000.0, 2600.0, 1.0, 1.4) | {
+        "mesh": "4", "layout": "dp 4 x tp 1, ZeRO-1 (distributed optimizer)" if zero1 else "",
+        "families": {"spatial": 10}, "cluster": "calibrated-test", "plan_hash": "abc",
+        "zero1_modelled_not_run": zero1, "plan_s": 0.01,
+        "predicted_parts": {"weight_bytes": 400, "grad_bytes": 400, "optimizer_bytes": 200, "activation_bytes": 800,
+                            "transient_bytes": 200, "compute_s": 0.8, "exposed_s": 0.2},
+        "planned_params": {"wte.weight": ("(S0)", 100.0), "fc.weight": ("(S0)", 300.0)},
+        "held_params": {"wte.weight": ("(Replicate(),)", 400), "fc.weight": ("(Shard(dim=0),)", 300)},
+        "measured_fwd_bwd_s": 1.25, "measured_optimizer_s": 0.15, "steps_s": [1.4] * 3,
+        "measured_peak_bytes_per_rank": [2600, 2500], "first_loss": 9.0}
+    r["profiled"] = [_profiled(400, 800), _profiled(400, 800)]
+    return r
+
+
+def test_param_mismatches_and_notes():
+    r = _full_record()
+    mis = param_mismatches(r)
+    assert mis == [("wte.weight", "(S0)", 100.0, "(Replicate(),)", 400)]
+    text = notes(r)
+    assert "ZeRO-1" in text and "wte.weight" in text and "optimizer step (not modelled)" in text
+
+
+def test_report_and_json_records():
+    recs = [_full_record(), _full_record("solved", zero1=False) | {"predicted_step_s": 0.9, "measured_step_s": 1.2,
+                                                                   "measured_fwd_bwd_s": 1.0}]
+    cfg = {"model": "gpt-50m", "d_model": 64, "layers": 1, "heads": 4, "ffn": 256, "batch": 4, "seq": 16,
+           "ranks": 2, "warmup": 1, "steps": 3, "cluster": None, "n_params": 1e6}
+    v = judge(recs)
+    text = report(cfg, recs, v, "machine: test", "python -m stpc bench fidelity", "load average 1 / 1 / 1")
+    assert "| megatron |" in text and "| solved |" in text
+    assert "-23.1% (missed)" in text          # memory 2000 against 2600
+    assert "Kendall's tau-b 1.000" in text and v["tau_fwd_bwd"] == pytest.approx(1.0)
+    assert "memory within 5% on every plan: MISSED" in text
+    out = json_records(recs)
+    assert all(tuple(o)[:5] == KEYS for o in out)
+    json.dumps(out)  # serialisable
+
+
+# ----------------------------------------------------------------------------- the measurement
+
+
+def test_phase_split_peak_is_bench_runtimes_peak():
+    """The phase-split profile of a step reaches the same peak as ``bench_runtime._peak_of_step``
+    (live bytes at the start + the allocator's highest climb) on a deterministic CPU model."""
+    torch.manual_seed(0)
+    model = models.build("gpt-tiny")
+    idx, tgt = models.example_inputs("gpt-tiny", 2, 16, device="cpu")
+    engine = StpcEngine("plain", "-", model, idx, tgt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    _step(engine, opt)  # optimizer state exists: steady state
+    unprimed = _peak_of_step(engine, opt)   # the benchmark's priming step (bench_fidelity._PRIMING)
+    peak = _peak_of_step(engine, opt)
+    assert unprimed >= peak
+    got = _profile_step(engine, opt)
+    top = max(got[f"{ph}_max_bytes"] for ph in ("forward", "backward", "optimizer"))
+    assert top == peak
+    # the end of forward holds no gradients (zero_grad freed them) but the saved activations
+    assert got["forward_end_bytes"] > got["start_bytes"] - sum(p.numel() * 4 for p in model.parameters())
+    assert got["gemm_s"] > 0 and got["forward_s"] > 0 and got["backward_s"] > 0
+    # what forward left alive, per top-level op: the linears' outputs saved for backward among them
+    alive = dict(got["forward_alive_by_op"])
+    assert any(b > 0 for b in alive.values()) and any("linear" in op or "mm" in op for op in alive)
+
+
+# ----------------------------------------------------------------------------- end to end (slow)
+
+
+@pytest.mark.slow
+def test_end_to_end_tiny(tmp_path):
+    out, md = tmp_path / "fidelity.json", tmp_path / "RESULTS.md"
+    md.write_text("# Results\n\n<!-- bench:fidelity -->\nold\n<!-- /bench:fidelity -->\n\ntail\n")
+    rc = bench.main_bench(["fidelity", "--layers", "1", "--d-model", "64", "--heads", "4", "--ffn", "128",
+                           "--batch", "4", "--seq", "16", "--steps", "2", "--warmup", "1", "--cluster", "cpu-local",
+                           "--json", str(out), "--results", str(md), "--timeout", "600"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    recs = data["records"]
+    assert [r["plan"] for r in recs] == list(DEFAULT_PLANS)
+    for r in recs:
+        assert tuple(r)[:5] == KEYS
+        assert isinstance(r["plan"], str)
+        for k in KEYS[1:]:
+            assert isinstance(r[k], (int, float)) and r[k] > 0 and math.isfinite(r[k]), (r["plan"], k)
+        assert r["measured_peak_bytes"] == max(r["measured_peak_bytes_per_rank"])
+        assert len(r["measured_peak_bytes_per_rank"]) == 4 and len(r["steps_s"]) == 2
+        assert r["mesh"] and r["families"] and r["cluster"]
+    fams = {r["plan"]: r["families"] for r in recs}
+    assert fams["p2x2"].get("p2x2") and fams["ag_rs"].get("ag_ring") and fams["ag_rs"].get("rs_ring")
+    assert "dp" in recs[0]["layout"]          # the megatron preset's chosen layout is named
+    # every plan trained the same model from the same weights
+    losses = [r["first_loss"] for r in recs]
+    assert max(losses) - min(losses) <= 1e-4 * abs(min(losses))
+    v = data["verdict"]
+    assert set(v) >= {"rows", "tau", "memory_met", "time_met", "order_met"}
+    text = md.read_text()
+    assert text.count("<!-- bench:fidelity -->") == 1 and "old" not in text and text.rstrip().endswith("tail")
+    assert "| p2x2 |" in text and "Kendall's tau-b" in text
