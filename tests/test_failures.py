@@ -126,16 +126,6 @@ def test_a_rank_that_dies_or_stalls_mid_ring_stops_the_others(how):
 # ---------------------------------------------------------------- the agreement's device (no GPU needed)
 
 
-@pytest.fixture
-def world_of_one():
-    """A real gloo world of one rank in this process (a HashStore: nothing listens)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_agreement_runs_on_the_cpu_under_gloo(world_of_one):
     assert agreement._comm_device() == torch.device("cpu")
     agreement.check_plan_agreement("ab" * 32)

@@ -146,16 +146,6 @@ def test_the_default_cluster_is_this_machines_calibrated_profile(monkeypatch, tm
         cluster(None, 8, "cuda")
 
 
-@pytest.fixture
-def world_of_one():
-    """A real gloo world of one rank in this process (a HashStore: nothing listens)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_mesh_on_another_device_type_is_refused(world_of_one):
     mesh = init_device_mesh("cpu", (1,))
     assert mesh_spec(mesh, None, 1, "cpu") == (1,)
