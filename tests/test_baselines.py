@@ -121,6 +121,15 @@ def test_fsdp_tp_is_the_best_of_its_space(name, n):
     assert sum(v.out[dp_axis][0] == "S" for v in params) >= len(params) - 2
 
 
+def test_fsdp_tp_never_nests_one_dim_with_dp_outer():
+    """With DP the outer axis, FSDP shards another dim than TP's split, so the runtime gathers
+    each weight over DP alone (one dim split on both would be gathered whole and sliced back)."""
+    tg = _meta_trace("gpt-tiny")
+    plan = search(tg, (2, 2), "primepar-v100", hints=fsdp_tp((2, 2), 0, 1))
+    weights = [v.out for v in plan.nodes.values() if v.role == "param" and v.out[1] != "R"]
+    assert weights and all(out[0][0] == "S" and out[0] != out[1] for out in weights), weights
+
+
 def test_spatial_is_the_best_spatial_plan_of_every_mesh_shape():
     tg = _meta_trace("llama-tiny")
     points = [(s, Hints(temporal=False), {"mesh": "x".join(map(str, s)), "temporal": False}) for s in mesh_shapes(8)]

@@ -108,7 +108,11 @@ def fsdp_tp(mesh_shape: tuple[int, ...], dp_axis: int, tp_axis: int | None = Non
     dp, tp = dp_axis, tp_axis
 
     def sharded(p):
-        return p[dp][0] == "S"
+        # FSDP shards a dim TP does not split when DP is the outer axis: the runtime nests
+        # splits outer axis first, so a dim split on both would be gathered whole over both
+        # axes and sliced back for TP (TorchTitan's strided sharding avoids that; here the
+        # other dim does, at the same bytes). A parameter with no other dim falls back.
+        return p[dp][0] == "S" and not (tp is not None and dp < tp and p[tp] == p[dp])
 
     return Hints(force=_tensor_parallel(dp, tp), param_force=[(r".", sharded), _vocab_parallel(tp)],
                  temporal=False, name="fsdp-tp")
