@@ -11,21 +11,24 @@ Each pass is a documented ``GraphModule -> GraphModule`` function, run in this o
   defer_grad_sync    data-parallel gradient all-reduces leave the graph for the bucketed,
                      overlapped ``runtime.GradReducer`` (when the caller asks for buckets)
   prefetch_params    ZeRO/FSDP parameter gathers coalesced per layer, issued one layer ahead
+  issue_early        forward-only all-reduces of the step's inputs (a loss's target count)
+                     issued at the start of the step, waited where used
   verify             static check: all ranks issue matching collectives and P2P transfers
 """
 from ._common import LoweringError
 from .cleanup import cleanup
 from .defer_grad_sync import defer_grad_sync
 from .insert_collectives import insert_collectives, reshard_steps
+from .issue_early import issue_early
 from .prefetch_params import prefetch_params
 from .ring_decompose import ring_decompose
 from .shard_params import shard_params
 from .verify import VerifyError, comm_schedule, verify
 
 PIPELINE = ("shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync", "prefetch_params",
-            "verify")
+            "issue_early", "verify")
 
 __all__ = ["LoweringError", "shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync",
-           "prefetch_params",
+           "prefetch_params", "issue_early",
            "verify", "VerifyError",
            "comm_schedule", "reshard_steps", "PIPELINE"]

@@ -169,10 +169,10 @@ def test_dump_after_each_pass(tmp_path):
     names = [os.path.basename(p) for p in paths if p.endswith(".txt")]
     assert names == ["00_traced.txt", "01_shard_params.txt", "02_insert_collectives.txt",
                      "03_ring_decompose.txt", "04_cleanup.txt", "05_defer_grad_sync.txt", "06_prefetch_params.txt",
-                     "07_verify.txt"]
+                     "07_issue_early.txt", "08_verify.txt"]
     text = open(tmp_path / "02_insert_collectives.txt").read()
     assert "all_gather" in text and "<all_gather@axis0" in text
-    final = open(tmp_path / "07_verify.txt").read()
+    final = open(tmp_path / "08_verify.txt").read()
     assert "ring_allgather_matmul" in final and "ring_matmul_reducescatter" in final
 
 

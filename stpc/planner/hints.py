@@ -118,12 +118,18 @@ def fsdp_tp(mesh_shape: tuple[int, ...], dp_axis: int, tp_axis: int | None = Non
                  temporal=False, name="fsdp-tp")
 
 
+TOKEN_EMBEDDING = r"^(wte|embed|embed_tokens|model\.embed_tokens|transformer\.wte)$"  # module paths (zoo, HF)
+
+
 def data_parallel(mesh_shape: tuple[int, ...]) -> Hints:
-    """Pure data parallelism (DDP): every linear's input split on its batch on every axis,
-    weights replicated. (Without the batch split, a small model is planned whole on every
-    rank: at that size latency beats any collective, and that is not what DDP runs.)"""
+    """Pure data parallelism (DDP): every linear's input and the token embedding's ids split
+    on their batch on every axis, weights replicated. (Without the batch split, a small model
+    is planned whole on every rank: at that size latency beats any collective; and a tied
+    embedding is looked up whole, since the cost model charges its weight's gradient
+    reduction once per consumer where the runtime sums it once: not what DDP runs.)"""
     return Hints(force=[(r".", lambda s: s.kind == "spatial"),
-                        (r"^linear", lambda s: all(t == "S0" for t in s.ins[0]))],
+                        (r"^linear", lambda s: all(t == "S0" for t in s.ins[0])),
+                        (TOKEN_EMBEDDING, lambda s: all(t == "S0" for t in s.ins[1]))],
                  param_force=[(r".", lambda p: all(t == "R" for t in p))], temporal=False, name="dp")
 
 

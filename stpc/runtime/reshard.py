@@ -53,7 +53,8 @@ from stpc.placement import parse
 from stpc.runtime.failure import comm_failure
 
 __all__ = [
-    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard_slice", "to_partial",
+    "all_gather", "all_reduce", "all_reduce_start", "wait", "reduce_scatter", "all_to_all", "shard_slice",
+    "to_partial",
     "grad_all_reduce", "grid_gather", "grid_slice", "grid_skew", "grid_relayout", "grid_linear",
     "vocab_parallel_embedding", "cross_entropy_count", "shard_tensor", "unshard_tensor", "axis_groups", "joint_group", "resolve_group", "mesh_coords", "skew_peers",
     "relayout_peers",
@@ -242,6 +243,38 @@ class _AllReduce(torch.autograd.Function):
 def all_reduce(x: Tensor, group: str, grad: str = "identity") -> Tensor:
     """P -> R (sum). ``grad="all_reduce"`` when the consumer splits its work on this axis."""
     return _AllReduce.apply(x, group, grad)
+
+
+class _AllReduceStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _guarded("all_reduce", _c10d.all_reduce, group, x.contiguous(), "sum", group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        out = _c10d.wait_tensor(t)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def all_reduce_start(x: Tensor, group: str) -> Tensor:
+    """:func:`all_reduce` (``grad="identity"``) issued and not waited on: the result is only
+    valid after :func:`wait`. For a forward collective issued long before its use."""
+    return _AllReduceStart.apply(x, group)
+
+
+def wait(t: Tensor) -> Tensor:
+    """``t`` (of a collective issued earlier), once its communication has finished."""
+    return _Wait.apply(t)
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -533,8 +566,8 @@ def cross_entropy_count(target: Tensor, ignore_index: int, weight: Tensor | None
 
 
 # the functions whose nodes are communication (verify, dumps and tests key on them)
-COMM_FUNCTIONS = {all_gather, all_reduce, reduce_scatter, all_to_all, grad_all_reduce, grid_gather,
-                  grid_slice, grid_skew, grid_relayout, grid_linear, shard_slice}
+COMM_FUNCTIONS = {all_gather, all_reduce, all_reduce_start, reduce_scatter, all_to_all, grad_all_reduce,
+                  grid_gather, grid_slice, grid_skew, grid_relayout, grid_linear, shard_slice}
 
 
 # --------------------------------------------------------------------------- whole tensors

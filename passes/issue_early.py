@@ -1,0 +1,86 @@
+"""issue_early: forward-only collectives issued as early as their inputs allow, waited late.
+
+Expects: a graph after ``cleanup``.
+
+A ``runtime.all_reduce`` with ``grad="identity"`` (a forward sum whose backward moves
+nothing: e.g. the count of targets a row-split mean cross-entropy divides by) is a
+synchronisation point where it stands: every rank waits there for the slowest. When the
+values it sums depend on the user's inputs alone (no parameter, no activation), it can
+be summed at the very start of the step instead:
+
+  * its producers (the nodes it depends on, back to placeholders and constants) are
+    moved to right after the last placeholder, in their order;
+  * the collective becomes ``runtime.all_reduce_start`` (issued, not waited on) there,
+    and ``runtime.wait`` right before its first use.
+
+So the sum travels while the step computes, and the wait, late in forward, finds it done.
+A collective whose inputs depend on the step's computation stays where it is.
+
+Guarantees: the same values and gradients; every rank issues the same collectives in
+the same order (the graph is one SPMD program), now earlier.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ._common import finish
+from stpc import runtime
+
+
+def _random(n: fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+
+
+def _cone(node: fx.Node) -> list[fx.Node] | None:
+    """The non-placeholder nodes ``node`` depends on, or None if it depends on a parameter,
+    on communication or on a random op (anything but the step's inputs, buffers and
+    constants and what is computed from them alone)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a in seen:
+                continue
+            if a.op == "placeholder":
+                if a.meta.get("param"):
+                    return None
+                continue
+            if a.op != "call_function" or "comm" in a.meta or _random(a):
+                return None  # (a random op moved would draw in another order)
+            seen.add(a)
+            todo.append(a)
+    return list(seen)
+
+
+def issue_early(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
+    """Hoist and split the forward-only all-reduces that depend on user inputs alone; see
+    the module docstring."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not placeholders:
+        return finish(gm)
+    anchor = placeholders[-1]
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is runtime.all_reduce
+                 and n.kwargs.get("grad", "identity") == "identity"]:
+        cone = _cone(node)
+        if cone is None or not node.users:
+            continue
+        for n in sorted(cone, key=order.get):  # producers first, in their order
+            anchor.append(n)
+            anchor = n
+        with gm.graph.inserting_after(anchor):
+            start = gm.graph.call_function(runtime.all_reduce_start, (node.args[0],),
+                                           {"group": node.kwargs["group"]})
+        start.meta.update(node.meta)  # val, placement, comm: what verify and the dumps read
+        anchor = start
+        first = min(node.users, key=order.get)
+        with gm.graph.inserting_before(first):
+            done = gm.graph.call_function(runtime.wait, (start,))
+        done.meta.update({k: v for k, v in node.meta.items() if k != "comm"})
+        node.replace_all_uses_with(done)
+        gm.graph.erase_node(node)
+    return finish(gm)
+
+
+__all__ = ["issue_early"]
