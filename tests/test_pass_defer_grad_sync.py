@@ -52,15 +52,30 @@ def test_two_data_parallel_axes_defer_over_both():
 
 
 def test_tied_parameter_read_whole_by_one_consumer_keeps_its_reduction():
-    # gpt-tiny's head is tied to the embedding; under `dp` the planner embeds the whole batch
-    # on every rank (its weight gradient there is complete), so summing the tied parameter's
-    # gradient over the axis would double that part: it must stay reduced where it is used
-    tg, plan, gm = _lowered("gpt-tiny", "4", "dp")
+    # gpt-tiny's head is tied to the embedding. Embedding the whole batch on every rank makes
+    # the weight's gradient there complete, so summing the tied parameter's gradient over the
+    # axis would double that part: it must stay reduced where it is used
+    from stpc.planner import Hints, search
+    from stpc.planner.hints import TOKEN_EMBEDDING
+
+    tg, _ = traced_and_plan("gpt-tiny", "4", "dp")
     assert tg.tied_params == {"p_lm_head_weight": "p_wte_weight"}
+    whole = Hints(force=[(r".", lambda s: s.kind == "spatial"),
+                         (r"^linear", lambda s: all(t == "S0" for t in s.ins[0])),
+                         (TOKEN_EMBEDDING, lambda s: all(t == "R" for t in s.ins[1]))],
+                  param_force=[(r".", lambda p: all(t == "R" for t in p))], temporal=False)
+    plan = search(tg, (4,), "cpu-local", hints=whole)
+    gm = cleanup(ring_decompose(insert_collectives(shard_params(tg.gm, plan, groups=["g0"]), plan), plan), plan)
+    gm.meta["stpc_tied_params"] = dict(tg.tied_params)
     gm = defer_grad_sync(gm, plan)
     deferred = gm.meta["stpc_deferred_grads"]
     assert "p_lm_head_weight" not in deferred and len(deferred) > 10
     assert len(_param_reads(gm, "p_lm_head_weight")) == 1
+    # the dp preset embeds each rank's rows: both uses partial, the tied parameter is deferred
+    _, plan, gm = _lowered("gpt-tiny", "4", "dp")
+    gm = defer_grad_sync(gm, plan)
+    assert "p_lm_head_weight" in gm.meta["stpc_deferred_grads"]
+    assert not _param_reads(gm, "p_lm_head_weight")
 
 
 def test_activation_reductions_of_tensor_parallelism_stay():

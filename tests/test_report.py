@@ -63,6 +63,7 @@ def test_indivisible_dims_are_listed_in_the_plan():
     plan = search(tg, (4,))
     assert plan.stats["indivisible"]["idx"] == [0, 1]
     assert "dims no mesh axis divides (never split): idx [0, 1]" in plan.table()
+    assert "dims no mesh axis divides (never split): idx [0, 1]" in plan.summary()  # what the CLI prints
 
 
 def _compile_padded(rank, world, strict):

@@ -229,6 +229,16 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
                      f"{t['peak_bytes'] / 2**20:.1f} | {'yes' if row['memory_met'] else 'NO'} |")
     lines.append("")
     missed = [r for r in rows if not (r["time_met"] and r["memory_met"])]
+    lines.append("What differs between the two sides, by construction (the code, not this run): stpc's "
+                 "ZeRO/FSDP programs keep a layer's gathered weights from forward to backward (the plan's "
+                 "model; FSDP2 frees them after forward and gathers again in backward: less memory, more "
+                 "traffic); stpc computes the global mean loss inside the step (a scalar all-reduce, and the "
+                 "target count's, issued at the step's start) where the torch engines reduce the loss after "
+                 "backward; stpc's parameters are DTensors for every plan, DDP's are plain tensors. The "
+                 "solved plan is the one stpc's cost model ranks first on the cluster named in its row; where "
+                 "it is slower than a torch engine, the model misranks the plans on this machine (see the "
+                 "fidelity section).")
+    lines.append("")
     lines.append(f"Targets met: {len(rows) - len(missed)} of {len(rows)} rows."
                  + ("" if not missed else " Missed: " + "; ".join(
                      f"{r['pair']} ({'time ' + format(r['time_ratio'], '.3f') if not r['time_met'] else ''}"

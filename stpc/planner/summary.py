@@ -456,6 +456,9 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
     mesh = "x".join(map(str, plan.mesh_shape))
     lines = [f"plan {plan.hash()[:12]}  model {plan.model}  mesh {mesh}  cluster {plan.cluster}  {plan.dtype}"
              + (f"  batch {st['batch']} seq {st['seq']}" if st.get("batch") else "")]
+    if st.get("indivisible"):
+        lines.append("dims no mesh axis divides (never split): " + ", ".join(
+            f"{k} {v}" for k, v in st["indivisible"].items()))
     bd = breakdown(plan)
     step = plan.modelled_step_time_s
     lines += ["", f"step time, modelled (one step: forward + backward + weight gradients): {_ms(step)}"]
