@@ -20,8 +20,9 @@ plan alike: forward collectives against the consuming op's forward compute, back
 ones against its backward (dI + dW) compute, split between the op's parameters by size.
 One op is a conservative stand-in for the layer a prefetch really spans; an op of a
 spatial-temporal family offers no window (its compute already hides its ring transfers).
-stpc's own runtime issues these collectives in place today: the overlap is what the
-frameworks the baselines stand for do, and what stpc's runtime has yet to do.
+stpc's own runtime overlaps data-parallel gradient sums (bucketed, asynchronous, during
+backward) and ZeRO gathers (coalesced per layer, one layer ahead, forward and backward);
+other parameter reshards still run where they are used.
 """
 from __future__ import annotations
 

@@ -14,6 +14,10 @@ Each pass is a documented ``GraphModule -> GraphModule`` function, run in this o
   issue_early        forward-only all-reduces of the step's inputs (a loss's target count)
                      issued at the start of the step, waited where used
   verify             static check: all ranks issue matching collectives and P2P transfers
+
+and, on a finished program whose model has hooked submodules:
+
+  tap_hooks          a copy that hands each hooked submodule call its values (the hooks fire)
 """
 from ._common import LoweringError
 from .cleanup import cleanup
@@ -23,12 +27,13 @@ from .issue_early import issue_early
 from .prefetch_params import prefetch_params
 from .ring_decompose import ring_decompose
 from .shard_params import shard_params
+from .tap_hooks import tap_hooks
 from .verify import VerifyError, comm_schedule, verify
 
 PIPELINE = ("shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync", "prefetch_params",
             "issue_early", "verify")
 
 __all__ = ["LoweringError", "shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync",
-           "prefetch_params", "issue_early",
+           "prefetch_params", "issue_early", "tap_hooks",
            "verify", "VerifyError",
            "comm_schedule", "reshard_steps", "PIPELINE"]

@@ -7,6 +7,8 @@ Metadata the passes keep on every tensor-valued node once ``shard_params`` /
   meta["global_val"]  FakeTensor of the full value (what stpc.trace recorded)
   meta["placement"]   tuple of tokens, one per mesh axis (stpc.placement)
   meta["comm"]        on communication nodes only: {"op", "axis", ...} (see verify)
+  meta["stpc_taps"]   which submodule calls took or returned this value (stpc.frontend.module_calls);
+                      a pass that replaces a node by another holding the same value carries it over
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from stpc.frontend.annotate import source_of
+from stpc.frontend.module_calls import TAPS
 from stpc.placement import local_shape
 
 
@@ -74,6 +77,15 @@ def n_of(mesh, axes) -> int:
 
 def is_tensor_node(n) -> bool:
     return isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def carry_taps(new: fx.Node, *old: fx.Node) -> None:
+    """``new`` now holds the value the traced program computed at ``old`` (in ``new``'s own
+    placement), while ``old`` is gone or holds something else (a partial piece of it): the
+    module-call tags move to ``new``."""
+    for o in old:
+        if o.meta.get(TAPS):
+            new.meta.setdefault(TAPS, []).extend(o.meta.pop(TAPS))
 
 
 def finish(gm: fx.GraphModule) -> fx.GraphModule:

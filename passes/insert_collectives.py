@@ -45,7 +45,7 @@ import numbers
 import torch
 import torch.fx as fx
 
-from ._common import fail, fake_mode_of, finish, is_tensor_node, set_local
+from ._common import carry_taps, fail, fake_mode_of, finish, is_tensor_node, set_local
 from stpc import runtime
 from stpc.placement import PARTIAL, REPLICATE, fmt, local_shape, parse
 from stpc.planner.strategies import Strategy, follow, tensor_operands
@@ -403,6 +403,7 @@ class _Lowering:
         else:
             return
         node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+        carry_taps(scaled, node)
         scaled.meta.update(global_val=node.meta["global_val"], placement=tuple(out),
                            val=node.meta["val"], source=node.meta.get("source", ""), local_rewrite=rewrite)
         if node in self.needs_grad:
@@ -458,6 +459,7 @@ class _Lowering:
             final = self._after(rs, aten.add.Tensor, (rs, bias), {}, s.out, gv)
             self.check(final)
         node.replace_all_uses_with(final, delete_user_cb=lambda u: u is not rs)
+        carry_taps(final, node)
 
     def lower_p2x2(self, node: fx.Node, s: Strategy) -> None:
         a = s.axis

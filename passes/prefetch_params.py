@@ -19,8 +19,10 @@ its per-module groups:
     in backward the gradients of a group are reduce-scattered in one collective.
 
 Guarantees: the same values and gradients (a reduce-scatter of a concatenation is the
-concatenation of the reduce-scatters). The whole parameters live as long as before
-(they are saved for backward as the gathered ones were); in flight, one more layer's.
+concatenation of the reduce-scatters). In flight, one more layer's whole parameters. The
+compiled model runs an eager program inside ``runtime.RegatherSaved``, so the whole
+parameters are not kept from forward to backward: backward gathers each layer again
+(FSDP2's default); under ``torch.compile`` they are saved for backward.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 import stpc.runtime.ops  # noqa: F401  (registers torch.ops.stpc.*)
 from stpc import runtime
-from ._common import fail, fake, fake_mode_of, finish
+from ._common import carry_taps, fail, fake, fake_mode_of, finish
 
 aten = torch.ops.aten
 
@@ -86,6 +86,7 @@ def ring_decompose(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
                     out = g.call_function(aten.add.Tensor, (r, bias))
                 for k in ("val", "global_val", "placement", "source"):
                     out.meta[k] = lin.meta[k]
+            carry_taps(out, lin)
             lin.replace_all_uses_with(out)
             g.erase_node(lin)
             g.erase_node(n)
@@ -100,6 +101,7 @@ def ring_decompose(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
             with g.inserting_before(n):
                 r = g.call_function(torch.ops.stpc.ring_matmul_reducescatter.default, (x, wt, dim, group))
             _ring_meta(r, n, "ring_matmul_reducescatter", a, group, mesh[a])
+            carry_taps(r, lin, n)  # the linear's partial sums are the reduce-scatter's value, split
             n.replace_all_uses_with(r)
             g.erase_node(n)
             g.erase_node(lin)
@@ -120,6 +122,7 @@ def ring_decompose(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
             pp.meta["source"] = n.meta.get("source", "")
             for key in ("val", "global_val", "placement", "source"):
                 out.meta[key] = n.meta[key]
+            carry_taps(out, n)
             n.replace_all_uses_with(out)
             g.erase_node(n)
         elif kind in ("ag_ring", "rs_ring", "p2x2") and n.target is aten.linear.default:

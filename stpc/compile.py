@@ -220,7 +220,9 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
     deferred = {tg.param_fqns[ph]: runtime.joint_group(mesh, tuple(groups.index(g) for g in names), timeout)
                 for ph, names in gm.meta.get("stpc_deferred_grads", {}).items()}
     return Program(plan, gm, fn, feed, tg.in_spec, tg.out_spec, out_placements, out_shapes, snapshots,
-                   deferred=deferred, bucket_bytes=int((opts.bucket_mb or 0) * 2**20))
+                   deferred=deferred, bucket_bytes=int((opts.bucket_mb or 0) * 2**20),
+                   calls=list(tg.meta.get("module_calls", [])), backend=opts.backend,
+                   regathers=opts.backend is None and any(n.target is runtime.gather_wait for n in gm.graph.nodes))
 
 
 def _report(plan: Plan, tg, opts: _Options) -> None:

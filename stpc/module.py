@@ -30,11 +30,13 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from stpc import runtime
+from stpc import passes, runtime
 from stpc.placement import is_grid, local_shape
 from stpc.runtime.dtensors import dtensor_placements, stored, to_plan_layout
 from stpc.runtime.failure import comm_failure
 from stpc.runtime.grad_reducer import GradReducer
+from stpc.runtime.hook_taps import HookTaps, UnsupportedHook
+from stpc.runtime import RegatherSaved
 from stpc.validate import PlanWarning
 
 __all__ = ["DistributedModel", "Compiled", "Program", "ShapeMismatch", "full_meta_view", "adopt", "flatten_call",
@@ -69,6 +71,11 @@ class Program:
                                                   # backward, in the order backward completes them
     bucket_bytes: int = 0
     reducer: object = None          # the runtime.GradReducer of ``deferred`` (made at the first run)
+    calls: list = field(default_factory=list)     # the traced submodule calls (frontend.module_calls)
+    backend: str | None = None      # torch.compile backend of ``fn`` (None: eager)
+    regathers: bool = False         # eager, with coalesced parameter gathers: run in a RegatherSaved
+    variants: dict = field(default_factory=dict)  # hooked submodule FQNs -> (fn, HookTaps): the program
+                                                  # tapped so their forward hooks fire
 
 
 def _leaf_key(x, local: bool):
@@ -166,16 +173,26 @@ class Compiled:
     def run(self, module: nn.Module, args, kwargs):
         flat, spec = flatten_call(args, kwargs)
         key = self.signature(flat, spec, module.training)
-        self._warn_submodule_hooks(module)
+        hooked = self._hooked_submodules(module)
         self._agree(key)
         prog = self.programs.get(key)
         if prog is None:
             prog = self._new_program(module, key, args, kwargs)
         self._arm_reducer(module, prog)
+        fn, taps = self._runner(prog, hooked)
+        if taps is not None:
+            taps.begin(module)
+        # eager programs do not keep whole gathered parameters for backward (FSDP2's default)
+        regather = RegatherSaved() if prog.regathers and torch.is_grad_enabled() else contextlib.nullcontext()
         try:
-            out = prog.fn(*self._feed(module, prog, flat))
+            with regather:
+                out = fn(*self._feed(module, prog, flat))
         except RuntimeError as e:  # a compiled program's collectives fail inside generated code
+            if isinstance(e, UnsupportedHook):
+                raise
             raise comm_failure("step of the compiled program", None, e) from e
+        if taps is not None:
+            taps.end()
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         out = [self._wrap_output(x, p, s) for x, p, s in zip(out, prog.out_placements, prog.out_shapes)]
         return pytree.tree_unflatten(out, prog.out_spec)
@@ -191,18 +208,41 @@ class Compiled:
             if other.reducer is not None:
                 other.reducer.enabled = other is prog
 
-    def _warn_submodule_hooks(self, module) -> None:
-        """Forward hooks on submodules never fire (the program replaces their calls): say so,
-        once per set of hooked submodules, instead of leaving the hooks silently dead."""
-        hooked = tuple(name for name, m in module.named_modules()
-                       if name and (m._forward_hooks or m._forward_pre_hooks))
-        if hooked and hooked != self._hooks_warned:
-            self._hooks_warned = hooked
-            more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
-            warnings.warn(f"stpc: forward hooks on submodules {', '.join(hooked[:3])}{more} do not fire: the "
-                          f"compiled program replaces their calls (hooks on the model itself and on parameters "
-                          f"and their gradients do). Fix: hook the compiled model itself, or compute what the hook "
-                          f"needs from the model's outputs", PlanWarning, stacklevel=4)
+    def _hooked_submodules(self, module) -> frozenset:
+        """The submodules with forward hooks (their hooks fire from a tapped program,
+        ``_runner``). Backward hooks on submodules cannot fire (the program replaces their
+        calls): say so, once per set of such submodules, instead of leaving them silently dead."""
+        hooked, backward = [], []
+        for name, m in module.named_modules():
+            if name and (m._forward_hooks or m._forward_pre_hooks):
+                hooked.append(name)
+            if name and (m._backward_hooks or m._backward_pre_hooks):
+                backward.append(name)
+        backward = tuple(backward)
+        if backward and backward != self._hooks_warned:
+            self._hooks_warned = backward
+            more = f" and {len(backward) - 3} more" if len(backward) > 3 else ""
+            warnings.warn(f"stpc: backward hooks on submodules {', '.join(backward[:3])}{more} do not fire: the "
+                          f"compiled program replaces their calls (forward hooks on submodules, hooks on the model "
+                          f"itself and on parameters and their gradients do). Fix: hook the parameters' gradients "
+                          f"(register_post_accumulate_grad_hook) or the compiled model itself", PlanWarning,
+                          stacklevel=4)
+        return frozenset(hooked)
+
+    def _runner(self, prog: Program, hooked: frozenset):
+        """``(callable, HookTaps or None)`` running ``prog`` so the forward hooks of the
+        ``hooked`` submodules fire: the program itself when none of them is called in it,
+        else a tapped copy (``passes.tap_hooks``), made once per set of hooked submodules."""
+        hooked = frozenset(fqn for fqn in hooked if any(c.fqn == fqn for c in prog.calls))
+        if not hooked:
+            return prog.fn, None
+        if hooked not in prog.variants:
+            taps = HookTaps(prog.calls, self.mesh, self.groups)
+            gm, slots, wanted = passes.tap_hooks(prog.gm, prog.calls, hooked.__contains__, taps.key)
+            taps.attach(slots, wanted)
+            fn = torch.compile(gm, backend=prog.backend) if prog.backend else gm
+            prog.variants[hooked] = (fn, taps)
+        return prog.variants[hooked]
 
     def _agree(self, key) -> None:
         """Every call, before any of its communication: the ranks compare the call's

@@ -56,11 +56,12 @@ def _surface(rank, world, model_name, plan_json, overrides):
     pm.register_forward_hook(lambda m, a, o: seen.append("post"))
     first = next(pm.parameters())
     first.register_hook(lambda gr: seen.append("grad") or gr)
-    # a submodule's forward hook cannot fire (the program replaces its call): a warning says so
+    # a submodule's backward hook cannot fire (the program replaces its call): a warning says so
+    # (its forward hooks do fire: test_submodule_hooks)
     import warnings
 
     inner = next(m for name, m in pm.named_modules() if name)
-    handle = inner.register_forward_hook(lambda m, a, o: seen.append("inner"))
+    handle = inner.register_full_backward_hook(lambda m, gi, go: seen.append("inner"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm(*batches[0])

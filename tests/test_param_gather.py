@@ -57,3 +57,65 @@ def test_coalesced_gather_and_early_reduce_scatter():
         # forward: one gather, waited; backward: one reduce-scatter launched, then waited
         assert r["rs"]["calls"] == ["all_gather_into_tensor", "wait_tensor", "reduce_scatter_tensor", "wait_tensor"]
         assert r["slice"]["calls"] == ["all_gather_into_tensor", "wait_tensor"]  # complete: no reduction
+
+
+def _regather(rank, world):
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from stpc import runtime
+    from stpc.runtime import param_gather
+
+    group = dist.group.WORLD.group_name
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            op = getattr(torch.ops._c10d_functional, name)
+
+            def call(*a, **k):
+                calls.append(name)
+                return op(*a, **k)
+            return call
+
+    param_gather._c10d = Spy()
+    g = torch.Generator().manual_seed(0)
+    full1, full2 = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    x = torch.randn(3, 8, generator=g, requires_grad=True)  # its gradient needs the whole first weight
+    out = {}
+    for regather in (False, True):
+        calls.clear()
+        w1 = torch.nn.Parameter(full1.chunk(world)[rank].clone())  # two layers' weights, split on dim 0
+        w2 = torch.nn.Parameter(full2.chunk(world)[rank].clone())
+        with param_gather.RegatherSaved() if regather else contextlib.nullcontext():
+            (f1,) = runtime.gather_wait(runtime.gather_start([w1], group), [tuple(w1.shape)], [0], group)
+            h = torch.tanh(x @ f1.t())  # saves the whole weight (a view of it) for backward
+            (f2,) = runtime.gather_wait(runtime.gather_start([w2], group), [tuple(w2.shape)], [0], group)
+            loss = (h @ f2.t()).pow(2).sum()
+            refs = [StorageWeakRef(f1.untyped_storage()), StorageWeakRef(f2.untyped_storage())]
+            del f1, f2
+        forward_calls = len(calls)
+        alive = [not r.expired() for r in refs]
+        loss.backward()
+        out[regather] = {"alive": alive, "grads": (w1.grad.clone(), w2.grad.clone()),
+                         "backward_calls": calls[forward_calls:]}
+    return out
+
+
+def test_regather_saved_frees_whole_parameters_after_forward_and_gathers_again_in_backward():
+    """FSDP2's reshard-after-forward: under RegatherSaved the whole weights are gone once
+    forward is done (only a note of each saved view is kept); backward gathers each layer
+    again (the last layer first, the one before it issued ahead) and computes the very
+    same gradients."""
+    for r in spawn(_regather, 2, timeout_s=120):
+        keep, free = r[False], r[True]
+        assert keep["alive"] == [True, True] and free["alive"] == [False, False], r
+        for a, b in zip(keep["grads"], free["grads"]):
+            assert torch.equal(a, b)
+        # backward: layer 2 gathered again and layer 1's gather issued ahead (two gathers, then
+        # their waits), before and beside the gradients' reduce-scatters
+        assert keep["backward_calls"].count("all_gather_into_tensor") == 0, keep
+        assert free["backward_calls"].count("all_gather_into_tensor") == 2, free
+        assert free["backward_calls"][:2] == ["all_gather_into_tensor", "all_gather_into_tensor"], free

@@ -2,7 +2,8 @@
 inputs. Out: a TracedGraph whose every node carries its FakeTensor, FLOPs, bytes and source line.
 
 trace (torch.export, training IR; positional and keyword inputs), normalize (tuple-valued
-split views become slices), annotate (FLOPs, bytes, parameter, module, source),
+split views become slices), annotate (FLOPs, bytes, parameter, module, source), module_calls (the values each
+submodule call took and returned, tagged on their nodes),
 models (the zoo of GPT / Llama / OPT / BLOOM configs), dump (graph tables and DOT).
 """
 from stpc.frontend import models

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.export.graph_signature import InputKind
 
 from stpc.frontend.annotate import annotate, source_of
+from stpc.frontend.module_calls import recording
 from stpc.frontend.normalize import split_to_slices
 
 
@@ -79,7 +80,8 @@ def trace(model: nn.Module, example_inputs: tuple, name: str = "",
     propagate through FakeTensors.
     """
     try:
-        ep = torch.export.export(model, tuple(example_inputs), dict(example_kwargs or {}), strict=False)
+        with recording(model) as calls:
+            ep = torch.export.export(model, tuple(example_inputs), dict(example_kwargs or {}), strict=False)
     except Exception as e:  # export errors are long; keep the cause, add what to do
         raise RuntimeError(
             f"stpc.trace: torch.export could not capture {type(model).__name__} as one graph: "
@@ -112,6 +114,7 @@ def trace(model: nn.Module, example_inputs: tuple, name: str = "",
         tied_params=_tied(model, dict(sig.inputs_to_parameters)),
         in_spec=ep.call_spec.in_spec,
         out_spec=ep.call_spec.out_spec,
+        meta={"module_calls": calls},
     )
     split_to_slices(gm)
     annotate(gm, tg.param_fqns, tg.buffer_fqns)

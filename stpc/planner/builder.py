@@ -374,7 +374,7 @@ class Builder:
                         c = self._reshard_phases.get(k)
                         if c is None:
                             c = self._reshard_phases[k] = axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split,
-                                                                              rg)
+                                                                              rg, regather=True)
                         phases[:, pc, qc] = c
                 fwd, bwd = phases[:, :, list(need)]
                 wins = np.array([w for _, _, w in vkeys]).reshape(-1, 2)

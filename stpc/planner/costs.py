@@ -21,6 +21,11 @@ both overlap with compute (``cost_models.overlap``; the builder applies it):
   P -> S/grid       reduce-scatter     all-gather
   B -> X (same dims) one P2P skew      one P2P skew   (PrimePar: next layer's input)
   S/grid -> P       via R: all-gather  as S -> R
+
+A parameter's edge S/grid -> R or P (ZeRO-3 / FSDP: stored sharded, read whole) costs one
+more all-gather in backward (``regather``): the runtime does not keep whole parameters
+from forward to backward and gathers them again there, as FSDP2 does by default
+(``stpc.runtime.RegatherSaved``).
 """
 from __future__ import annotations
 
@@ -40,9 +45,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def axis_reshard_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
-                        needs_grad: bool) -> tuple[float, float]:
+                        needs_grad: bool, regather: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds to turn token ``p`` into ``q`` on one axis: the forward
-    collective and its autograd dual (the table in the module docstring)."""
+    collective and its autograd dual (the table in the module docstring); ``regather``: a
+    parameter gathered whole is gathered again in backward."""
     if cm.mesh_shape[axis] == 1:
         return 0.0, 0.0
     if p == q:
@@ -59,7 +65,8 @@ def axis_reshard_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float,
     # p is a split (S or a grid token)
     if qk in "RP":
         bwd = cm.reduce_scatter(nbytes, axis) if (consumer_split or qk == "P") else 0.0
-        return cm.all_gather(nbytes, axis), (bwd if needs_grad else 0.0)
+        ag = cm.all_gather(nbytes, axis)
+        return ag, ((bwd + (ag if regather else 0.0)) if needs_grad else 0.0)
     if pk == "B" and qk == "X" and parse(p)[1] == parse(q)[1]:
         step = cm.p2p(nbytes / cm.mesh_shape[axis], axis)
         return step, (step if needs_grad else 0.0)

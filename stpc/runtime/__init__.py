@@ -6,16 +6,18 @@ helpers shard_tensor / unshard_tensor), agreement (ranks check they hold one pla
 ops (the ``torch.ops.stpc.*`` ring and P(2^k x 2^k) custom ops, the Triton step
 kernel), dtensors (stpc placements stored as DTensor placements), failure (a failed collective
 or transfer named as such), grad_reducer (data-parallel gradients summed in buckets during
-backward), param_gather (parameter shards gathered in one collective, issued early), launch (real gloo/NCCL ranks in fresh processes, with deadlines).
+backward), param_gather (parameter shards gathered in one collective, issued early; gathered
+again in backward instead of kept), hook_taps
+(submodules' forward hooks fired from the program), launch (real gloo/NCCL ranks in fresh processes, with deadlines).
 """
 from stpc.runtime import dtensors, ops, reshard
 from stpc.runtime.failure import CommFailure
 from stpc.runtime.grad_reducer import GradReducer
-from stpc.runtime.param_gather import gather_start, gather_wait
+from stpc.runtime.param_gather import RegatherSaved, gather_start, gather_wait
 from stpc.runtime.agreement import (PlanMismatch, ScheduleMismatch, TensorMismatch, check_plan_agreement,
                                     check_schedule_agreement, check_tensors_agree)
 from stpc.runtime.launch import SpawnError, SpawnTimeout, free_port, spawn
 from stpc.runtime.reshard import *  # noqa: F401,F403  (the reshards, listed once in reshard.__all__)
 
-__all__ = ["ops", "dtensors", "CommFailure", "GradReducer", "gather_start", "gather_wait", "PlanMismatch", "check_plan_agreement", "TensorMismatch", "check_tensors_agree", "ScheduleMismatch", "check_schedule_agreement", "spawn", "free_port", "SpawnError", "SpawnTimeout",
+__all__ = ["ops", "dtensors", "CommFailure", "GradReducer", "gather_start", "gather_wait", "RegatherSaved", "PlanMismatch", "check_plan_agreement", "TensorMismatch", "check_tensors_agree", "ScheduleMismatch", "check_schedule_agreement", "spawn", "free_port", "SpawnError", "SpawnTimeout",
            *reshard.__all__]

@@ -17,18 +17,29 @@ cuts it into the shards' gradients (``grad="slice"``: the gradient is complete, 
 rank keeps its part). Under ``torch.compile`` the reduce-scatter is issued and waited in
 ``gather_start``'s backward (the compiler schedules it).
 
+Inside :class:`RegatherSaved` (the compiled model runs its eager programs in one), the
+whole parameters are not kept from forward to backward, as FSDP2 does by default
+(``reshard_after_forward``): what autograd saves of them is replaced by a note of where
+it lies, and backward gathers the layer again when it first needs it, issuing the
+previous layer's gather at the same time (backward prefetch). A layer's whole parameters
+live while it computes, forward or backward, plus the next one's in flight.
+
 Plain differentiable distributed functions of local tensors; they know nothing of plans.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from stpc.runtime.reshard import _c10d, _guarded, _rank, _size
 
-__all__ = ["gather_start", "gather_wait"]
+__all__ = ["gather_start", "gather_wait", "RegatherSaved"]
+
+_ACTIVE: list = []  # the RegatherSaved contexts entered, innermost last
 
 
 def _start(flat: Tensor, n: int, group: str) -> Tensor:
@@ -44,6 +55,7 @@ class _GatherStart(torch.autograd.Function):
     def forward(ctx, group, grad, *shards):
         ctx.group, ctx.grad = group, grad
         ctx.shapes = [s.shape for s in shards]
+        ctx.shards = shards  # the parameters' own local tensors (no copy): what a re-gather reads
         flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1).contiguous()
         return _guarded("all_gather (coalesced parameters)", _start, group, flat, _size(group), group)
 
@@ -78,14 +90,9 @@ class _GatherWait(torch.autograd.Function):
                               and not torch.compiler.is_compiling()) else None
         ctx.group = group
         buf = _c10d.wait_tensor(out).view(n, -1)
-        fulls, offset = [], 0
-        for shape, d in zip(shapes, dims):
-            k = math.prod(shape)
-            piece = buf[:, offset:offset + k].reshape(n, *shape)  # [rank, *shard]
-            full = list(shape)
-            full[d] *= n
-            fulls.append(piece.movedim(0, d).reshape(full))
-            offset += k
+        fulls = _cut(buf, shapes, dims, n)
+        if _ACTIVE and isinstance(start, _GatherStart._backward_cls) and not torch.compiler.is_compiling():
+            _ACTIVE[-1].note(start.shards, group, shapes, dims, [buf, *fulls])
         return tuple(fulls)
 
     @staticmethod
@@ -109,6 +116,115 @@ class _GatherWait(torch.autograd.Function):
         start.pending = _guarded("reduce_scatter (coalesced parameter gradients)", _c10d.reduce_scatter_tensor,
                                  ctx.group, flat, "sum", n, ctx.group)
         return torch.zeros((), dtype=flat.dtype, device=flat.device).expand(flat.shape), None, None, None
+
+
+def _cut(buf: Tensor, shapes, dims, n: int) -> list[Tensor]:
+    """Each parameter whole from the rank-major gathered buffer ``buf`` ([rank, flat shards])."""
+    fulls, offset = [], 0
+    for shape, d in zip(shapes, dims):
+        k = math.prod(shape)
+        piece = buf[:, offset:offset + k].reshape(n, *shape)  # [rank, *shard]
+        full = list(shape)
+        full[d] *= n
+        fulls.append(piece.movedim(0, d).reshape(full))
+        offset += k
+    return fulls
+
+
+@dataclass(eq=False)
+class _Gathered:
+    """One coalesced gather as forward made it: enough to make it again."""
+
+    index: int
+    shards: tuple
+    group: str
+    shapes: list
+    dims: list
+    saved: int = 0                 # notes autograd holds and has not handed back yet
+    tensors: list | None = None    # [buffer, *whole parameters] while backward uses them
+    pending: object = None         # a re-gather issued ahead (backward prefetch)
+    storages: list = field(default_factory=list)
+
+
+@dataclass(frozen=True, eq=False)
+class _Note:
+    """What autograd keeps instead of a view of a gathered parameter."""
+
+    gathered: _Gathered
+    which: int                     # index into the re-gathered [buffer, *whole parameters]
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+class RegatherSaved:
+    """While active, whole parameters that :func:`gather_wait` makes are not saved for
+    backward: autograd keeps a :class:`_Note` of where each saved view lies, and backward
+    gathers the layer again at the first note it hands back (issuing the previous
+    layer's gather then), cut exactly as in forward, so every saved view is rebuilt with
+    the same size, strides and offset. Every rank runs the same backward in the same
+    order, so the re-gathers match across ranks."""
+
+    def __init__(self):
+        self.gathered: list[_Gathered] = []
+        self.by_storage: dict[int, tuple] = {}  # storage address -> (weak ref, gathered, which)
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        _ACTIVE.remove(self)
+        return False
+
+    def note(self, shards, group: str, shapes, dims, tensors: list[Tensor]) -> None:
+        g = _Gathered(len(self.gathered), tuple(shards), group, list(shapes), list(dims))
+        self.gathered.append(g)
+        for which, t in enumerate(tensors):
+            st = t.untyped_storage()
+            self.by_storage[st._cdata] = (StorageWeakRef(st), g, which)
+
+    def _pack(self, t: Tensor):
+        hit = self.by_storage.get(t.untyped_storage()._cdata) if isinstance(t, Tensor) else None
+        if hit is None or hit[0].expired():  # not a gathered parameter (or a dead one's address reused)
+            return t
+        _, g, which = hit
+        g.saved += 1
+        return _Note(g, which, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def _unpack(self, x):
+        if not isinstance(x, _Note):
+            return x
+        g = x.gathered
+        if g.tensors is None:
+            self._issue(g)
+            if g.index > 0:  # backward runs the layers in reverse: the previous one is next
+                self._issue(self.gathered[g.index - 1])
+            g.tensors = self._wait(g)
+        out = g.tensors[x.which].as_strided(x.size, x.stride, x.offset)
+        g.saved -= 1
+        if g.saved <= 0:  # every view handed back: the layer's whole parameters can go
+            g.tensors = None
+        return out
+
+    @staticmethod
+    def _flat(g: _Gathered) -> Tensor:
+        shards = [s.detach() for s in g.shards]
+        return torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1).contiguous()
+
+    def _issue(self, g: _Gathered) -> None:
+        if g.saved > 0 and g.tensors is None and g.pending is None:
+            g.pending = _guarded("all_gather (parameters again for backward)", _start, g.group, self._flat(g),
+                                 _size(g.group), g.group)
+
+    def _wait(self, g: _Gathered) -> list[Tensor]:
+        pending, g.pending = g.pending, None
+        n = _size(g.group)
+        buf = _guarded("all_gather (parameters again for backward)", _c10d.wait_tensor, g.group, pending).view(n, -1)
+        return [buf, *_cut(buf, g.shapes, g.dims, n)]
 
 
 def gather_start(shards: list[Tensor], group: str, grad: str = "rs") -> Tensor:
