@@ -6,7 +6,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, stpc, ortools, sympy, pytest, hypothesis, triton, pyflakes, transformers, matplotlib" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, stpc, ortools, sympy, pytest, hypothesis, triton, pyflakes, transformers, matplotlib, nbclient, nbformat, ipykernel" 2>/dev/null; then
   echo "setting up .venv (CPU torch 2.13.0, stpc and its test extras; log: .venv/install.log)"
   pip_install() { .venv/bin/python -m pip install -q "$@" >>.venv/install.log 2>&1; }
   pip_install --upgrade pip || true

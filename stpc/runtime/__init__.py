@@ -4,7 +4,8 @@ Out: differentiable distributed functions (reshards, ring and PrimePar ops), the
 It knows nothing of plans or graphs: reshard (autograd collectives and the tensor
 helpers shard_tensor / unshard_tensor), agreement (ranks check they hold one plan),
 ops (the ``torch.ops.stpc.*`` ring and P(2^k x 2^k) custom ops, the Triton step
-kernel), dtensors (stpc placements stored as DTensor placements), failure (a failed collective
+kernel, selfcheck: the three checked against one plain matmul on real ranks), dtensors (stpc
+placements stored as DTensor placements), failure (a failed collective
 or transfer named as such), grad_reducer (data-parallel gradients summed in buckets during
 backward), param_gather (parameter shards gathered in one collective, issued early; gathered
 again in backward instead of kept), hook_taps

@@ -2,7 +2,7 @@
 
 In: a Plan (planned in this process for the full pictures; a plan loaded from disk gives what
 it keeps), optionally its traced graph and a baseline plan; or a schedule name and a device
-count. Out: matplotlib Figures, saved as PNG when given a path.
+count; or a traced graph and a mesh to plan under a range of memory budgets. Out: matplotlib Figures, saved as PNG when given a path.
 
 * ``memory(plan, tg=None, out=None)``: per-device memory over the step as the planner's
   memory model counts it (parameters, gradients, optimizer state, activations kept for
@@ -14,6 +14,8 @@ count. Out: matplotlib Figures, saved as PNG when given a path.
 * ``schedule(kind, devices=4, out=None)``: the AG-ring, RS-ring and P(2^k x 2^k) schedules,
   which block of I, W, O each device holds at each step (``schedule_blocks``: simulated
   from the runtime's own peer rules);
+* ``sweep(budget_sweep(tg, mesh), out=None)``: modelled step time against the memory budget,
+  one exact plan per budget (``budget_sweep`` plans them and gives the numbers);
 * ``plot_plan(plan, path, baseline=None, tg=None)``: what ``python -m stpc plan --plot`` writes.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 
 from stpc.viz.costs import layer_costs, layers
 from stpc.viz.rings import schedule, schedule_blocks
+from stpc.viz.sweep import budget_sweep, sweep
 from stpc.viz.timeline import memory, memory_timeline
 
 
@@ -40,5 +43,5 @@ def plot_plan(plan, path: str | os.PathLike, baseline=None, tg=None) -> tuple[st
     return mem_path, layers_path
 
 
-__all__ = ["memory", "memory_timeline", "layers", "layer_costs", "schedule", "schedule_blocks", "plot_plan",
-           "plot_paths"]
+__all__ = ["memory", "memory_timeline", "layers", "layer_costs", "schedule", "schedule_blocks", "budget_sweep",
+           "sweep", "plot_plan", "plot_paths"]

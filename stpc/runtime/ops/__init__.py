@@ -1,6 +1,7 @@
 """Runtime ops: plain differentiable distributed functions (no plans, no graphs).
 
-Importing this package registers the ``torch.ops.stpc.*`` custom ops.
+Importing this package registers the ``torch.ops.stpc.*`` custom ops. ``selfcheck`` (imported
+on its own) runs the three primitives on real ranks against one plain matmul.
 """
 from stpc.runtime.ops import ring
 from stpc.runtime.ops.kernels import ring_step_matmul, triton_ring_step_matmul
