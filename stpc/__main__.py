@@ -1,4 +1,4 @@
-"""``python -m stpc {demo,trace,plan,calibrate} ...`` (the verbs live in ``stpc.cli``)."""
+"""``python -m stpc {trace,plan,calibrate,demo,bench} ...`` (the verbs live in ``stpc.cli``)."""
 import sys
 
 from stpc.cli import main

@@ -44,10 +44,12 @@ def test_calibrate_never_hangs(tmp_path):
 
 
 def test_cli_rejects_bad_arguments(capsys):
-    with pytest.raises(SystemExit):
-        main_calibrate(["--sizes", "lots"])
-    assert main_calibrate(["--ranks", "1", "--out", os.devnull]) == 1
-    assert "at least 2 ranks" in capsys.readouterr().err
+    """Bad flag values are usage errors (exit code 2), each one line on stderr with its fix."""
+    assert main_calibrate(["--sizes", "lots"]) == 2
+    assert "bad size 'lots'" in capsys.readouterr().err
+    assert main_calibrate(["--ranks", "1", "--out", os.devnull]) == 2
+    err = capsys.readouterr().err
+    assert "at least 2 ranks" in err and "Fix:" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.slow

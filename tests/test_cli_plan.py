@@ -30,11 +30,15 @@ def test_plan_cli_json(tmp_path):
 
 
 def test_plan_cli_infeasible_budget_message(tmp_path):
+    """No plan fits: a failure (exit code 1), one line on stderr naming the smallest budget
+    that fits and the fix, no traceback."""
     r = subprocess.run([sys.executable, "-m", "stpc", "plan", "--model", "llama-tiny", "--mesh", "2",
                         "--cluster", "dgx-h100", "--batch", "8", "--seq", "64", "--budget-gib", "0.000001"],
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 3
-    assert "smallest feasible budget" in r.stdout
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "smallest feasible budget" in r.stderr and "Fix: --budget-gib" in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
 
 
 # ---------------------------------------------------------------- --model: zoo, factory, Hugging Face config

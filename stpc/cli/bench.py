@@ -6,16 +6,22 @@ so no figure in it is ever typed by hand).
 Benchmarks: ``runtime`` (stpc's programs against torch's own engines, side by side on the
 same ranks; ``stpc.cli.bench_runtime``), ``fidelity`` (the planner's predicted peak memory
 and step time against measured runs of five plans; ``stpc.cli.bench_fidelity``).
+
+Both take the shared flags where they mean something (``--model``, ``--layers``,
+``--batch``, ``--seq``, ``--ranks``, ``--steps``, ``--cluster``, ``--timeout``, ``--json``,
+``--quiet``, ``--debug``); ``--quiet`` prints only the line saying which targets were met.
+Progress (a bar over the timed rounds) goes to stderr when it is a terminal. Exit codes:
+0 measured (whether or not the targets were met), 1 a failure, 2 a usage error.
 """
 from __future__ import annotations
 
 import os
 import platform
-import sys
 from datetime import datetime, timezone
 
 import torch
 
+from stpc.cli._common import UsageError, verb
 from stpc.cli.bench_fidelity import main_fidelity
 from stpc.cli.bench_runtime import main_runtime
 
@@ -46,11 +52,18 @@ def write_section(path: str, name: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+USAGE = ("usage: python -m stpc bench {" + ",".join(BENCHES) + "} [options]   (--help on each)\n\n"
+         + __doc__.split("\n\n", 1)[1])
+
+
+@verb
 def main_bench(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
-        print("usage: python -m stpc bench {" + ",".join(BENCHES) + "} [options]   (--help on each)",
-              file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0
+    if not argv or argv[0] not in BENCHES:
+        raise UsageError(f"unknown benchmark {argv[0]!r}" if argv else "no benchmark named",
+                         "give one of " + ", ".join(BENCHES) + " (python -m stpc bench --help)")
     return BENCHES[argv[0]](argv[1:], machine_line, write_section)
 
 

@@ -76,9 +76,7 @@ a missed target is reported as missed, with its biggest contributors.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
 import re
 import statistics
@@ -89,6 +87,8 @@ import torch.distributed as dist
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from stpc.cli._common import Parser, add_flags, verb, write_json
+from stpc.cli._progress import SearchStatus, Status, bar
 from stpc.cli.bench_runtime import StpcEngine, _live_bytes, _peak_of_step
 from stpc.compile import compile as stpc_compile
 from stpc.compile import trace
@@ -142,18 +142,21 @@ def model_overrides(cfg: dict) -> dict:
             "max_seq": max(cfg["seq"], 1), "bias": False}
 
 
-def make_plans(cfg: dict) -> list[dict]:
+def make_plans(cfg: dict, progress: bool = False) -> list[dict]:
     """Plan every plan of ``cfg["plans"]`` here (traced on ``meta``): one record each with
-    the plan (JSON), the predictions and the model's parts."""
-    with torch.device("meta"):
-        model = models.build(cfg["model"], **model_overrides(cfg))
-    tg = trace(model, models.example_inputs(model.cfg, cfg["batch"], cfg["seq"]))
+    the plan (JSON), the predictions and the model's parts. ``progress``: status lines on
+    stderr for the trace and each search over a second."""
+    with Status(f"trace {cfg['model']}", progress):
+        with torch.device("meta"):
+            model = models.build(cfg["model"], **model_overrides(cfg))
+        tg = trace(model, models.example_inputs(model.cfg, cfg["batch"], cfg["seq"]))
     cluster = cfg.get("cluster") or world_cluster(cfg["ranks"], "cpu")
     out = []
     for name in cfg["plans"]:
         mesh, hints = plan_spec(name, cfg["ranks"])
         t0 = time.perf_counter()
-        plan = search(tg, mesh, cluster=cluster, hints=hints)
+        with SearchStatus(f"search: the {name} plan", progress) as status:
+            plan = search(tg, mesh, cluster=cluster, hints=hints, progress=status)
         plan_s = time.perf_counter() - t0
         parts = breakdown(plan) or {}
         layout = plan.stats.get("layout")
@@ -367,7 +370,10 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
     opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for e in engines]
     times = [[] for _ in engines]       # per round: [step, forward+backward, optimizer], the slowest rank's each
     first_loss = [None] * len(engines)
+    rounds_bar = bar(cfg["warmup"] + cfg["steps"], "[bench fidelity] rounds", bool(cfg.get("progress")) and rank == 0)
     for r in range(cfg["warmup"] + cfg["steps"]):
+        rounds_bar.set_postfix_str("warm-up" if r < cfg["warmup"] else "timed", refresh=False)
+        rounds_bar.update()
         order = list(range(len(engines)))
         order = order[r % len(order):] + order[:r % len(order)]  # rotate: no plan always first
         for i in order:
@@ -384,6 +390,7 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
                 first_loss[i] = float(loss)
             if r >= cfg["warmup"]:
                 times[i].append(dt.tolist())
+    rounds_bar.close()
     held = [{k: (str(tuple(t.placements)) if hasattr(t, "placements") else "plain",
                  (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes())
              for k, t in ((k, p.detach()) for k, p in e.model.named_parameters())} for e in engines]
@@ -415,10 +422,12 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
     return {"records": out}
 
 
-def run(cfg: dict) -> list[dict]:
-    """Plan, spawn the ranks, measure: one record per plan (``plan_json`` dropped)."""
-    plans = make_plans(cfg)
-    got = spawn(_worker, cfg["ranks"], cfg, plans, timeout_s=cfg.get("timeout_s", 3600))[0]["records"]
+def run(cfg: dict, progress: bool = False) -> list[dict]:
+    """Plan, spawn the ranks, measure: one record per plan (``plan_json`` dropped).
+    ``progress``: status lines for the planning, and rank 0's bar over the rounds."""
+    plans = make_plans(cfg, progress)
+    got = spawn(_worker, cfg["ranks"], {**cfg, "progress": progress}, plans,
+                timeout_s=cfg.get("timeout_s", 3600))[0]["records"]
     records = []
     for rec, meas in zip(plans, got):
         r = {k: v for k, v in rec.items() if k != "plan_json"} | meas
@@ -604,46 +613,52 @@ def _load_line() -> str:
         return ""
 
 
+@verb
 def main_fidelity(argv: list[str], machine_line, write_section) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stpc bench fidelity", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULTS["model"], help="the zoo GPT whose config is overridden")
-    ap.add_argument("--layers", type=int, default=DEFAULTS["layers"])
-    ap.add_argument("--d-model", dest="d_model", type=int, default=DEFAULTS["d_model"])
-    ap.add_argument("--heads", type=int, default=DEFAULTS["heads"])
-    ap.add_argument("--ffn", type=int, default=DEFAULTS["ffn"])
-    ap.add_argument("--batch", type=int, default=DEFAULTS["batch"])
-    ap.add_argument("--seq", type=int, default=DEFAULTS["seq"])
-    ap.add_argument("--ranks", type=int, default=DEFAULTS["ranks"])
-    ap.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="timed rounds (each: one step of every plan)")
-    ap.add_argument("--warmup", type=int, default=DEFAULTS["warmup"])
+    ap = Parser("python -m stpc bench fidelity", __doc__)
+    add_flags(ap, {"model": {"default": DEFAULTS["model"], "zoo": True, "note": "a GPT, its config overridden"},
+                   "layers": {"default": DEFAULTS["layers"]}, "batch": {"default": DEFAULTS["batch"]},
+                   "seq": {"default": DEFAULTS["seq"]}, "ranks": {"default": DEFAULTS["ranks"]},
+                   "steps": {"default": DEFAULTS["steps"], "note": "timed rounds, each one step of every plan"},
+                   "cluster": {"shown": "the world's: this machine's profile if there is one, else cpu-local",
+                               "note": "give a profile of this machine, so the model speaks of this hardware"},
+                   "timeout": {"default": 3600.0, "shown": "3600"},
+                   "json": {"shown": "none", "note": "one record per plan, and the verdict"}})
+    ap.add_argument("--d-model", dest="d_model", type=int, default=DEFAULTS["d_model"],
+                    help="model width (default: %(default)s)")
+    ap.add_argument("--heads", type=int, default=DEFAULTS["heads"], help="attention heads (default: %(default)s)")
+    ap.add_argument("--ffn", type=int, default=DEFAULTS["ffn"], help="MLP width (default: %(default)s)")
+    ap.add_argument("--warmup", type=int, default=DEFAULTS["warmup"],
+                    help="untimed rounds first (default: %(default)s)")
     ap.add_argument("--plans", default=",".join(DEFAULT_PLANS),
                     help=f"comma-separated, of: {', '.join(KNOWN_PLANS)} (default: %(default)s)")
-    ap.add_argument("--cluster", help="what the plans are costed on: a `python -m stpc calibrate` profile of this "
-                                      "machine (default: the world's: this machine's profile if there is one, "
-                                      "else cpu-local)")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="hard limit for the ranks, seconds")
-    ap.add_argument("--json", help="write one record per plan here")
     ap.add_argument("--results", help="regenerate this markdown file's fidelity section (e.g. benchmarks/RESULTS.md)")
     args = ap.parse_args(argv)
+    if not isinstance(models.get_config(args.model), models.GPTConfig):
+        gpts = [n for n, c in sorted(models.CONFIGS.items()) if isinstance(c, models.GPTConfig)]
+        ap.error(f"--model {args.model} is not a GPT (its config is overridden with GPT fields). Fix: give one of "
+                 + ", ".join(gpts))
     plans = [p.strip() for p in args.plans.split(",") if p.strip()]
     for p in plans:
         if p not in KNOWN_PLANS:
-            ap.error(f"unknown plan {p!r}; known: {', '.join(KNOWN_PLANS)}")
+            ap.error(f"unknown plan {p!r}; known: {', '.join(KNOWN_PLANS)}. Fix: give --plans from those")
+    if "p2x2" in plans and args.ranks != 4:
+        ap.error("the p2x2 plan needs a mesh axis of 4 devices. Fix: --ranks 4, or leave p2x2 out of --plans")
     cfg = {k: getattr(args, k) for k in ("model", "layers", "d_model", "heads", "ffn", "batch", "seq", "ranks",
                                          "steps", "warmup", "cluster")}
     cfg["plans"], cfg["timeout_s"] = plans, args.timeout
     with torch.device("meta"):
         cfg["n_params"] = models.num_params(models.build(cfg["model"], **model_overrides(cfg)))
-    records = run(cfg)
+    records = run(cfg, progress=not args.quiet)
     verdict = judge(records)
     command = ("python -m stpc bench fidelity " + " ".join(argv)).strip()
     text = report(cfg, records, verdict, machine_line(), command, _load_line())
-    print(text)
+    if args.quiet:
+        print(next((line for line in text.splitlines() if line.startswith("Targets")), text.splitlines()[-1]))
+    else:
+        print(text)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": cfg, "records": json_records(records),
-                       "verdict": verdict}, f, indent=1)
+        write_json(args.json, {"config": cfg, "records": json_records(records), "verdict": verdict})
     if args.results:
         write_section(args.results, "fidelity", text)
     return 0

@@ -29,9 +29,7 @@ counterpart's.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import statistics
 import time
 
@@ -40,6 +38,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
+from stpc.cli._common import Parser, add_flags, verb, write_json
+from stpc.cli._progress import bar
 from stpc.cli.bench_engines import Engine, build_engine
 from stpc.compile import compile as stpc_compile
 from stpc.frontend import models
@@ -157,7 +157,10 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     times = [[] for _ in engines]
     first_loss = [None] * len(engines)
     rounds = cfg["warmup"] + cfg["steps"]
+    rounds_bar = bar(rounds, "[bench runtime] rounds", bool(cfg.get("progress")) and rank == 0)
     for r in range(rounds):
+        rounds_bar.set_postfix_str("warm-up" if r < cfg["warmup"] else "timed", refresh=False)
+        rounds_bar.update()
         order = list(range(len(engines)))
         order = order[r % len(order):] + order[:r % len(order)]  # rotate: no engine always first
         for i in order:
@@ -170,6 +173,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                 first_loss[i] = float(loss)
             if r >= cfg["warmup"]:
                 times[i].append(float(dt))
+    rounds_bar.close()
     peaks = []
     for i, (_, _, e) in enumerate(engines):
         dist.barrier()
@@ -230,9 +234,9 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
     lines.append("")
     missed = [r for r in rows if not (r["time_met"] and r["memory_met"])]
     lines.append("What differs between the two sides, by construction (the code, not this run): stpc's "
-                 "ZeRO/FSDP programs keep a layer's gathered weights from forward to backward (the plan's "
-                 "model; FSDP2 frees them after forward and gathers again in backward: less memory, more "
-                 "traffic); stpc computes the global mean loss inside the step (a scalar all-reduce, and the "
+                 "ZeRO/FSDP programs, like FSDP2, free a layer's gathered weights after forward and gather "
+                 "them again in backward (the previous layer's issued ahead), but the gathers are stpc's own "
+                 "coalesced per-layer collectives on DTensor shards; stpc computes the global mean loss inside the step (a scalar all-reduce, and the "
                  "target count's, issued at the step's start) where the torch engines reduce the loss after "
                  "backward; stpc's parameters are DTensors for every plan, DDP's are plain tensors. The "
                  "solved plan is the one stpc's cost model ranks first on the cluster named in its row; where "
@@ -247,38 +251,38 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(cfg: dict) -> list[dict]:
-    """Spawn the ranks and return one record per engine."""
-    out = spawn(_worker, cfg["ranks"], cfg, timeout_s=cfg.get("timeout_s", 1800))
+def run(cfg: dict, progress: bool = False) -> list[dict]:
+    """Spawn the ranks and return one record per engine (``progress``: rank 0 draws a bar
+    over the rounds on stderr)."""
+    out = spawn(_worker, cfg["ranks"], {**cfg, "progress": progress}, timeout_s=cfg.get("timeout_s", 1800))
     return out[0]["engines"]
 
 
+@verb
 def main_runtime(argv: list[str], machine_line, write_section) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stpc bench runtime", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gpt-50m")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=10, help="timed rounds (each: one step of every engine)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--cluster", help="what stpc plans on: a preset or a `python -m stpc calibrate` profile "
-                                      "(default: the world's: this machine's profile if there is one, else cpu-local)")
-    ap.add_argument("--json", help="write one record per engine here")
+    ap = Parser("python -m stpc bench runtime", __doc__)
+    add_flags(ap, {"model": {"default": "gpt-50m", "zoo": True}, "layers": {"default": 2}, "batch": {"default": 8},
+                   "seq": {"default": 256}, "ranks": {"default": 4},
+                   "steps": {"default": 10, "note": "timed rounds, each one step of every engine"},
+                   "cluster": {"shown": "the world's: this machine's profile if there is one, else cpu-local"},
+                   "timeout": {"default": 1800.0, "shown": "1800"},
+                   "json": {"shown": "none", "note": "one record per engine, and the rows"}})
+    ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: 3)")
     ap.add_argument("--results", help="regenerate this markdown file's runtime section (e.g. benchmarks/RESULTS.md)")
     args = ap.parse_args(argv)
+    if args.warmup < 0:
+        ap.error(f"--warmup {args.warmup}: give 0 or more")
     cfg = {k: getattr(args, k) for k in ("model", "layers", "batch", "seq", "ranks", "steps", "warmup", "cluster")}
-    records = run(cfg)
+    cfg["timeout_s"] = args.timeout
+    records = run(cfg, progress=not args.quiet)
     command = "python -m stpc bench runtime " + " ".join(argv)
     text = report(cfg, records, machine_line(), command.strip())
-    print(text)
+    print(text.rstrip("\n").splitlines()[-1] if args.quiet else text)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": cfg, "engines": records, "rows": [
-                {k: v for k, v in r.items() if k not in ("stpc", "torch")} | {"stpc": r["stpc"]["name"],
-                                                                            "torch": r["torch"]["name"]}
-                for r in evaluate(records)]}, f, indent=1)
+        write_json(args.json, {"config": cfg, "engines": records, "rows": [
+            {k: v for k, v in r.items() if k not in ("stpc", "torch")} | {"stpc": r["stpc"]["name"],
+                                                                        "torch": r["torch"]["name"]}
+            for r in evaluate(records)]})
     if args.results:
         write_section(args.results, "runtime", text)
     return 0

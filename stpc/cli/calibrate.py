@@ -16,6 +16,10 @@ collective kind plus a joint fit, and the profile is written as JSON. Load it wi
 Ranks are started by ``stpc.runtime.launch.spawn`` (the one launcher) with a hard
 deadline: on timeout or any rank's failure all children are killed and an error says
 which and why; nothing hangs.
+
+``python -m stpc calibrate [--json profile.json] [--ranks 4] [--sizes 64K,1M,16M]``: the
+profile goes to ``--json`` (``--out``, its old name, still works); ``--quiet`` prints only
+the path written. Exit codes: 0 written, 1 the measurement failed, 2 a usage error.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from stpc.cli._common import TORCH_DTYPES
+from stpc.cli._common import TORCH_DTYPES, Failure, Parser, add_flags, verb
+from stpc.cli._progress import Status
 from stpc.cost_models import get_device
 from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, save_profile
 from stpc.runtime.launch import SpawnTimeout, spawn
@@ -181,8 +186,8 @@ def run_spawned(world_size: int, task: dict, timeout_s: float) -> dict:
                      threads_per_rank=threads)[0]
     except SpawnTimeout:
         raise RuntimeError(f"calibration on {world_size} {task['backend']} ranks did not finish within "
-                           f"{timeout_s:.0f} s; all ranks were killed. Use fewer --sizes or a larger "
-                           f"timeout.") from None
+                           f"{timeout_s:.0f} s; all ranks were killed. Fix: use fewer --sizes or a larger "
+                           f"--timeout") from None
 
 
 def measure_collectives(world_size: int = 4, sizes=DEFAULT_SIZES, kinds=KINDS, iters: int = 5,
@@ -251,40 +256,50 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     return profile
 
 
-def _parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
+def _parse_size(given: str) -> int:
+    text = given.strip().upper().removesuffix("B").removesuffix("I")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
     try:
         return int(float(text[:-1] if mult > 1 else text) * mult)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 256K, 4M, 65536") from None
+        raise argparse.ArgumentTypeError(f"bad size {given.strip()!r}. Fix: use e.g. 256K, 4M, 65536") from None
 
 
+@verb
 def main_calibrate(argv: list[str]) -> int:
-    """``python -m stpc calibrate [--out profile.json] [--ranks 4] [--sizes 256K,4M,64M]``."""
-    ap = argparse.ArgumentParser(prog="stpc calibrate",
-                                 description="Measure matmul and collective performance on this "
-                                             "machine and write a cost-model profile (JSON).")
-    ap.add_argument("--out", default="profile.json", help="profile path (default: profile.json)")
-    ap.add_argument("--ranks", type=int, default=4, help="local ranks to spawn (default: 4)")
+    """``python -m stpc calibrate [--json profile.json] [--ranks 4] [--sizes 256K,4M,64M]``."""
+    ap = Parser("python -m stpc calibrate", "Measure matmul and collective performance on this machine and write\n"
+                "a cost-model profile (JSON): give it to --cluster of plan, demo and bench.\n\n"
+                "Exit codes: 0 written, 1 the measurement failed, 2 a usage error.")
+    add_flags(ap, {"ranks": {"default": 4, "note": "at least 2"}, "timeout": {"default": 600.0, "shown": "600"},
+                   "json": {"default": "profile.json", "note": "the profile", "aliases": ["--out"]}})
     ap.add_argument("--sizes", default=None,
                     help="comma-separated message sizes, e.g. 64K,1M,16M (default: 64 KiB..64 MiB)")
     ap.add_argument("--iters", type=int, default=5, help="timed windows per size (default: 5)")
     ap.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                     help="default: nccl when enough GPUs, else gloo")
-    ap.add_argument("--timeout", type=float, default=600.0, help="hard limit in seconds (default: 600)")
     args = ap.parse_args(argv)
+    if args.ranks < 2:
+        ap.error(f"--ranks {args.ranks}: calibration needs at least 2 ranks to time collectives. Fix: --ranks 2 "
+                 "or more")
     try:
         sizes = [_parse_size(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
     except argparse.ArgumentTypeError as exc:
-        ap.error(str(exc))  # exits with status 2 and the usage line
+        ap.error(f"--sizes: {exc}")
+    if len(sizes) < 2:
+        ap.error("--sizes: need at least two message sizes to fit alpha and beta. Fix: give two or more")
+    if args.iters < 1:
+        ap.error(f"--iters {args.iters}: give 1 or more")
     try:
-        prof = calibrate(args.ranks, args.out, sizes=sizes, iters=args.iters, backend=args.backend,
-                         timeout_s=args.timeout)
-    except (RuntimeError, ValueError) as exc:
-        print(f"stpc calibrate: {exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.out} ({prof['backend']}, {prof['ranks']} ranks)")
+        with Status(f"calibrate: {args.ranks} ranks measuring", not args.quiet):
+            prof = calibrate(args.ranks, args.json, sizes=sizes, iters=args.iters, backend=args.backend,
+                             timeout_s=args.timeout)
+    except ValueError as exc:  # e.g. nccl asked for with too few GPUs
+        raise Failure(str(exc).rstrip("."), "see `python -m stpc calibrate --help`") from None
+    if args.quiet:
+        print(args.json)
+        return 0
+    print(f"wrote {args.json} ({prof['backend']}, {prof['ranks']} ranks)")
     print("| collective | alpha (us) | bandwidth (GB/s) | fit rms rel. error |")
     print("|---|---|---|---|")
     for kind, c in prof["collectives"].items():

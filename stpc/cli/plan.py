@@ -8,7 +8,14 @@ example_inputs)``, called with the ``--batch``/``--seq``/``--layers`` given), or
 Hugging Face ``config.json`` (built on meta, random weights, nothing downloaded; called with
 ``input_ids`` and ``labels`` of ``--batch x --seq``). An unknown one is a usage error (exit
 code 2) that lists the zoo. ``--layers N`` builds the model N layers deep (plan at reduced
-depth). ``--brief`` prints the few header lines only.
+depth). ``--brief`` prints the few header lines only; ``--quiet`` one line (mesh, modelled
+step time, peak memory, plan hash). A search that takes over a second shows a progress
+line on stderr (when it is a terminal): the candidate mesh shape or layout being solved,
+the incumbent (best modelled step time so far), the lower bound on the optimum and the gap
+between them, and the elapsed time.
+
+Exit codes: 0 planned; 1 no plan (e.g. no plan fits the budget: the error says the smallest
+budget that does) or another failure; 2 a usage error. An error is one line on stderr.
 
 Defaults (the same for every model unless given): global batch 8, sequence
 2048 (capped at the model's position table), fp32 with AdamW (16 B/param);
@@ -31,33 +38,36 @@ same devices and budget (beside stpc's own plan when ``--hints megatron``).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 
-from stpc.cli._common import MODEL_HELP, UnknownModel, meta_trace
+from stpc.cli._common import (DEFAULT_BATCH, DEFAULT_SEQ, Failure, Parser, add_flags, check_mesh_fits, meta_trace, verb,
+                              write_json)
+from stpc.cli._progress import SearchStatus
 from stpc.cost_models import get_cluster
 from stpc.frontend import dump
-from stpc.planner import HintUnsatisfiable, InfeasibleBudget, search
+from stpc.planner import BASELINES, PRESETS, HintUnsatisfiable, InfeasibleBudget, search
 from stpc.planner.baselines import describe_layout
+
+HINTS = list(dict.fromkeys([*BASELINES, *PRESETS]))
 
 
 def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int | None = None,
                seq: int | None = None, dtype: str = "fp32", budget_gib: float | None = None,
                hints: str | None = None, temporal: bool = True, use_budget: bool = True,
-               layers: int | None = None):
+               layers: int | None = None, progress: bool = False):
     """Trace ``model`` (a zoo name, ``package.module:factory`` or a Hugging Face config path:
-    ``stpc.cli._common.load_model``) on meta tensors and search; returns (plan, traced graph)."""
+    ``stpc.cli._common.load_model``) on meta tensors and search; returns (plan, traced graph).
+    ``progress``: status lines on stderr for the trace and a search over a second."""
     t0 = time.perf_counter()
-    tg, batch, seq = meta_trace(model, batch, seq, dtype, layers)
+    tg, batch, seq = meta_trace(model, batch, seq, dtype, layers, progress=progress)
     t1 = time.perf_counter()
     cl = get_cluster(cluster)
     budget = None
     if use_budget:
         budget = budget_gib * 2**30 if budget_gib is not None else cl.device.mem_bytes
-    plan = search(tg, mesh, cl, budget_bytes=budget, hints=hints, temporal=temporal, dtype=dtype,
-                  optimizer_layout="fp32-adam" if dtype == "fp32" else "mixed-adam")
+    with SearchStatus(f"search {model} on {mesh}", progress) as status:
+        plan = search(tg, mesh, cl, budget_bytes=budget, hints=hints, temporal=temporal, dtype=dtype,
+                      optimizer_layout="fp32-adam" if dtype == "fp32" else "mixed-adam", progress=status)
     t2 = time.perf_counter()
     plan.stats.update(trace_time_s=t1 - t0, analysis_time_s=tg.meta.get("analysis_s"), total_time_s=t2 - t0,
                       batch=batch, seq=seq)
@@ -79,78 +89,74 @@ def summary(plan) -> dict:
 
 
 
+@verb
 def main_plan(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m stpc plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help=MODEL_HELP)
-    p.add_argument("--layers", type=int, default=None, help="build the model with this many layers")
-    p.add_argument("--mesh", required=True, help="N (the planner picks the shape) or a shape like 4x8")
-    p.add_argument("--cluster", default="primepar-v100", help="preset name or a calibrate profile .json")
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    p.add_argument("--budget-gib", type=float, default=None, help="per-device memory budget")
+    p = Parser("python -m stpc plan", __doc__)
+    add_flags(p, {"model": {"required": True}, "layers": {"shown": "the model's own"},
+                  "mesh": {"required": True}, "cluster": {"default": "primepar-v100"},
+                  "batch": {"shown": DEFAULT_BATCH},
+                  "seq": {"shown": f"{DEFAULT_SEQ}, capped at the model's position table"},
+                  "dtype": {"default": "fp32"}, "budget-gib": {"shown": "the cluster's device memory"},
+                  "json": {"shown": "none", "note": "the summary, and the plan itself beside it (NAME.plan.json)"}})
     p.add_argument("--no-budget", action="store_true", help="plan without a memory limit")
-    p.add_argument("--hints", default=None, help="a preset: megatron, fsdp-tp, spatial (baselines, each the "
-                   "best of its own layout space), dp")
+    p.add_argument("--hints", default=None, choices=HINTS, help="plan a preset instead: megatron, fsdp-tp, spatial "
+                   "(baselines, each the best of its own layout space), dp")
     p.add_argument("--no-temporal", action="store_true", help="spatial strategies only (Alpa-like)")
-    p.add_argument("--json", default=None, help="write the summary (and the plan beside it) here")
-    p.add_argument("--dump", default=None, help="write the per-node plan table here (+ .dot)")
+    p.add_argument("--dump", default=None, metavar="FILE", help="write the per-node plan table here (+ .dot)")
     p.add_argument("--brief", action="store_true", help="print the header lines only, not the plan's summary")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write FILE-memory.png (memory over the step) "
                    "and FILE-layers.png (per-layer step time against the megatron preset); needs matplotlib")
     a = p.parse_args(argv)
+    if a.no_budget and a.budget_gib is not None:
+        p.error("--budget-gib and --no-budget contradict each other. Fix: give one of them")
+    check_mesh_fits(a.mesh, get_cluster(a.cluster))
+    say = (lambda *x, **k: None) if a.quiet else print
     viz = None
     if a.plot:
         try:
             from stpc import viz  # lazy: matplotlib (~0.5 s, a test extra) is only needed for --plot
         except ImportError as e:
-            print(f"error: --plot needs matplotlib ({e}); fix: pip install matplotlib", file=sys.stderr)
-            return 1
-    try:
-        plan, tg = plan_model(a.model, a.mesh, a.cluster, a.batch, a.seq, a.dtype, a.budget_gib, a.hints,
-                              not a.no_temporal, use_budget=not a.no_budget, layers=a.layers)
-    except UnknownModel as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except InfeasibleBudget as e:
-        print(f"error: {e}")
-        return 3
+            raise Failure(f"--plot needs matplotlib ({e})", "pip install matplotlib") from None
+    plan, tg = plan_model(a.model, a.mesh, a.cluster, a.batch, a.seq, a.dtype, a.budget_gib, a.hints,
+                          not a.no_temporal, use_budget=not a.no_budget, layers=a.layers, progress=not a.quiet)
     s = summary(plan)
-    print(f"model {a.model}  mesh {'x'.join(map(str, plan.mesh_shape))}  cluster {plan.cluster}  "
-          f"batch {s['batch']} seq {s['seq']} {a.dtype}")
-    print(f"modelled step {plan.modelled_step_time_s * 1e3:.2f} ms  peak {plan.peak_memory_bytes / 2**30:.2f} "
-          f"GiB/device  search {s['search_time_s']:.3f} s  total {s['total_time_s']:.2f} s  "
-          f"nodes {s['num_nodes']}  variables {s['num_variables']}")
-    print(f"layout: {describe_layout(s['layout'])}" + (f"  (hints {s['hints']})" if s["hints"] else ""))
+    if a.quiet:
+        print(f"mesh {'x'.join(map(str, plan.mesh_shape))}  modelled step {plan.modelled_step_time_s * 1e3:.2f} ms  "
+              f"peak {plan.peak_memory_bytes / 2**30:.2f} GiB/device  plan {s['plan_hash'][:12]}")
+    say(f"model {a.model}  mesh {'x'.join(map(str, plan.mesh_shape))}  cluster {plan.cluster}  "
+        f"batch {s['batch']} seq {s['seq']} {a.dtype}")
+    say(f"modelled step {plan.modelled_step_time_s * 1e3:.2f} ms  peak {plan.peak_memory_bytes / 2**30:.2f} "
+        f"GiB/device  search {s['search_time_s']:.3f} s  total {s['total_time_s']:.2f} s  "
+        f"nodes {s['num_nodes']}  variables {s['num_variables']}")
+    say(f"layout: {describe_layout(s['layout'])}" + (f"  (hints {s['hints']})" if s["hints"] else ""))
     if s["fallback_ops"]:
-        print("replicated (no sharding rule): " + ", ".join(f"{k} x{v}" for k, v in s["fallback_ops"].items()))
-    if a.brief:
-        print("strategies: " + ", ".join(f"{k} {v}" for k, v in s["strategy_counts"].items()))
+        say("replicated (no sharding rule): " + ", ".join(f"{k} x{v}" for k, v in s["fallback_ops"].items()))
+    if a.brief or a.quiet:
+        say("strategies: " + ", ".join(f"{k} {v}" for k, v in s["strategy_counts"].items()))
     else:
         t_sum = time.perf_counter()
         print()
         print(plan.summary(), end="")
         print(f"(summary {time.perf_counter() - t_sum:.2f} s: its re-solves; plan.explain(node) ranks every "
               "alternative of a node)")
-        s["summary_time_s"] = plan.stats.get("summary_time_s")
-        s["breakdown"] = plan.stats.get("breakdown")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(s, f, indent=1, sort_keys=True)
+        if "breakdown" in plan.stats:  # (the summary's, when it was printed)
+            s["summary_time_s"] = plan.stats.get("summary_time_s")
+            s["breakdown"] = plan.stats.get("breakdown")
+        write_json(a.json, s, sort_keys=True)
         plan.save(a.json.removesuffix(".json") + ".plan.json")
-        print(f"wrote {a.json}")
+        say(f"wrote {a.json}")
     if a.dump:
         with open(a.dump, "w") as f:
             f.write(plan.table())
         dump(tg, a.dump.removesuffix(".txt") + ".graph.txt", plan=plan)
-        print(f"wrote {a.dump}")
+        say(f"wrote {a.dump}")
     if viz is not None:
-        _plot(viz, a, plan, tg)
+        _plot(viz, a, plan, tg, say)
     return 0
 
 
-def _plot(viz, a, plan, tg) -> None:
+def _plot(viz, a, plan, tg, say=print) -> None:
     """``--plot``: the baseline (the megatron preset; stpc's own plan if this one is megatron's)
     searched on the same graph, devices and budget, then ``stpc.viz.plot_plan``."""
     other = None if a.hints == "megatron" else "megatron"
@@ -159,7 +165,7 @@ def _plot(viz, a, plan, tg) -> None:
                       temporal=not a.no_temporal, dtype=a.dtype,
                       optimizer_layout="fp32-adam" if a.dtype == "fp32" else "mixed-adam")
     except (InfeasibleBudget, HintUnsatisfiable, ValueError) as e:
-        print(f"(no {other or 'stpc'} baseline in the picture: {str(e).splitlines()[0]})")
+        say(f"(no {other or 'stpc'} baseline in the picture: {str(e).splitlines()[0]})")
         base = None
     for path in viz.plot_plan(plan, a.plot, base, tg):
-        print(f"wrote {path}")
+        say(f"wrote {path}")

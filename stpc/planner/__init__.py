@@ -15,8 +15,8 @@ from stpc.planner.baselines import BASELINES, Layout
 from stpc.planner.builder import build_problem, plan_graph
 from stpc.planner.hints import PRESETS, HintUnsatisfiable, Hints, preset
 from stpc.planner.plan import NodePlan, Plan
-from stpc.planner.search import mesh_shapes, search
+from stpc.planner.search import SearchProgress, mesh_shapes, search
 from stpc.planner.solver import InfeasibleBudget, NoBetterPlan
 
 __all__ = ["analyse", "GraphFacts", "BASELINES", "Layout", "build_problem", "plan_graph", "Hints", "HintUnsatisfiable", "PRESETS",
-           "preset", "Plan", "NodePlan", "search", "mesh_shapes", "InfeasibleBudget", "NoBetterPlan"]
+           "preset", "Plan", "NodePlan", "search", "SearchProgress", "mesh_shapes", "InfeasibleBudget", "NoBetterPlan"]

@@ -21,6 +21,13 @@ candidate's budgeted optimum. Then candidates are visited cheapest bound first: 
 whose memory-blind optimum fits the budget is solved; one where the budget binds
 goes to CP-SAT, capped by the best plan so far; and once a bound cannot beat the
 best plan, no later candidate can, and the rest are discarded unsolved.
+
+``progress=`` takes a callable that receives a :class:`SearchProgress` as each candidate
+is taken up in either phase (and, while CP-SAT runs, at each better solution or bound it
+finds), then once when the search is done: what is being worked on, the best modelled
+step time so far (the incumbent) and a lower bound on the optimum, with the elapsed
+time. It is a plain callback (``python -m stpc`` draws a progress line from it); an
+exception it raises stops the search and propagates.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import dataclasses
 import gc
 import math
 import time
+from typing import Callable
 
 from stpc.cost_models import CostModel, get_cluster
 from stpc.frontend.trace import TracedGraph
@@ -112,15 +120,44 @@ def _no_gc():
             gc.enable()
 
 
+@dataclasses.dataclass(frozen=True)
+class SearchProgress:
+    """One report of :func:`search` to its ``progress`` callback.
+
+    ``phase``: ``"build"`` (a candidate's problem is being built and its memory-blind
+    optimum found by variable elimination), ``"solve"`` (a candidate is being solved, or
+    pruned by its bound), ``"cpsat"`` (CP-SAT, solving a candidate the budget binds on,
+    found a better solution or raised its bound), ``"done"`` (the search returns).
+    ``candidate``: the mesh shape (``"mesh 4x2"``) or baseline layout being worked on.
+    ``done`` / ``total``: candidates finished in this phase / in all. ``incumbent_s``: the
+    best modelled step time found so far (None before the first plan). ``bound_s``: a
+    lower bound on the step time the search will return: the least of the incumbent, the
+    memory-blind optima of the candidates still unsolved (a budget can only raise a
+    candidate's optimum above it) and CP-SAT's own bound on the one it is solving (None
+    while candidates are still being built, or while one too wide to eliminate has no
+    bound yet); at ``"done"`` it equals the incumbent. ``elapsed_s``: seconds since the
+    search began."""
+
+    phase: str
+    candidate: str
+    done: int
+    total: int
+    incumbent_s: float | None
+    bound_s: float | None
+    elapsed_s: float
+
+
 def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | None = None,
            hints: str | Hints | None = None, temporal: bool = True, dtype: str = "fp32",
-           optimizer_layout: str = "fp32-adam") -> Plan:
+           optimizer_layout: str = "fp32-adam",
+           progress: Callable[[SearchProgress], None] | None = None) -> Plan:
     """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple). ``hints``: a
     ``Hints``, or a preset name: ``megatron``, ``fsdp-tp`` and ``spatial`` search their
     whole layout space (``stpc.planner.baselines``; a given shape keeps the layouts on it),
-    ``dp`` constrains each mesh shape."""
+    ``dp`` constrains each mesh shape. ``progress``: called with a :class:`SearchProgress`
+    as the search goes (module docstring)."""
     with _no_gc():
-        return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout)
+        return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress)
 
 
 @dataclasses.dataclass
@@ -142,13 +179,62 @@ class _Shape:
         return self.choice is not None and (self.problem.budget is None or self.peak <= self.problem.budget)
 
 
-def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout) -> Plan:
+def _name(layout: dict) -> str:
+    """A candidate as a progress report names it: ``mesh 4x2``, or a baseline's layout."""
+    return baselines.describe_layout(layout)
+
+
+class _Reporter:
+    """Turns the search's state into :class:`SearchProgress` reports (no-op without a callback)."""
+
+    def __init__(self, fn, t0: float, total: int):
+        self.fn, self.t0, self.total = fn, t0, total
+
+    def __call__(self, phase: str, candidate: str, done: int, incumbent_ns: int | None, bound_ns: int | None):
+        if self.fn is not None:
+            self.fn(SearchProgress(phase, candidate, done, self.total,
+                                   None if incumbent_ns is None else incumbent_ns / NS,
+                                   None if bound_ns is None else bound_ns / NS, time.perf_counter() - self.t0))
+
+
+def _least(*xs: int | None) -> int | None:
+    known = [x for x in xs if x is not None]
+    return min(known) if known else None
+
+
+def _lower_bound(incumbent: int | None, rest: list[int | None]) -> int | None:
+    """A lower bound on the search's result: min(the incumbent, the bounds of the candidates
+    still unsolved), or None while one of those has no bound (or nothing is known)."""
+    return None if None in rest else _least(incumbent, *rest)
+
+
+class _CpsatWatch:
+    """CP-SAT's reports on candidate ``i`` (``solver.solve(on_progress=)``), as ``"cpsat"``
+    progress: its best solution so far against the incumbent, its best bound (never below
+    elimination's) against the candidates after it."""
+
+    def __init__(self, report: _Reporter, name: str, i: int, incumbent: int | None, rest: list[int | None]):
+        self.report, self.name, self.i, self.incumbent, self.rest = report, name, i, incumbent, rest
+        self.objective, self.bound = None, rest[i]
+
+    def __call__(self, objective: int | None, bound: int | None):
+        self.objective = _least(self.objective, objective)
+        if bound is not None:
+            self.bound = max(self.bound or 0, bound)
+        inc = _least(self.incumbent, self.objective)
+        self.report("cpsat", self.name, self.i, inc, _lower_bound(inc, [self.bound, *self.rest[self.i + 1:]]))
+
+
+def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress=None) -> Plan:
     t0 = time.perf_counter()
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
     shape, n = parse_mesh(mesh)
     facts = analyse(tg)  # (done by ``stpc.trace``: mesh-independent)
     tried, infeasible, candidates = [], [], []
-    for idx, (s, h, layout) in enumerate(_candidates(hints, shape, n, cl)):
+    points = _candidates(hints, shape, n, cl)
+    report = _Reporter(progress, t0, len(points))
+    for idx, (s, h, layout) in enumerate(points):
+        report("build", _name(layout), idx, None, None)
         if not temporal:
             h = dataclasses.replace(h, temporal=False)  # (the caller's Hints stay as they were)
         t_shape = time.perf_counter()
@@ -169,7 +255,11 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         candidates.append(_Shape(idx, s, layout, b, problem, choice, bound, peak, t_built - t_shape,
                                  time.perf_counter() - t_built))
     best = None  # (objective ns, shape index, plan): lexicographically smallest wins
-    for c in sorted(candidates, key=lambda c: (c.bound, c.index)):
+    ordered = sorted(candidates, key=lambda c: (c.bound, c.index))
+    rest = [c.bound if c.choice is not None else None for c in ordered]  # elimination's bounds (None: too wide)
+    for i, c in enumerate(ordered):
+        incumbent = None if best is None else best[0]
+        report("solve", _name(c.layout), i, incumbent, _lower_bound(incumbent, rest[i:]))
         entry = {"mesh": list(c.mesh), "layout": c.layout, "lower_bound_s": c.bound / NS, "build_time_s": c.build_s}
         if best is not None and (c.bound, c.index) >= best[:2]:
             tried.append({**entry, "modelled_step_time_s": None, "pruned": True, "solve_time_s": c.bound_s})
@@ -180,8 +270,9 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         else:  # the budget binds on this shape: CP-SAT, capped by the best so far
             if best is not None:
                 c.problem.cap = best[0] - (0 if c.index < best[1] else 1)
+            watch = _CpsatWatch(report, _name(c.layout), i, incumbent, rest) if progress is not None else None
             try:
-                sol = solve(c.problem, method="cpsat")
+                sol = solve(c.problem, method="cpsat", on_progress=watch)
             except NoBetterPlan:
                 tried.append({**entry, "modelled_step_time_s": None, "pruned": True,
                               "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
@@ -198,6 +289,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     if best is None:
         raise HintUnsatisfiable("no mesh shape satisfies the hints (change the hints or the device count): "
                                 + "; ".join(t["skipped"] for t in tried if t.get("skipped")))
+    report("done", _name(best[2].stats["layout"]), len(ordered), best[0], best[0])
     plan = best[2]
     plan.stats["indivisible"] = indivisible(tg, plan.mesh_shape)
     plan.stats["search_time_s"] = time.perf_counter() - t0

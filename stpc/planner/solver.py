@@ -24,6 +24,7 @@ placements, not with the product of strategy counts.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -253,7 +254,32 @@ def _solver(time_limit_s: float) -> cp_model.CpSolver:
     return solver
 
 
-def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: str = "auto") -> Solution:
+class _Progress(cp_model.CpSolverSolutionCallback):
+    """CP-SAT's better solutions and bounds, passed on as ``fn(objective_ns, bound_ns)``
+    (either may be None). An exception ``fn`` raises stops the search; ``solve`` re-raises it."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn, self.error = fn, None
+
+    def _call(self, objective, bound):
+        if self.error is not None:
+            return
+        try:
+            self.fn(objective, bound)
+        except BaseException as e:  # (raised in the solver's thread: carried back to the caller)
+            self.error = e
+            self.StopSearch()
+
+    def on_solution_callback(self):
+        self._call(round(self.ObjectiveValue()), math.ceil(self.BestObjectiveBound()))
+
+    def on_bound(self, bound: float):
+        self._call(None, math.ceil(bound))
+
+
+def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: str = "auto",
+          on_progress=None) -> Solution:
     """Exact optimum; deterministic.
 
     ``auto``: an infeasible budget is detected exactly by :func:`min_memory`; then
@@ -262,7 +288,9 @@ def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: s
     problem, so if it fits the budget it is the answer. Only when the budget binds
     (or the graph is too wide to eliminate) does CP-SAT solve the full model.
     ``cpsat``: CP-SAT only (one worker, fixed seed), dominated choices pruned first
-    (exact, see :func:`prune_dominated`)."""
+    (exact, see :func:`prune_dominated`). ``on_progress(objective_ns, bound_ns)``, if
+    given, is called at each better solution and each raised bound CP-SAT finds (either
+    argument may be None); an exception it raises stops the solve and propagates."""
     t0 = time.perf_counter()
     if method == "auto":
         if p.budget is not None:
@@ -280,7 +308,14 @@ def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: s
         p, keep = prune_dominated(p)
     m, x, n_edge_vars = _build(p, minimise_memory=False)
     solver = _solver(time_limit_s)
-    status = solver.Solve(m)
+    if on_progress is None:
+        status = solver.Solve(m)
+    else:
+        reporter = _Progress(on_progress)
+        solver.best_bound_callback = reporter.on_bound
+        status = solver.Solve(m, reporter)
+        if reporter.error is not None:
+            raise reporter.error
     if status == cp_model.INFEASIBLE:
         if p.cap is not None:
             raise NoBetterPlan()
