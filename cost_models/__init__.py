@@ -12,7 +12,7 @@ the planner's hot path never pays for).
 """
 from .cluster import CLUSTERS, Cluster, Link
 from .comm import CostModel
-from .compute import PhaseCost, matmul_phase_cost, matmul_phase_flops, roofline
+from .compute import OPTIMIZER_STEP_BYTES, PhaseCost, matmul_phase_cost, matmul_phase_flops, optimizer_step_time, roofline
 from .devices import DEVICES, DeviceSpec, canonical_dtype, get_device
 from .memory import (LAYOUTS, MemoryModel, MemoryParts, adamw_step_transient_bytes, bytes_per_param,
                      optimizer_state_bytes, training_step_peak)
@@ -21,7 +21,7 @@ from .profile import default_profile_path, fit_alpha_beta, get_cluster, load_pro
 
 __all__ = [
     "CLUSTERS", "Cluster", "Link", "get_cluster", "CostModel", "PhaseCost", "matmul_phase_cost",
-    "matmul_phase_flops", "roofline", "DEVICES", "DeviceSpec", "canonical_dtype", "get_device",
+    "matmul_phase_flops", "roofline", "optimizer_step_time", "OPTIMIZER_STEP_BYTES", "DEVICES", "DeviceSpec", "canonical_dtype", "get_device",
     "LAYOUTS", "MemoryModel", "MemoryParts", "adamw_step_transient_bytes", "bytes_per_param",
     "optimizer_state_bytes", "training_step_peak", "fit_alpha_beta", "load_profile", "save_profile",
     "world_cluster", "default_profile_path", "OVERLAP_COMPUTE_SLOWDOWN", "exposed",

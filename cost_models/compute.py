@@ -21,6 +21,23 @@ def roofline(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32")
     return max(flops / rate, bytes_moved / device.mem_bw)
 
 
+# Bytes one optimizer step moves per parameter element, by optimizer layout
+# (``cost_models.memory.LAYOUTS``). It does no matmul: memory traffic bounds it. torch's
+# default AdamW (the foreach path of torch/optim/adamw.py: decoupled weight decay, no
+# amsgrad) makes eight passes over fp32 tensors: p *= 1 - lr*wd (read and write p, 8 B),
+# m.lerp_(g) (read m, g, write m: 12), v *= beta2 (8), v.addcmul_(g, g) (read v, g, write v:
+# 12), t = sqrt(v) (8), t /= bias correction (8), t += eps (8), p.addcdiv_(m, t) (read p, m,
+# t, write p: 16) = 80 B. Mixed precision runs them on the fp32 master weight and copies it
+# to the bf16/fp16 weight (read 4, write 2): 86 B. Counted from the implementation, held
+# against measured optimizer steps by ``python -m stpc bench fidelity``.
+OPTIMIZER_STEP_BYTES = {"fp32-adam": 80.0, "mixed-adam": 86.0}
+
+
+def optimizer_step_time(device: DeviceSpec, numel: float, layout: str = "fp32-adam") -> float:
+    """Seconds of one optimizer step over ``numel`` parameter elements held on the device."""
+    return roofline(device, 0.0, numel * OPTIMIZER_STEP_BYTES.get(layout, OPTIMIZER_STEP_BYTES["fp32-adam"]))
+
+
 @dataclass(frozen=True)
 class PhaseCost:
     """Seconds for the three phases of one operator: forward (O = I.W), backward

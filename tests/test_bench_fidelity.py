@@ -129,7 +129,7 @@ def _full_record(plan="megatron", zero1=True):
         "families": {"spatial": 10}, "cluster": "calibrated-test", "plan_hash": "abc",
         "zero1_modelled_not_run": zero1, "plan_s": 0.01,
         "predicted_parts": {"weight_bytes": 400, "grad_bytes": 400, "optimizer_bytes": 200, "activation_bytes": 800,
-                            "transient_bytes": 200, "compute_s": 0.8, "exposed_s": 0.2},
+                            "transient_bytes": 200, "compute_s": 0.8, "optimizer_step_s": 0.1, "exposed_s": 0.2},
         "planned_params": {"wte.weight": ("(S0)", 100.0), "fc.weight": ("(S0)", 300.0)},
         "held_params": {"wte.weight": ("(Replicate(),)", 400), "fc.weight": ("(Shard(dim=0),)", 300)},
         "measured_fwd_bwd_s": 1.25, "measured_optimizer_s": 0.15, "steps_s": [1.4] * 3,
@@ -143,7 +143,9 @@ def test_param_mismatches_and_notes():
     mis = param_mismatches(r)
     assert mis == [("wte.weight", "(S0)", 100.0, "(Replicate(),)", 400)]
     text = notes(r)
-    assert "ZeRO-1" in text and "wte.weight" in text and "optimizer step (not modelled)" in text
+    assert "ZeRO-1" in text and "wte.weight" in text
+    assert "optimizer step (model's memory-bound AdamW vs measured) -0.050 s" in text  # 0.1 modelled, 0.15 run
+    assert "compute (model's roofline vs GEMM + attention + other op time) -0.300 s" in text  # 0.8 - 0.1 vs 0.7 + 0.3
 
 
 def test_report_and_json_records():

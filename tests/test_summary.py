@@ -30,7 +30,10 @@ def llama3():
 
 
 def _parts_add_up(bd):
-    assert bd["compute_s"] + bd["exposed_s"] == pytest.approx(bd["step_s"], rel=1e-9, abs=1e-9)
+    # (the solver's objective is whole nanoseconds per group: the parts, in float seconds, differ
+    # from it by under half a nanosecond per group)
+    assert bd["compute_s"] + bd["exposed_s"] == pytest.approx(bd["step_s"], rel=1e-9, abs=1e-7)
+    assert 0 < bd["optimizer_step_s"] < bd["compute_s"]
     assert bd["exposed_s"] == pytest.approx(bd["exposed_reshard_s"] + bd["exposed_param_sync_s"]
                                             + bd["exposed_ring_s"], rel=1e-9, abs=1e-12)
     assert bd["hidden_s"] == pytest.approx(bd["hidden_param_sync_s"] + bd["hidden_ring_s"], rel=1e-9, abs=1e-12)
@@ -149,7 +152,9 @@ def test_llama2_7b_summary_is_quick():
     plan = search(tg, 8, cl, budget_bytes=cl.device.mem_bytes, dtype="fp16", optimizer_layout="mixed-adam")
     text = plan.summary()
     assert "layers.0 .. layers.31  (x 32, tied: planned once)" in text
-    assert plan.stats["summary_time_s"] < 2.0, plan.stats["summary_time_s"]
+    # a guard against pathological work (a re-solve per node takes minutes), not a speed target:
+    # about 0.3 s on a quiet 2-core machine; the margin absorbs a loaded one
+    assert plan.stats["summary_time_s"] < 10.0, plan.stats["summary_time_s"]
     _parts_add_up(plan.stats["breakdown"])
 
 

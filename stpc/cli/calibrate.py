@@ -3,8 +3,10 @@
 What is measured, with ``world_size`` ranks running at once (the SPMD situation the
 planner models):
 
-* matmul throughput for a few shapes and dtypes on every rank concurrently (median
-  over ranks, best shape per dtype) and memory bandwidth from a large copy;
+* matmul throughput for a few shapes and dtypes and memory bandwidth from a large copy,
+  each sustained over a window in which every rank computes at once (median over ranks,
+  best shape per dtype): on a machine whose cores the ranks share, what one rank gets of
+  them during a step;
 * all-gather, reduce-scatter, all-reduce, all-to-all and ring P2P (every rank sends to
   its right neighbour) over a range of message sizes, on gloo over 127.0.0.1 on CPU or
   NCCL on GPUs. A sample's time is the slowest rank's, fastest of several timed windows.
@@ -123,38 +125,41 @@ def _collective_fn(kind: str, nbytes: int, rank: int, world: int, dev):
     raise ValueError(f"unknown collective {kind!r}")
 
 
-def _matmul_rates(dev, iters: int = 3) -> list[dict]:
+def _sustained(fn, dev, window_s: float) -> float:
+    """Seconds per call of ``fn`` kept busy for ``window_s`` right after a barrier: every
+    rank runs its loop over the same window, so the rate is what one rank gets while all
+    of them compute (on a CPU shared by the ranks, its share of the cores), not what a
+    lone call gets in a moment another rank left its core free."""
+    fn()
+    _sync(dev)
+    dist.barrier()
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        if calls % 4 == 0 or dev.type != "cuda":
+            _sync(dev)
+            elapsed = time.perf_counter() - t0
+            if elapsed >= window_s:
+                return elapsed / calls
+
+
+def _matmul_rates(dev, window_s: float = 0.4) -> list[dict]:
     out = []
     for dt in MATMUL_DTYPES:
         shapes = MATMUL_SHAPES if dt != "fp16" else MATMUL_SHAPES[:2]  # CPU fp16 GEMM is slow
         for m, n, k in shapes:
             a = torch.randn(m, n, device=dev, dtype=TORCH_DTYPES[dt])
             b = torch.randn(n, k, device=dev, dtype=TORCH_DTYPES[dt])
-            torch.mm(a, b)
-            _sync(dev)
-            best = float("inf")
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                torch.mm(a, b)
-                _sync(dev)
-                best = min(best, time.perf_counter() - t0)
-            out.append({"m": m, "n": n, "k": k, "dtype": dt, "seconds": best,
-                        "flops_per_s": 2.0 * m * n * k / best})
+            sec = _sustained(lambda: torch.mm(a, b), dev, window_s)
+            out.append({"m": m, "n": n, "k": k, "dtype": dt, "seconds": sec, "flops_per_s": 2.0 * m * n * k / sec})
     return out
 
 
-def _mem_bw(dev, nbytes: int = 64 << 20) -> float:
+def _mem_bw(dev, nbytes: int = 64 << 20, window_s: float = 0.4) -> float:
     x = torch.ones(nbytes // 4, device=dev)
     y = torch.empty_like(x)
-    y.copy_(x)
-    _sync(dev)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        y.copy_(x)
-        _sync(dev)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * nbytes / best  # a copy reads and writes every byte
+    return 2.0 * nbytes / _sustained(lambda: y.copy_(x), dev, window_s)  # a copy reads and writes every byte
 
 
 def _worker(rank: int, world: int, task: dict) -> dict | None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from stpc.cost_models import CostModel, MemoryModel
+from stpc.cost_models import CostModel, MemoryModel, optimizer_step_time
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse
@@ -125,20 +125,25 @@ class Builder:
             if fqn in self.hints.param_exact:
                 choices = self._exact(node, f"parameter {fqn}", choices, self.hints.param_exact[fqn])
             choices = self._choice_lists.setdefault(tuple(choices), choices)  # (equal lists: one object)
+            cost = [0.0] * len(choices)
             if node.name in self.tg.tied_params:  # the same tensor as an earlier parameter: held once
                 mem = [0.0] * len(choices)
             else:
                 zero = self.hints.optimizer_shard_axes  # ZeRO-1: state sharded where the weight is whole
-                mem = [self.memory.param_bytes(val.numel(), math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE),
-                                               math.prod(self.mesh[a] for a in zero if p[a] == REPLICATE))
-                       for p in choices]
+                shards = [(math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE),
+                           math.prod(self.mesh[a] for a in zero if p[a] == REPLICATE)) for p in choices]
+                mem = [self.memory.param_bytes(val.numel(), w, z) for w, z in shards]
+                if node in self.rg:  # the optimizer steps the elements this device holds the state of
+                    cost = [optimizer_step_time(self.cm.device, val.numel() / (w * z), self.memory.layout)
+                            for w, z in shards]
         else:
             # A user input: each rank loads its own shard, so any even split is free.
             choices = placement_choices(shape, self.mesh, grid_weight=False)
             if node.name in self.hints.input_exact:
                 choices = self._exact(node, f"input {node.name}", choices, self.hints.input_exact[node.name])
             mem = [0.0] * len(choices)
-        self._open_group(it, choices, [0.0] * len(choices), mem, [0.0] * len(choices))
+            cost = [0.0] * len(choices)
+        self._open_group(it, choices, cost, mem, [0.0] * len(choices))
         self.place[it] = choices
 
     def _exact(self, node, what: str, choices: list, want) -> list:
@@ -503,8 +508,9 @@ class Builder:
         """(role, op, kind, out, ins, axis, time_s, comm_s, mem_bytes) of item ``it`` under
         choice c (every node of an item runs one op)."""
         grp = self.groups[it.group]
-        if it.kind in ("param", "input"):
-            return it.kind, "placeholder", "spatial", self.place[it][c], (), -1, 0.0, 0.0, float(grp.own_mem[c])
+        if it.kind in ("param", "input"):  # a parameter's time: its optimizer step
+            return (it.kind, "placeholder", "spatial", self.place[it][c], (), -1, float(grp.own_cost[c]), 0.0,
+                    float(grp.own_mem[c]))
         op = _op_name(it.node)
         if it.kind == "derived":  # planned through its operand; to the passes a decision like any other
             s = self.derived[it][c]

@@ -246,7 +246,8 @@ def _breakdown(sv: Solved) -> dict:
     the step); peak = parameters + gradients + optimizer + activations + transient.
 
     * compute: the same assignment costed with every transfer free (``_FreeComm``): every
-      op's roofline time of its local work, forward + backward + weight gradient;
+      op's roofline time of its local work, forward + backward + weight gradient, and the
+      optimizer step over the parameter state each device holds (``optimizer_step_s``);
     * exposed: the rest of the step time: reshards on edges and shares, gathers of
       followers that cannot keep a layout, ring transfers longer than the compute of their
       step, parameter synchronisation beyond its op's compute (with the compute slowdown
@@ -264,6 +265,7 @@ def _breakdown(sv: Solved) -> dict:
     free = type(b)(b.tg, _FreeComm(cm.cluster, cm.mesh_shape, cm.overlap_slowdown), b.hints, layout, facts)
     free.build(None, edges=False)
     compute = sum(float(free.groups[g].cost[c]) for g, c in enumerate(ch))
+    optimizer_step = sum(float(b.groups[g].cost[ch[g]]) for g, it in enumerate(facts.group_items) if it.kind == "param")
     groups = sum(float(b.groups[g].cost[c]) for g, c in enumerate(ch))
     # rings: real = sum max(c, t); compute C, transfers T: hidden = C + T - real
     ring_exposed = ring_hidden = 0.0
@@ -316,7 +318,7 @@ def _breakdown(sv: Solved) -> dict:
         act += count * b.memory.saved_bytes(val.numel() * val.element_size(),
                                             shard_factor(b.place[it][ch[it.group]], mesh))
     transient = max((p.transient[g][c] for g, c in enumerate(ch)), default=0)
-    return {"step_s": step_s, "compute_s": compute, "exposed_s": exposed, "hidden_s": ring_hidden + param_hidden,
+    return {"step_s": step_s, "compute_s": compute, "optimizer_step_s": optimizer_step, "exposed_s": exposed, "hidden_s": ring_hidden + param_hidden,
             "exposed_reshard_s": other_edges + gathers, "exposed_ring_s": ring_exposed,
             "exposed_param_sync_s": param_real, "overlap_slowdown_s": slowdown,
             "hidden_ring_s": ring_hidden, "hidden_param_sync_s": param_hidden,
@@ -461,7 +463,8 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
             f"{k} {v}" for k, v in st["indivisible"].items()))
     bd = breakdown(plan)
     step = plan.modelled_step_time_s
-    lines += ["", f"step time, modelled (one step: forward + backward + weight gradients): {_ms(step)}"]
+    lines += ["", f"step time, modelled (one step: forward + backward + weight gradients + optimizer step): "
+                  f"{_ms(step)}"]
     if bd:
         sub = [("reshards and collectives on the critical path", bd["exposed_reshard_s"], ""),
                ("parameter sync beyond its op's compute", bd["exposed_param_sync_s"],
@@ -471,6 +474,8 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
                ("ring transfers under their step's matmul", bd["hidden_ring_s"], "")]
         lines.append(f"  compute        {_ms(bd['compute_s']):>12}  every op's local work (roofline), as if "
                      "transfers were free")
+        if bd.get("optimizer_step_s"):
+            lines.append(f"    {'of which the optimizer step (memory-bound)':48s} {_ms(bd['optimizer_step_s']):>12}")
         lines.append(f"  exposed comm   {_ms(bd['exposed_s']):>12}  what transfers add to the step:")
         lines += [f"    {what:48s} {_ms(v):>12}" + (f"  ({note})" if note else "") for what, v, note in sub]
         lines.append(f"  hidden comm    {_ms(bd['hidden_s']):>12}  transfers beside compute, not in the step time:")
