@@ -12,6 +12,7 @@ from stpc.cost_models import CostModel, bytes_per_param, get_cluster
 from stpc.placement import local_shape
 from stpc.planner import Hints, InfeasibleBudget, Plan, mesh_shapes, plan_graph
 from stpc.planner.hints import megatron
+from stpc.planner.costs import COALESCE_BYTES
 from stpc.planner.strategies import SAVES_INPUTS, SAVES_OUTPUT, enumerate_strategies, tensor_operands
 
 
@@ -177,11 +178,14 @@ def test_weight_gradient_reduction_overlaps_the_backward_compute(mesh):
     lin = next(k for k, v in plan.nodes.items() if v.op == "linear.default")
     fwd = cm.compute(2 * 64 * 1024 * 1024 / 4, (64 * 1024 * 2 + 1024 * 1024) * 4 / 4, "fp32")
     nbytes = 1024 * 1024 * 4
-    # the all-reduce on each axis: of the gradient as split by the other axes (none here)
-    per_axis = [cm.overlapped(cm.all_reduce(nbytes, a), fwd / len(mesh)) for a in range(len(mesh))]
+    # the all-reduce on each axis: of the gradient as split by the other axes (none here), its
+    # share of a bucket of COALESCE_BYTES (the runtime sums gradients in buckets)
+    share = nbytes / COALESCE_BYTES
+    assert share < 1
+    per_axis = [cm.overlapped(cm.all_reduce(COALESCE_BYTES, a) * share, fwd / len(mesh)) for a in range(len(mesh))]
     assert plan.nodes[lin].comm_s == pytest.approx(sum(per_axis), rel=1e-9)
-    whole = sum(cm.all_reduce(nbytes, a) for a in range(len(mesh)))
-    assert plan.nodes[lin].comm_s < whole
+    whole = sum(cm.all_reduce(COALESCE_BYTES, a) * share for a in range(len(mesh)))
+    assert plan.nodes[lin].comm_s < whole < sum(cm.all_reduce(nbytes, a) for a in range(len(mesh)))
     blind = plan_graph(tg, CostModel(get_cluster("primepar-v100"), mesh, overlap_slowdown=1.0), hints=dp)
     assert blind.nodes[lin].comm_s == pytest.approx(whole, rel=1e-9)
 

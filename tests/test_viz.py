@@ -56,9 +56,10 @@ def test_layer_costs_add_up_to_the_plan_breakdown(plans, family):
     bd = breakdown(plan)
     for part in ("compute_s", "exposed_s", "hidden_s"):
         assert _close(sum(r[part] for r in rows), bd[part]), part
-    # (the step time is the solver's, in integer nanoseconds per group: equal to rounding)
-    assert abs(sum(r["compute_s"] + r["exposed_s"] for r in rows) - plan.modelled_step_time_s) < 1e-6 * \
-        plan.modelled_step_time_s
+    # (the step time is the solver's, in integer nanoseconds per group: equal to rounding, under
+    # half a nanosecond per group)
+    assert abs(sum(r["compute_s"] + r["exposed_s"] for r in rows) - plan.modelled_step_time_s) < \
+        0.5e-9 * len(plan.nodes)
     # the embedding before the layers, the two tied layers as one, norm and head after
     assert [r["block"] for r in rows] == ["before", "layers.0", "after"]
     assert "x2, tied" in rows[1]["label"]

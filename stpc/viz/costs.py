@@ -4,7 +4,8 @@ attributed to the layers it comes from, and a bar chart of two plans side by sid
 
 The split is ``stpc.planner.summary.breakdown``'s, item by item instead of summed:
 
-* compute: every op's local work with transfers free (the same ``_FreeComm`` cost model);
+* compute: every op's local work with transfers free (the same ``_FreeComm`` cost model),
+  and each parameter's optimizer step;
 * exposed: what transfers add to the step: ring transfers longer than their step's
   compute, gathers of followers that cannot keep a layout, reshards on the edges into an
   op (charged to the consuming op) and on shared reads (charged to the first consumer),
@@ -99,6 +100,8 @@ def layer_costs(plan) -> list[dict]:
                 add(it.node.name, "hidden_s", (comp + t - real) * it.count)
         elif it.kind in ("follower", "derived"):
             real, comp = float(b.extra[it][c]), float(free.extra[it][c])
+        elif it.kind == "param":  # its optimizer step (compute: memory-bound work, no transfer)
+            real = comp = float(b.groups[it.group].own_cost[c])
         else:
             continue
         add(it.node.name, "compute_s", comp * it.count)
