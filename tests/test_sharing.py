@@ -18,7 +18,7 @@ from stpc import trace  # noqa: E402
 from stpc.cost_models import CostModel, get_cluster  # noqa: E402
 from stpc.planner import Hints, plan_graph  # noqa: E402
 from stpc.placement import shard_factor  # noqa: E402
-from stpc.planner.costs import COALESCE_BYTES, axis_reshard_phases, reshard_cost  # noqa: E402
+from stpc.planner.costs import axis_reshard_phases, reshard_cost  # noqa: E402
 from stpc.planner.sharing import Share, partitions  # noqa: E402
 from stpc.planner.solver import Edge, Problem, solve, solve_unconstrained  # noqa: E402
 from stpc.planner.strategies import Strategy, tensor_operands  # noqa: E402
@@ -191,7 +191,7 @@ def _recomputed(tg, cm, plan, once=True):
             if o.op == "placeholder" and o.name in tg.param_fqns:  # a weight: its sync as the runtime runs it
                 total += sum(sum(axis_reshard_phases(cm, a, src[a], ins[a], nbytes / shard_factor(src, cm.mesh_shape,
                                                                                                skip_axis=a),
-                                                     split[a], o in facts.rg, regather=True, coalesce=COALESCE_BYTES))
+                                                     split[a], o in facts.rg, regather=True))
                              for a in range(len(src)) if src[a] != ins[a] or (ins[a] == "R" and split[a]))
             else:
                 total += reshard_cost(cm, src, tuple(ins), nbytes, split, o in facts.rg)

@@ -34,8 +34,8 @@ from stpc.cost_models import CostModel, MemoryModel, optimizer_step_time
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse
-from stpc.planner.costs import (COALESCE_BYTES, NodeTimer, axis_reshard, axis_reshard_phases, dtype_name,
-                               reshard_cost, transient_bytes)
+from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, reshard_cost,
+                               transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints
 from stpc.planner.plan import NodePlan, Plan
 from stpc.planner.sharing import Share
@@ -379,8 +379,7 @@ class Builder:
                         c = self._reshard_phases.get(k)
                         if c is None:
                             c = self._reshard_phases[k] = axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split,
-                                                                              rg, regather=True,
-                                                                              coalesce=COALESCE_BYTES)
+                                                                              rg, regather=True)
                         phases[:, pc, qc] = c
                 fwd, bwd = phases[:, :, list(need)]
                 wins = np.array([w for _, _, w in vkeys]).reshape(-1, 2)

@@ -25,11 +25,7 @@ both overlap with compute (``cost_models.overlap``; the builder applies it):
 A parameter's edge S/grid -> R or P (ZeRO-3 / FSDP: stored sharded, read whole) costs one
 more all-gather in backward (``regather``): the runtime does not keep whole parameters
 from forward to backward and gathers them again there, as FSDP2 does by default
-(``stpc.runtime.RegatherSaved``). And a parameter's gradient all-reduce, gathers and
-gradient reduce-scatter are not collectives of their own: the runtime sums gradients in
-buckets (``stpc.runtime.GradReducer``) and gathers a layer's parameters in one collective
-(``stpc.runtime.gather_start``), so each pays its bytes' share of a collective of
-:data:`COALESCE_BYTES` (``coalesce``), one latency per bucket, not per parameter.
+(``stpc.runtime.RegatherSaved``).
 """
 from __future__ import annotations
 
@@ -41,11 +37,6 @@ from stpc.cost_models import CostModel, MemoryModel
 from stpc.placement import REPLICATE, parse, shard_factor
 from stpc.planner.strategies import Strategy, aten, tensor_operands
 
-# The size of the collectives a parameter's synchronisation rides in: stpc.compile's default
-# gradient bucket (bucket_mb=25, DDP's default bucket_cap_mb). A layer's coalesced gathers
-# vary with the layer; the bucket size stands in for them (a gpt-50m layer's weights: 50 MB).
-COALESCE_BYTES = 25 * 2**20
-
 _MATMUL = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
 
 
@@ -53,28 +44,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
-def _share(collective, nbytes: float, axis: int, coalesce: float) -> float:
-    """Seconds of ``nbytes``' part in a collective that carries ``coalesce`` bytes at once
-    (a bucket): its bytes' share of the bucket's time, so the bucket's latency is paid
-    once over all it carries; a message larger than the bucket goes alone."""
-    if nbytes >= coalesce:
-        return collective(nbytes, axis)
-    return collective(coalesce, axis) * nbytes / coalesce
-
-
 def axis_reshard_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
-                        needs_grad: bool, regather: bool = False, coalesce: float = 0.0) -> tuple[float, float]:
+                        needs_grad: bool, regather: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds to turn token ``p`` into ``q`` on one axis: the forward
-    collective and its autograd dual (the table in the module docstring). For a
-    parameter's edge: ``regather``, a parameter gathered whole is gathered again in
-    backward; ``coalesce``, its gradient all-reduce, its gathers and its gradient
-    reduce-scatter ride in collectives of that many bytes (the runtime's buckets and
-    per-layer gathers), each paying its share."""
+    collective and its autograd dual (the table in the module docstring); ``regather``: a
+    parameter gathered whole is gathered again in backward."""
     if cm.mesh_shape[axis] == 1:
         return 0.0, 0.0
     if p == q:
-        return 0.0, (_share(cm.all_reduce, nbytes, axis, coalesce)
-                     if (q == REPLICATE and consumer_split and needs_grad) else 0.0)
+        return 0.0, (cm.all_reduce(nbytes, axis) if (q == REPLICATE and consumer_split and needs_grad) else 0.0)
     pk, qk = p[0], q[0]
     if pk == "R":
         return 0.0, (cm.all_gather(nbytes, axis) if (qk != "P" and needs_grad) else 0.0)
@@ -86,8 +64,8 @@ def axis_reshard_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float,
         return cm.reduce_scatter(nbytes, axis), (cm.all_gather(nbytes, axis) if needs_grad else 0.0)
     # p is a split (S or a grid token)
     if qk in "RP":
-        bwd = _share(cm.reduce_scatter, nbytes, axis, coalesce) if (consumer_split or qk == "P") else 0.0
-        ag = _share(cm.all_gather, nbytes, axis, coalesce)
+        bwd = cm.reduce_scatter(nbytes, axis) if (consumer_split or qk == "P") else 0.0
+        ag = cm.all_gather(nbytes, axis)
         return ag, ((bwd + (ag if regather else 0.0)) if needs_grad else 0.0)
     if pk == "B" and qk == "X" and parse(p)[1] == parse(q)[1]:
         step = cm.p2p(nbytes / cm.mesh_shape[axis], axis)
@@ -223,5 +201,4 @@ def transient_bytes(node, strategies, mesh, memory: MemoryModel) -> list[float]:
     return sizes
 
 
-__all__ = ["reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name",
-           "COALESCE_BYTES"]
+__all__ = ["reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]

@@ -369,6 +369,25 @@ def _derive_table(node, live: tuple[int, ...], mesh, cache: dict):
     return cache[key]
 
 
+def _ring_nests(kind: str, a: int, s: Strategy, m_dim: int, k_dim: int) -> bool:
+    """Whether a ring on axis ``a`` added to spatial strategy ``s`` keeps placements true.
+
+    A dim split over several axes is nested outer axis first (``stpc.placement``). An
+    AG-ring gathers the rows (``m_dim``) of x over axis ``a``, an RS-ring scatters the
+    output rows over it: where another axis splits the same rows too, the ring's piece
+    is the inner one, which is right only if that other axis comes first (a later one
+    would leave each rank a block of rows that is no chunk of the full dim: a wrong
+    answer, not a slow one). P(2^k x 2^k) blocks the rows and the output columns
+    (``k_dim``) on its axis: no other axis may split them."""
+    x, out = s.ins[0], s.out
+    rows = shard(m_dim)
+    if kind in ("ag_ring", "rs_ring"):
+        split_rows = x if kind == "ag_ring" else out
+        return all(split_rows[b] != rows for b in range(a + 1, len(out)))
+    cols = shard(k_dim)
+    return all(out[b] not in (rows, cols) and x[b] != rows for b in range(len(out)) if b != a)
+
+
 def _linear_temporal(node: fx.Node, spatial: list[Strategy], mesh, shapes_in, out_shape) -> list[Strategy]:
     """AG-ring, RS-ring and P2x2 variants of aten.linear, composed with the spatial
     choices of the other axes."""
@@ -399,6 +418,8 @@ def _linear_temporal(node: fx.Node, spatial: list[Strategy], mesh, shapes_in, ou
             if kind == "p2x2" and has_bias:
                 continue  # the P2x2 op has no bias term; a biased linear keeps the other families
             for s in base:
+                if not _ring_nests(kind, a, s, m_dim, k_dim):
+                    continue
                 o = s.out[:a] + (otok,) + s.out[a + 1:]
                 ins = tuple(p[:a] + (itoks[i],) + p[a + 1:] for i, p in enumerate(s.ins))
                 if fits(out_shape, o, mesh) and all(fits(sh, p, mesh) for sh, p in zip(shapes_in, ins)):

@@ -55,7 +55,8 @@ class _GatherStart(torch.autograd.Function):
     def forward(ctx, group, grad, *shards):
         ctx.group, ctx.grad = group, grad
         ctx.shapes = [s.shape for s in shards]
-        ctx.shards = shards  # the parameters' own local tensors (no copy): what a re-gather reads
+        if not torch.compiler.is_compiling():  # eager only (RegatherSaved): the tracer needs no tensors on ctx
+            ctx.shards = shards  # the parameters' own local tensors (no copy): what a re-gather reads
         flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1).contiguous()
         return _guarded("all_gather (coalesced parameters)", _start, group, flat, _size(group), group)
 
@@ -84,15 +85,17 @@ class _GatherWait(torch.autograd.Function):
     def forward(ctx, out, shapes, dims, group):
         n = _size(group)
         ctx.shapes, ctx.dims, ctx.n, ctx.like = shapes, dims, n, (out.dtype, out.device)
-        # eager: this gather's start node, so backward can launch its reduce-scatter early
-        start = out.grad_fn
-        ctx.start = start if (isinstance(start, _GatherStart._backward_cls) and start.grad == "rs"
-                              and not torch.compiler.is_compiling()) else None
-        ctx.group = group
+        # eager: this gather's start node, so backward can launch its reduce-scatter early (a
+        # traced program never reads grad_fn: the compiler schedules the reduce-scatter)
+        ctx.group, ctx.start = group, None
         buf = _c10d.wait_tensor(out).view(n, -1)
         fulls = _cut(buf, shapes, dims, n)
-        if _ACTIVE and isinstance(start, _GatherStart._backward_cls) and not torch.compiler.is_compiling():
-            _ACTIVE[-1].note(start.shards, group, shapes, dims, [buf, *fulls])
+        if not torch.compiler.is_compiling():
+            start = out.grad_fn
+            if isinstance(start, _GatherStart._backward_cls):
+                ctx.start = start if start.grad == "rs" else None
+                if _ACTIVE:
+                    _ACTIVE[-1].note(start.shards, group, shapes, dims, [buf, *fulls])
         return tuple(fulls)
 
     @staticmethod
