@@ -13,6 +13,29 @@ from stpc.runtime.launch import spawn
 pytestmark = pytest.mark.multirank
 
 
+class _Spy:
+    """Stands in for ``torch.ops._c10d_functional`` in a module: records the name of every
+    functional collective the module issues, and passes the call on."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops._c10d_functional, name)
+
+        def call(*a, **k):
+            self.calls.append(name)
+            return op(*a, **k)
+        return call
+
+
+def _spy(module) -> list:
+    """The list ``module``'s functional collectives are recorded into from now on."""
+    calls: list = []
+    module._c10d = _Spy(calls)
+    return calls
+
+
 def _gather(rank, world):
     import torch.distributed as dist
 
@@ -20,18 +43,7 @@ def _gather(rank, world):
     from stpc.runtime import param_gather
 
     group = dist.group.WORLD.group_name
-    calls = []
-
-    class Spy:  # records the functional collectives the module issues, and passes them on
-        def __getattr__(self, name):
-            op = getattr(torch.ops._c10d_functional, name)
-
-            def call(*a, **k):
-                calls.append(name)
-                return op(*a, **k)
-            return call
-
-    param_gather._c10d = Spy()
+    calls = _spy(param_gather)
     out = {}
     for grad in ("rs", "slice"):
         calls.clear()
@@ -69,18 +81,7 @@ def _regather(rank, world):
     from stpc.runtime import param_gather
 
     group = dist.group.WORLD.group_name
-    calls = []
-
-    class Spy:
-        def __getattr__(self, name):
-            op = getattr(torch.ops._c10d_functional, name)
-
-            def call(*a, **k):
-                calls.append(name)
-                return op(*a, **k)
-            return call
-
-    param_gather._c10d = Spy()
+    calls = _spy(param_gather)
     g = torch.Generator().manual_seed(0)
     full1, full2 = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
     x = torch.randn(3, 8, generator=g, requires_grad=True)  # its gradient needs the whole first weight
