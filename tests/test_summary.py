@@ -29,10 +29,10 @@ def llama3():
     return tg, search(tg, "2x2", "cpu-local")
 
 
-def _parts_add_up(bd):
+def _parts_add_up(bd, plan):
     # (the solver's objective is whole nanoseconds per group: the parts, in float seconds, differ
-    # from it by under half a nanosecond per group)
-    assert bd["compute_s"] + bd["exposed_s"] == pytest.approx(bd["step_s"], rel=1e-9, abs=1e-7)
+    # from it by under half a nanosecond per group, and a group has at least one node)
+    assert bd["compute_s"] + bd["exposed_s"] == pytest.approx(bd["step_s"], rel=1e-9, abs=0.5e-9 * len(plan.nodes))
     assert 0 < bd["optimizer_step_s"] < bd["compute_s"]
     assert bd["exposed_s"] == pytest.approx(bd["exposed_reshard_s"] + bd["exposed_param_sync_s"]
                                             + bd["exposed_ring_s"], rel=1e-9, abs=1e-12)
@@ -58,7 +58,7 @@ def test_summary_blocks_ties_and_totals(llama3):
     assert len(lines) == 10 and all(re.search(r": \+\d+\.\d+ ms \(\+", line) for line in lines), lines
     bd = plan.stats["breakdown"]
     assert bd["step_s"] == plan.modelled_step_time_s and bd["peak_bytes"] == plan.peak_memory_bytes
-    _parts_add_up(bd)
+    _parts_add_up(bd, plan)
 
 
 def test_summary_parts_with_rings_and_parameter_sync():
@@ -71,7 +71,7 @@ def test_summary_parts_with_rings_and_parameter_sync():
     plan = search(tg, 4, cl, budget_bytes=cl.device.mem_bytes, dtype="fp16", optimizer_layout="mixed-adam")
     assert any(k.endswith("ring") for k in plan.strategy_counts())
     bd = plan.solved.breakdown()
-    _parts_add_up(bd)
+    _parts_add_up(bd, plan)
     assert bd["hidden_ring_s"] > 0 and bd["hidden_param_sync_s"] > 0
     # the overlap model: what is hidden slows compute by the measured factor
     assert bd["overlap_slowdown_s"] == pytest.approx(CostModel(cl, (4,)).overlap_slowdown * bd["hidden_param_sync_s"])
@@ -152,10 +152,10 @@ def test_llama2_7b_summary_is_quick():
     plan = search(tg, 8, cl, budget_bytes=cl.device.mem_bytes, dtype="fp16", optimizer_layout="mixed-adam")
     text = plan.summary()
     assert "layers.0 .. layers.31  (x 32, tied: planned once)" in text
-    # a guard against pathological work (a re-solve per node takes minutes), not a speed target:
-    # about 0.3 s on a quiet 2-core machine; the margin absorbs a loaded one
-    assert plan.stats["summary_time_s"] < 10.0, plan.stats["summary_time_s"]
-    _parts_add_up(plan.stats["breakdown"])
+    # about 0.3 s on a quiet 2-core machine (it failed at 2.9-3.5 s only while other test runs
+    # shared the cores)
+    assert plan.stats["summary_time_s"] < 2.0, plan.stats["summary_time_s"]
+    _parts_add_up(plan.stats["breakdown"], plan)
 
 
 def test_explain_under_a_binding_budget_matches_forced_plans():

@@ -89,8 +89,8 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from stpc.cli._common import Parser, add_flags, verb, write_json
-from stpc.cli._progress import SearchStatus, Status, bar
-from stpc.cli.bench_runtime import StpcEngine, _live_bytes, _peak_of_step
+from stpc.cli._progress import SearchStatus, Status
+from stpc.cli.bench_runtime import StpcEngine, _live_bytes, _peak_of_step, interleaved
 from stpc.compile import compile as stpc_compile
 from stpc.compile import trace
 from stpc.cost_models.profile import world_cluster
@@ -371,27 +371,21 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
     opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for e in engines]
     times = [[] for _ in engines]       # per round: [step, forward+backward, optimizer], the slowest rank's each
     first_loss = [None] * len(engines)
-    rounds_bar = bar(cfg["warmup"] + cfg["steps"], "[bench fidelity] rounds", bool(cfg.get("progress")) and rank == 0)
-    for r in range(cfg["warmup"] + cfg["steps"]):
-        rounds_bar.set_postfix_str("warm-up" if r < cfg["warmup"] else "timed", refresh=False)
-        rounds_bar.update()
-        order = list(range(len(engines)))
-        order = order[r % len(order):] + order[:r % len(order)]  # rotate: no plan always first
-        for i in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            opts[i].zero_grad(set_to_none=True)   # bench_runtime._step, with a clock between the parts
-            loss = engines[i].forward_backward()
-            t1 = time.perf_counter()
-            opts[i].step()
-            t2 = time.perf_counter()
-            dt = torch.tensor([t2 - t0, t1 - t0, t2 - t1], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            if r == 0:
-                first_loss[i] = float(loss)
-            if r >= cfg["warmup"]:
-                times[i].append(dt.tolist())
-    rounds_bar.close()
+    for r, i in interleaved(len(engines), cfg["warmup"], cfg["steps"], "[bench fidelity] rounds",
+                            bool(cfg.get("progress")) and rank == 0):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opts[i].zero_grad(set_to_none=True)   # bench_runtime._step, with a clock between the parts
+        loss = engines[i].forward_backward()
+        t1 = time.perf_counter()
+        opts[i].step()
+        t2 = time.perf_counter()
+        dt = torch.tensor([t2 - t0, t1 - t0, t2 - t1], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if r == 0:
+            first_loss[i] = float(loss)
+        if r >= cfg["warmup"]:
+            times[i].append(dt.tolist())
     held = [{k: (str(tuple(t.placements)) if hasattr(t, "placements") else "plain",
                  (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes())
              for k, t in ((k, p.detach()) for k, p in e.model.named_parameters())} for e in engines]

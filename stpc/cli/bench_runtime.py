@@ -116,6 +116,19 @@ def _live_bytes(engine: Engine, opt) -> int:
     return total
 
 
+
+def interleaved(n: int, warmup: int, steps: int, desc: str, show: bool):
+    """``(round, engine)`` pairs: each of ``n`` engines once per round for ``warmup + steps``
+    rounds, the order rotated every round so no engine always goes first (the machine's
+    drift hits all alike); a progress bar on the rounds."""
+    rounds_bar = bar(warmup + steps, desc, show)
+    for r in range(warmup + steps):
+        rounds_bar.set_postfix_str("warm-up" if r < warmup else "timed", refresh=False)
+        rounds_bar.update()
+        for k in range(n):
+            yield r, (r + k) % n
+    rounds_bar.close()
+
 def _step(engine: Engine, opt) -> torch.Tensor:
     opt.zero_grad(set_to_none=True)
     loss = engine.forward_backward()
@@ -156,24 +169,17 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for _, _, e in engines]
     times = [[] for _ in engines]
     first_loss = [None] * len(engines)
-    rounds = cfg["warmup"] + cfg["steps"]
-    rounds_bar = bar(rounds, "[bench runtime] rounds", bool(cfg.get("progress")) and rank == 0)
-    for r in range(rounds):
-        rounds_bar.set_postfix_str("warm-up" if r < cfg["warmup"] else "timed", refresh=False)
-        rounds_bar.update()
-        order = list(range(len(engines)))
-        order = order[r % len(order):] + order[:r % len(order)]  # rotate: no engine always first
-        for i in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = _step(engines[i][2], opts[i])
-            dt = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step is the slowest rank's
-            if r == 0:
-                first_loss[i] = float(loss)
-            if r >= cfg["warmup"]:
-                times[i].append(float(dt))
-    rounds_bar.close()
+    for r, i in interleaved(len(engines), cfg["warmup"], cfg["steps"], "[bench runtime] rounds",
+                            bool(cfg.get("progress")) and rank == 0):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = _step(engines[i][2], opts[i])
+        dt = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step is the slowest rank's
+        if r == 0:
+            first_loss[i] = float(loss)
+        if r >= cfg["warmup"]:
+            times[i].append(float(dt))
     peaks = []
     for i, (_, _, e) in enumerate(engines):
         dist.barrier()

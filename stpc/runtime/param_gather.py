@@ -29,7 +29,7 @@ Plain differentiable distributed functions of local tensors; they know nothing o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -146,7 +146,6 @@ class _Gathered:
     saved: int = 0                 # notes autograd holds and has not handed back yet
     tensors: list | None = None    # [buffer, *whole parameters] while backward uses them
     pending: object = None         # a re-gather issued ahead (backward prefetch)
-    storages: list = field(default_factory=list)
 
 
 @dataclass(frozen=True, eq=False)
