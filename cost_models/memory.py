@@ -3,7 +3,9 @@
 :class:`MemoryModel` is what the planner charges every choice with, so it is what
 ``Plan.peak_memory_bytes``, ``plan.table()``, the CLI and the benchmarks report:
 
-    peak = sum of persistent bytes + the largest transient working set
+    peak = max(end of forward, optimizer step)
+    end of forward  = sum of persistent bytes + the largest transient working set
+    optimizer step  = parameter state + the optimizer's scratch (``step_scratch``)
 
 * persistent: each parameter's weight, gradient and optimizer state under its
   placement (:meth:`MemoryModel.param_bytes`), and each tensor backward keeps, at its
@@ -13,8 +15,12 @@
   (spatial-temporal) schedule the two in-flight blocks of its double buffer
   (:meth:`MemoryModel.transient_bytes`).
 
-The solver encodes exactly this sum (``Problem.mem`` per choice, ``Problem.transient``
-per choice, peak = sum + max). The closed-form estimator (``estimator.py``) takes its
+* optimizer step: activations are gone; weights, gradients and optimizer state are alive,
+  and AdamW's scratch beside them (foreach: one fp32 temporary per element of state).
+
+The solver encodes exactly this (``Problem.mem`` and ``Problem.transient`` per choice,
+the end of forward = sum + max; ``Problem.step_mem`` and ``Problem.step_transient``, the
+optimizer step). The closed-form estimator (``estimator.py``) takes its
 bytes per parameter from here and is held against the planner in the tests; measured
 peaks (MemTracker) live with the benchmarks and tests that measure.
 
@@ -41,6 +47,10 @@ LAYOUTS = {
     "fp32-adam": (4, 4, 8),
     "mixed-adam": (2, 4, 12),
 }
+
+
+# AdamW implementations whose step scratch the model knows (``MemoryModel.step_scratch``).
+OPTIMIZER_IMPLS = ("foreach", "single", "fused")
 
 
 @dataclass(frozen=True)
@@ -92,9 +102,27 @@ class MemoryModel:
 
     layout: str = "fp32-adam"
     fp32_grad_accum: bool = True
+    optimizer_impl: str = "foreach"
 
     def __post_init__(self):
         bytes_per_param(self.layout, self.fp32_grad_accum)  # an unknown layout fails here, not mid-plan
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ValueError(f"unknown optimizer implementation {self.optimizer_impl!r}; "
+                             f"known: {', '.join(OPTIMIZER_IMPLS)}")
+
+    def step_scratch(self, numel: float) -> tuple[float, float]:
+        """The optimizer step's scratch for a parameter whose optimizer state this device
+        holds ``numel`` elements of, as (bytes alive together with every other parameter's,
+        bytes alive only while this parameter steps): :func:`adamw_step_transient_bytes`
+        per element of the fp32 state. ``"foreach"`` (torch's CUDA default, and what
+        stpc's benches run): ``sqrt(exp_avg_sq)`` of the whole group at once, 4 B per
+        element, all alive together; ``"single"`` (the per-tensor loop, torch's CPU
+        default): two temporaries of one parameter at a time; ``"fused"``: none."""
+        if self.optimizer_impl == "foreach":
+            return 4.0 * numel, 0.0
+        if self.optimizer_impl == "single":
+            return 0.0, 8.0 * numel
+        return 0.0, 0.0
 
     @property
     def bytes_per_param(self) -> int:

@@ -200,3 +200,52 @@ def test_class_tables_equal_brute_force(fg, dense_step, monkeypatch):  # (the pa
     assert value == sum(int(u[i]) for u, i in zip(unary, choice)) + sum(
         int(m[choice[a], choice[b]]) for (a, b), m in dense.items())
     assert choice == eliminate(unary, dense)[1]  # the same optimum as from the matrices
+
+
+@st.composite
+def two_phase_problems(draw):
+    """Tiny problems with both memory phases: the end of forward (mem + max transient) and
+    the optimizer step (step_mem + max step_transient), random costs, a budget or none."""
+    n = draw(st.integers(1, 4))
+    dom = [draw(st.integers(1, 4)) for _ in range(n)]
+
+    def rows(hi):
+        return [[draw(st.integers(0, hi)) for _ in range(d)] for d in dom]
+
+    budget = draw(st.one_of(st.none(), st.integers(0, 250)))
+    return Problem(cost=rows(100), mem=rows(50), transient=rows(50), step_mem=rows(60), step_transient=rows(40),
+                   budget=budget)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(two_phase_problems())
+def test_two_memory_phases_min_memory_and_solve_equal_brute_force(p):
+    from _oracles import brute_force
+
+    assignments = [list(c) for c in itertools.product(*(range(len(g)) for g in p.cost))]
+    peaks = [p.evaluate(c)[1] for c in assignments]
+    # the peak is the larger phase, each phase its sum plus its largest transient
+    for c, peak in zip(assignments, peaks):
+        fwd = sum(p.mem[g][k] for g, k in enumerate(c)) + max(p.transient[g][k] for g, k in enumerate(c))
+        step = sum(p.step_mem[g][k] for g, k in enumerate(c)) + max(p.step_transient[g][k] for g, k in enumerate(c))
+        assert peak == max(fwd, step)
+    assert min_memory(p) == min(peaks)
+    want = brute_force(p)
+    if want is None:
+        with pytest.raises(ValueError, match="smallest feasible budget") as e:
+            solve(p)
+        assert e.value.min_budget == min(peaks)
+        return
+    sol = solve(p)
+    assert sol.objective_ns == want[0]
+    assert sol.peak_bytes == p.evaluate(sol.choice)[1] <= (p.budget if p.budget is not None else sol.peak_bytes)
+
+
+def test_the_optimizer_step_phase_can_bind_alone():
+    # choice 0: little saved at the end of forward but a big optimizer step; choice 1 the reverse
+    p = Problem(cost=[[1, 5]], mem=[[10, 60]], step_mem=[[100, 60]], budget=80)
+    assert p.phase_peaks([0]) == (10, 100) and p.evaluate([0]) == (1, 100)
+    sol = solve(p)
+    assert sol.choice == [1] and sol.peak_bytes == 60
+    # without the step phase, choice 0 fits and wins
+    assert solve(Problem(cost=[[1, 5]], mem=[[10, 60]], budget=80)).choice == [0]

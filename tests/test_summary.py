@@ -11,7 +11,7 @@ import torch
 
 import stpc
 from stpc import models
-from stpc.cost_models import CostModel, get_cluster
+from stpc.cost_models import CostModel, bytes_per_param, get_cluster
 from stpc.planner import Hints, Plan, plan_graph, search
 from stpc.planner.summary import SHOWN_OPS, strategy_label
 
@@ -38,8 +38,16 @@ def _parts_add_up(bd, plan):
                                             + bd["exposed_ring_s"], rel=1e-9, abs=1e-12)
     assert bd["hidden_s"] == pytest.approx(bd["hidden_param_sync_s"] + bd["hidden_ring_s"], rel=1e-9, abs=1e-12)
     assert min(bd[k] for k in bd) >= 0
-    parts = ("weight_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes")
-    assert sum(bd[k] for k in parts) == pytest.approx(bd["peak_bytes"], abs=64)  # (bytes rounded per group)
+    # two phases: the end of forward (state + activations + transient) and the optimizer step (state +
+    # its scratch); the peak is the larger (bytes rounded per group)
+    state = bd["weight_bytes"] + bd["grad_bytes"] + bd["optimizer_bytes"]
+    assert state + bd["activation_bytes"] + bd["transient_bytes"] == pytest.approx(bd["forward_peak_bytes"], abs=64)
+    assert state + bd["step_scratch_bytes"] == pytest.approx(bd["step_peak_bytes"], abs=64)
+    assert bd["peak_bytes"] == max(bd["forward_peak_bytes"], bd["step_peak_bytes"])
+    # foreach AdamW's scratch: one fp32 temporary per element of optimizer state the device holds
+    # (8 B of state per element in fp32-adam, 12 B in mixed-adam: fp32 master, m, v)
+    state_b = (8, 12) if plan._solved is None else (bytes_per_param(plan._solved.b.memory.layout)[2],)
+    assert any(bd["step_scratch_bytes"] == pytest.approx(bd["optimizer_bytes"] * 4 / o, abs=64) for o in state_b)
 
 
 def test_summary_blocks_ties_and_totals(llama3):

@@ -10,9 +10,10 @@ Size control (none of it gives up exactness for the graph as modelled):
   * nodes that do the same work on every mesh share one work item
     (``stpc.planner.analysis``): a mesh shape costs each item once, times its count.
 
-Memory per device is ``cost_models.MemoryModel``'s: parameters + gradients +
-optimizer state (under their placements) + activations saved for backward (at the
-end of forward, where training peaks) + the largest transient working set of any node.
+Memory per device is ``cost_models.MemoryModel``'s, the larger of two phases: at the end
+of forward, parameters + gradients + optimizer state (under their placements) +
+activations saved for backward + the largest transient working set of any node; in the
+optimizer step, the parameter state + the optimizer's scratch (``MemoryModel.step_scratch``).
 
 Resharding is costed on the inputs of decision nodes: one solver edge per consumer,
 except where several consumers read one tensor (``GraphFacts.shared``): a
@@ -56,6 +57,8 @@ class _Group:
     transient: list[float]
     own_cost: list[float] = field(default_factory=list)  # one copy of the representative node
     own_mem: list[float] = field(default_factory=list)   # one copy of the representative parameter
+    step_mem: np.ndarray | None = None  # bytes alive in the optimizer step (a parameter's state + scratch)
+    step_transient: list[float] | None = None  # scratch alive while its own parameter steps (max)
 
 
 class Builder:
@@ -94,11 +97,13 @@ class Builder:
         self.budget = None
 
     # ---------------------------------------------------------------- per item
-    def _open_group(self, it: Item, strategies, cost, mem, transient):
+    def _open_group(self, it: Item, strategies, cost, mem, transient, step=None):
         assert it.group == len(self.groups)
+        step_mem, step_tr = step if step is not None else (np.zeros(len(cost)), [0.0] * len(cost))
         self.groups.append(_Group(strategies, np.array(cost, dtype=float) * it.count,
                                   np.array(mem, dtype=float) * it.count, list(transient),
-                                  own_cost=list(cost), own_mem=list(mem)))
+                                  own_cost=list(cost), own_mem=list(mem),
+                                  step_mem=np.asarray(step_mem, dtype=float) * it.count, step_transient=list(step_tr)))
 
     def _hinted(self, node, strategies):
         keys = (node.name, node.meta.get("module", ""))
@@ -116,6 +121,7 @@ class Builder:
         node = it.node
         val = node.meta["val"]
         shape = tuple(val.shape)
+        step = None  # (the optimizer step's bytes: parameters only)
         if it.kind == "param":
             choices = placement_choices(shape, self.mesh)
             fqn = node.meta.get("param") or ""
@@ -136,6 +142,11 @@ class Builder:
                 if node in self.rg:  # the optimizer steps the elements this device holds the state of
                     cost = [optimizer_step_time(self.cm.device, val.numel() / (w * z), self.memory.layout)
                             for w, z in shards]
+                    # ... with its scratch beside the whole state (``MemoryModel.step_scratch``)
+                    scratch = [self.memory.step_scratch(val.numel() / (w * z)) for w, z in shards]
+                    step = ([m + s for m, (s, _) in zip(mem, scratch)], [t for _, t in scratch])
+                else:
+                    step = (mem, [0.0] * len(choices))
         else:
             # A user input: each rank loads its own shard, so any even split is free.
             choices = placement_choices(shape, self.mesh, grid_weight=False)
@@ -143,7 +154,7 @@ class Builder:
                 choices = self._exact(node, f"input {node.name}", choices, self.hints.input_exact[node.name])
             mem = [0.0] * len(choices)
             cost = [0.0] * len(choices)
-        self._open_group(it, choices, cost, mem, [0.0] * len(choices))
+        self._open_group(it, choices, cost, mem, [0.0] * len(choices), step)
         self.place[it] = choices
 
     def _exact(self, node, what: str, choices: list, want) -> list:
@@ -472,7 +483,9 @@ class Builder:
                        mem=[np.rint(g.mem).astype(np.int64).tolist() for g in self.groups],
                        transient=[[int(round(t)) for t in g.transient] for g in self.groups],
                        edges=self._solver_edges() if edges else [], budget=None if budget is None else int(budget),
-                       shares=self._shares() if edges else [])
+                       shares=self._shares() if edges else [],
+                       step_mem=[np.rint(g.step_mem).astype(np.int64).tolist() for g in self.groups],
+                       step_transient=[[int(round(t)) for t in g.step_transient] for g in self.groups])
 
     def add_edges(self, problem: Problem) -> Problem:
         problem.edges = self._solver_edges()

@@ -47,7 +47,7 @@ from stpc.planner.hints import HintUnsatisfiable, Hints, preset
 from stpc.planner.plan import Plan
 from stpc.planner.report import indivisible
 from stpc.planner.solver import (InfeasibleBudget, NoBetterPlan, Problem, eliminated, memory_blind_optimum,
-                                 min_memory, solve)
+                                 min_memory, min_memory_bound, solve)
 
 
 def mesh_shapes(n: int, max_axes: int = 3, cluster=None) -> list[tuple[int, ...]]:
@@ -244,8 +244,8 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         except HintUnsatisfiable as e:  # e.g. a forced family this shape cannot run
             tried.append({**entry, "modelled_step_time_s": None, "skipped": str(e), "solve_time_s": 0.0})
             continue
-        if budget_bytes is not None and (need := min_memory(problem)) > problem.budget:
-            infeasible.append(need)
+        if budget_bytes is not None and min_memory_bound(problem) > problem.budget:
+            infeasible.append(need := min_memory(problem))
             tried.append({**entry, "modelled_step_time_s": None, "infeasible": True,
                           "min_budget_bytes": need, "solve_time_s": time.perf_counter() - t_shape})
             continue
@@ -276,6 +276,11 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             except NoBetterPlan:
                 tried.append({**entry, "modelled_step_time_s": None, "pruned": True,
                               "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
+                continue
+            except InfeasibleBudget as e:  # (both memory phases together: past the phases' own bounds)
+                infeasible.append(e.min_budget)
+                tried.append({**entry, "modelled_step_time_s": None, "infeasible": True,
+                              "min_budget_bytes": e.min_budget, "solve_time_s": time.perf_counter() - t_solve})
                 continue
             sol.solve_time_s += c.bound_s
         plan = make_plan(c.builder, c.problem, sol, c.build_s, dtype)

@@ -15,7 +15,9 @@ CP-SAT model
           sum_p e[k,p,q] = sum_{c in class q} x[v,c]
           (exact for 0/1 values; its LP relaxation is tight on trees)
   T       integer >= transient of the chosen choice of every group (the max)
-  memory  sum mem[g,c] x[g,c] + T <= budget
+  memory  sum mem[g,c] x[g,c] + T <= budget          (the end of forward)
+          sum step_mem[g,c] x[g,c] + S <= budget     (the optimizer step; S >= the chosen
+          step_transient of every group, the max)
   w[s,K]  integer per share s and key K: a reshard one producer's consumers share,
           paid once (``stpc.planner.sharing``)
   minimise sum cost[g,c] x[g,c] + sum cost[k,p,q] e[k,p,q] + sum w[s,K]
@@ -54,6 +56,10 @@ class Problem:
     budget: int | None = None        # bytes per device
     cap: int | None = None           # only solutions with objective <= cap are wanted
     shares: list[Share] = field(default_factory=list)  # reshards paid once per distinct key
+    # The second memory phase, the optimizer step (activations are gone, the parameter state
+    # and the optimizer's scratch are alive): per group, per choice; None: no such phase.
+    step_mem: list[list[int]] | None = None        # bytes alive throughout the step (summed)
+    step_transient: list[list[int]] | None = None  # scratch alive one parameter at a time (max)
 
     def __post_init__(self):
         n = [len(c) for c in self.cost]
@@ -62,15 +68,34 @@ class Problem:
         if self.transient is None:
             self.transient = [[0] * k for k in n]
 
+    @property
+    def has_step_phase(self) -> bool:
+        return self.step_mem is not None or self.step_transient is not None
+
+    def phase_peaks(self, choice: list[int]) -> tuple[int, int]:
+        """(end-of-forward peak, optimizer-step peak) bytes of a full assignment."""
+        fwd = sum(self.mem[g][c] for g, c in enumerate(choice))
+        fwd += max((self.transient[g][c] for g, c in enumerate(choice)), default=0)
+        step = sum(self.step_mem[g][c] for g, c in enumerate(choice)) if self.step_mem is not None else 0
+        if self.step_transient is not None:
+            step += max((self.step_transient[g][c] for g, c in enumerate(choice)), default=0)
+        return fwd, step
+
     def evaluate(self, choice: list[int]) -> tuple[int, int]:
-        """(objective ns, peak bytes) of a full assignment."""
+        """(objective ns, peak bytes) of a full assignment: the peak of either phase."""
         obj = sum(self.cost[g][c] for g, c in enumerate(choice))
         for e in self.edges:
             obj += e.table.get((e.ucls[choice[e.u]], e.vcls[choice[e.v]]), 0)
         obj += sum(s.value(choice) for s in self.shares)
-        mem = sum(self.mem[g][c] for g, c in enumerate(choice))
-        mem += max((self.transient[g][c] for g, c in enumerate(choice)), default=0)
-        return obj, mem
+        return obj, max(self.phase_peaks(choice))
+
+    def restricted(self, keep: list[list[int]], edges: list, shares: list | None = None) -> "Problem":
+        """This problem with group g limited to the choices ``keep[g]`` (new edges given)."""
+        def sub(rows):
+            return None if rows is None else [[r[c] for c in k] for r, k in zip(rows, keep)]
+        return Problem(cost=sub(self.cost), mem=sub(self.mem), transient=sub(self.transient), edges=edges,
+                       budget=self.budget, cap=self.cap, shares=self.shares if shares is None else shares,
+                       step_mem=sub(self.step_mem), step_transient=sub(self.step_transient))
 
 
 @dataclass
@@ -175,13 +200,44 @@ def _build(p: Problem, minimise_memory: bool):
         elif any(ts):
             m.Add(T >= sum(ts[c] * x[g][c] for c in range(len(ts))))
     memory = sum(mem_terms) + T + mem_const
+    phases = [memory]
+    if p.has_step_phase:
+        phases.append(_step_memory(m, x, p))
     if minimise_memory:
-        m.Minimize(memory)
+        peak = m.NewIntVar(0, sum(sum(max(r) for r in rows) for rows in _memory_rows(p)), "peak")
+        for ph in phases:
+            m.Add(peak >= ph)
+        m.Minimize(peak)
     else:
         if p.budget is not None:
-            m.Add(memory <= p.budget)
+            for ph in phases:
+                m.Add(ph <= p.budget)
         m.Minimize(sum(obj) + const)
     return m, x, n_edge_vars
+
+
+def _memory_rows(p: Problem) -> list:
+    return [r for r in (p.mem, p.transient, p.step_mem, p.step_transient) if r is not None]
+
+
+def _step_memory(m, x, p: Problem):
+    """CP-SAT expression of the optimizer step's bytes (``Problem.step_mem`` summed, plus
+    the largest chosen ``step_transient``)."""
+    terms, const = [], 0
+    for g, mems in enumerate(p.step_mem or []):
+        if x[g] is None:
+            const += mems[0]
+        else:
+            terms += [mems[c] * x[g][c] for c in range(len(mems)) if mems[c]]
+    if p.step_transient is not None:
+        S = m.NewIntVar(0, max((max(t) for t in p.step_transient), default=0), "step_transient")
+        for g, ts in enumerate(p.step_transient):
+            if x[g] is None:
+                m.Add(S >= ts[0])
+            elif any(ts):
+                m.Add(S >= sum(ts[c] * x[g][c] for c in range(len(ts))))
+        terms.append(S)
+    return sum(terms) + const
 
 
 def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int]]]:
@@ -204,7 +260,7 @@ def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int
             k = keep[g]
             if len(k) < 2 or g in in_share:
                 continue
-            cols = [[p.cost[g][c] for c in k], [p.mem[g][c] for c in k], [p.transient[g][c] for c in k]]
+            cols = [[row[g][c] for c in k] for row in (p.cost, *_memory_rows(p))]
             self_edge = False
             for e in incident[g]:
                 if e.u == e.v:
@@ -234,12 +290,8 @@ def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int
                 changed = True
         if not changed:
             break
-    q = Problem(cost=[[p.cost[g][c] for c in k] for g, k in enumerate(keep)],
-                mem=[[p.mem[g][c] for c in k] for g, k in enumerate(keep)],
-                transient=[[p.transient[g][c] for c in k] for g, k in enumerate(keep)],
-                edges=[Edge(e.u, e.v, tuple(e.ucls[c] for c in keep[e.u]), tuple(e.vcls[c] for c in keep[e.v]),
-                            e.table) for e in p.edges],
-                budget=p.budget, cap=p.cap, shares=p.shares)
+    q = p.restricted(keep, [Edge(e.u, e.v, tuple(e.ucls[c] for c in keep[e.u]),
+                                 tuple(e.vcls[c] for c in keep[e.v]), e.table) for e in p.edges])
     return q, keep
 
 
@@ -293,10 +345,8 @@ def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: s
     argument may be None); an exception it raises stops the solve and propagates."""
     t0 = time.perf_counter()
     if method == "auto":
-        if p.budget is not None:
-            need = min_memory(p)
-            if need > p.budget:
-                raise InfeasibleBudget(p.budget, need)
+        if p.budget is not None and min_memory_bound(p) > p.budget:
+            raise InfeasibleBudget(p.budget, min_memory(p))
         choice, obj, peak = memory_blind_optimum(p)
         if choice is not None:
             if p.cap is not None and obj > p.cap:  # a lower bound of the budgeted optimum too
@@ -350,12 +400,43 @@ def eliminated(p: Problem, choice: list[int], objective_ns: int, peak_bytes: int
                     num_constraints=0, method="elimination")
 
 
-def min_memory(p: Problem) -> int:
+def min_memory(p: Problem, time_limit_s: float = 60.0) -> int:
     """The smallest per-device peak any assignment reaches, exactly.
 
-    Memory has no pairwise terms: for a transient cap ``t`` every group takes its
-    least-memory choice among those with transient <= ``t``; the answer is the best
-    ``t`` among the transients that occur."""
+    Memory has no pairwise terms. With one phase: for a transient cap ``t`` every group
+    takes its least-memory choice among those with transient <= ``t``; the answer is the
+    best ``t`` among the transients that occur. With the optimizer step's phase too, the
+    peak is the larger of two sums, and CP-SAT minimises it (a model of the groups alone,
+    no edges: small)."""
+    if p.has_step_phase:
+        return _min_peak_two_phases(p, time_limit_s)
+    return _min_forward_peak(p)
+
+
+def min_memory_bound(p: Problem) -> int:
+    """A lower bound of :func:`min_memory`, cheap: each phase's own minimum."""
+    fwd = _min_forward_peak(p)
+    if not p.has_step_phase:
+        return fwd
+    step = sum(min(r) for r in p.step_mem) if p.step_mem is not None else 0
+    if p.step_transient is not None:
+        step += max(min(t) for t in p.step_transient)
+    return max(fwd, step)
+
+
+def _min_peak_two_phases(p: Problem, time_limit_s: float) -> int:
+    q = Problem(cost=[[0] * len(c) for c in p.cost], mem=p.mem, transient=p.transient,
+                step_mem=p.step_mem, step_transient=p.step_transient)
+    m, x, _ = _build(q, minimise_memory=True)
+    solver = _solver(time_limit_s)
+    status = solver.Solve(m)
+    if status != cp_model.OPTIMAL:
+        raise RuntimeError(f"CP-SAT found no least-memory plan within {time_limit_s}s ({solver.StatusName(status)})")
+    choice = [0 if xs is None else next(c for c, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x]
+    return max(p.phase_peaks(choice))
+
+
+def _min_forward_peak(p: Problem) -> int:
     ts = np.unique(np.concatenate([np.asarray(t, dtype=np.int64) for t in p.transient]))
     ts = ts[ts >= max(min(t) for t in p.transient)]  # below this some group has no choice
     total = ts.copy()

@@ -225,8 +225,8 @@ def restrict(p: Problem, g: int, keep: list[int]) -> Problem:
     def sub(seq):
         return tuple(seq[c] for c in keep)
 
-    cost, mem, tr = list(p.cost), list(p.mem), list(p.transient)
-    cost[g], mem[g], tr[g] = [p.cost[g][c] for c in keep], [p.mem[g][c] for c in keep], [p.transient[g][c] for c in keep]
+    full = [list(range(len(c))) for c in p.cost]
+    full[g] = list(keep)
     edges = [e if g not in (e.u, e.v) else
              Edge(e.u, e.v, sub(e.ucls) if e.u == g else e.ucls, sub(e.vcls) if e.v == g else e.vcls, e.table)
              for e in p.edges]
@@ -238,7 +238,9 @@ def restrict(p: Problem, g: int, keep: list[int]) -> Problem:
             s = Share(s.u, s.vs, s.ucls, tuple(k[idx] if v == g else k for v, k in zip(s.vs, s.keys)), s.cost,
                       s.axes)
         shares.append(s)
-    return Problem(cost=cost, mem=mem, transient=tr, edges=edges, budget=p.budget, shares=shares)
+    q = p.restricted(full, edges, shares)
+    q.cap = None
+    return q
 
 
 def _breakdown(sv: Solved) -> dict:
@@ -318,12 +320,15 @@ def _breakdown(sv: Solved) -> dict:
         act += count * b.memory.saved_bytes(val.numel() * val.element_size(),
                                             shard_factor(b.place[it][ch[it.group]], mesh))
     transient = max((p.transient[g][c] for g, c in enumerate(ch)), default=0)
+    forward_peak, step_peak = p.phase_peaks(ch)
     return {"step_s": step_s, "compute_s": compute, "optimizer_step_s": optimizer_step, "exposed_s": exposed, "hidden_s": ring_hidden + param_hidden,
             "exposed_reshard_s": other_edges + gathers, "exposed_ring_s": ring_exposed,
             "exposed_param_sync_s": param_real, "overlap_slowdown_s": slowdown,
             "hidden_ring_s": ring_hidden, "hidden_param_sync_s": param_hidden,
             "peak_bytes": float(sv.peak), "weight_bytes": weight, "grad_bytes": grad, "optimizer_bytes": opt,
-            "activation_bytes": act, "transient_bytes": float(transient)}
+            "activation_bytes": act, "transient_bytes": float(transient),
+            "forward_peak_bytes": float(forward_peak), "step_peak_bytes": float(step_peak),
+            "step_scratch_bytes": float(step_peak - (weight + grad + opt)) if p.has_step_phase else 0.0}
 
 
 def breakdown(plan) -> dict | None:
@@ -491,8 +496,18 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
             f"  gradients      {_bytes(bd['grad_bytes']):>12}",
             f"  optimizer      {_bytes(bd['optimizer_bytes']):>12}  optimizer state (and fp32 master weights)",
             f"  activations    {_bytes(bd['activation_bytes']):>12}  kept for backward",
-            f"  transient      {_bytes(bd['transient_bytes']):>12}  the largest working set of one op",
-            "  the peak is at the end of forward, all of these alive at once: they add up to it"]
+            f"  transient      {_bytes(bd['transient_bytes']):>12}  the largest working set of one op"]
+        if "step_peak_bytes" not in bd:  # (a plan saved before the optimizer step's phase was modelled)
+            lines.append("  the peak is at the end of forward, all of these alive at once: they add up to it")
+        else:
+            lines += [
+                f"  optimizer scratch {_bytes(bd['step_scratch_bytes']):>9}  the optimizer step's temporaries",
+                f"  end of forward {_bytes(bd['forward_peak_bytes']):>12}  parameters + gradients + optimizer + "
+                "activations + transient",
+                f"  optimizer step {_bytes(bd['step_peak_bytes']):>12}  parameters + gradients + optimizer + "
+                "optimizer scratch (activations are freed)",
+                "  the peak is the larger phase: the " + ("optimizer step" if bd["step_peak_bytes"] >
+                                                          bd["forward_peak_bytes"] else "end of forward")]
     lines += ["", "per distinct layer, each matmul-like op: module, node, strategy ([family@axis] operand "
                   "placements -> output placement, a token per mesh axis),",
               "next: " + ("the best plan in which it takes any other strategy (mirror images over interchangeable "
