@@ -15,12 +15,24 @@ once). Presets derive it from the marketed figures:
 
 Latencies (alpha) are typical per-hop NCCL figures: a few microseconds inside a node,
 ~10 us across InfiniBand.
+
+Two overlap figures: ``overlap_slowdown``, how much slower compute runs beside a transfer
+(``cost_models.overlap``; None: the published GPU figure there), and
+``ring_step_overhead_s``, what one step of a ring schedule costs beyond its GEMM and its
+P2P (launching the step's kernels and waiting on its transfer). A calibration profile
+measures both on its machine; the presets name theirs below.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .devices import DeviceSpec, get_device
+
+# A guess, named: one ring step launches a GEMM and a send/receive pair and waits on an
+# event. NVIDIA's Nsight Systems guide measures a PyTorch kernel's launch round trip at about
+# 20 us on a V100 (as quoted in "Every CUDA Kernel Pays a Launch Tax", groundy.com); the
+# step's kernels queue behind each other, so one such round trip per step.
+RING_STEP_OVERHEAD_S = 20e-6
 
 
 @dataclass(frozen=True)
@@ -66,10 +78,14 @@ class Cluster:
     inter: Link
     collective_links: dict = field(default_factory=dict, hash=False, compare=False)
     collective_bands: dict = field(default_factory=dict, hash=False, compare=False)
+    overlap_slowdown: float | None = None
+    ring_step_overhead_s: float = RING_STEP_OVERHEAD_S
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
             raise ValueError(f"Cluster {self.name!r}: nodes and devices_per_node must be >= 1")
+        if self.ring_step_overhead_s < 0 or (self.overlap_slowdown is not None and self.overlap_slowdown < 0):
+            raise ValueError(f"Cluster {self.name!r}: overlap_slowdown and ring_step_overhead_s must be >= 0")
 
     @property
     def num_devices(self) -> int:

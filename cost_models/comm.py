@@ -57,7 +57,7 @@ class CostModel:
     many thousands of times (per-axis constants are precomputed here)."""
 
     def __init__(self, cluster: Cluster, mesh_shape: tuple[int, ...],
-                 overlap_slowdown: float = OVERLAP_COMPUTE_SLOWDOWN):
+                 overlap_slowdown: float | None = None):
         mesh_shape = tuple(int(x) for x in mesh_shape)
         if not mesh_shape or any(x < 1 for x in mesh_shape):
             raise ValueError(f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape}")
@@ -66,7 +66,12 @@ class CostModel:
                              f"{cluster.name!r} has {cluster.num_devices}")
         self.cluster = cluster
         self.mesh_shape = mesh_shape
-        self.overlap_slowdown = overlap_slowdown  # see ``overlap``: compute slowdown beside a collective
+        # see ``overlap``: compute slowdown beside a collective; the cluster's measured one
+        # (``calibrate``), else the published figure
+        if overlap_slowdown is None:
+            overlap_slowdown = cluster.overlap_slowdown
+        self.overlap_slowdown = OVERLAP_COMPUTE_SLOWDOWN if overlap_slowdown is None else float(overlap_slowdown)
+        self.ring_step_overhead_s = cluster.ring_step_overhead_s
         self.device = cluster.device
         D = cluster.devices_per_node
         self._axes = []  # per axis: (n, crosses, n_in, n_out)
@@ -202,10 +207,15 @@ class CostModel:
         (``overlap.exposed`` with this model's slowdown; numpy arrays broadcast)."""
         return exposed(comm_s, window_s, self.overlap_slowdown)
 
-    @staticmethod
-    def ring_step(compute_s: float, transfer_s: float) -> float:
-        """One double-buffered ring step: the transfer hides behind the compute or vice versa."""
-        return compute_s if compute_s > transfer_s else transfer_s
+    def ring_step(self, compute_s: float, transfer_s: float) -> float:
+        """One double-buffered ring step: the longer of its GEMM and its transfer, the
+        shorter one running beside it at the overlap slowdown (``overlap``: compute beside
+        communication runs slower; on shared CPU cores the two barely overlap at all), and
+        the step's own launch/synchronisation overhead (``Cluster.ring_step_overhead_s``).
+        ``transfer_s`` includes the P2P's latency."""
+        if compute_s > transfer_s:
+            return compute_s + self.overlap_slowdown * transfer_s + self.ring_step_overhead_s
+        return transfer_s + self.overlap_slowdown * compute_s + self.ring_step_overhead_s
 
     # ------------------------------------------------------------------ memory
     @property

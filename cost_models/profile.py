@@ -12,7 +12,13 @@ Profile JSON (version 1)::
      "link": {"alpha_s": s, "bw_bytes_per_s": B/s},          # joint fit, all collectives
      "collectives": {kind: {"alpha_s", "bw_bytes_per_s", "rel_rms",
                             "samples": [[nbytes, seconds], ...],
-                            "bands": [[upper_nbytes, alpha_s, bw_bytes_per_s], ...]}}}
+                            "bands": [[upper_nbytes, alpha_s, bw_bytes_per_s], ...]}},
+     "overlap": {"slowdown": float, "ring_step_overhead_s": s, ...}}   # optional
+
+``overlap`` (written by ``calibrate`` since it measures it; older profiles lack it and get
+the presets' figures): ``slowdown`` is how much of a transfer's time compute running beside
+it loses (``cost_models.overlap``), measured by timing a matmul loop and a P2P loop alone
+and together; ``ring_step_overhead_s`` is one ring step's time beyond its GEMM and its P2P.
 
 Why bands: a real transport is not one straight alpha-beta line over three decades of
 message size (NCCL switches protocols; gloo over loopback TCP gets markedly slower per
@@ -34,7 +40,7 @@ import os
 
 import numpy as np
 
-from .cluster import CLUSTERS, Cluster, Link
+from .cluster import CLUSTERS, RING_STEP_OVERHEAD_S, Cluster, Link
 from .devices import DeviceSpec, get_device
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
@@ -152,8 +158,11 @@ def load_profile(path: str) -> Cluster:
                 for kind, c in p["collectives"].items()}
     bands = {kind: tuple((float(u), float(a), float(bw)) for u, a, bw in c["bands"])
              for kind, c in p["collectives"].items() if c.get("bands")}
+    overlap = p.get("overlap", {})  # (profiles written before the overlap was measured lack it)
     return Cluster(p["name"], device, nodes=1, devices_per_node=int(p["ranks"]), intra=link,
-                   inter=link, collective_links=per_kind, collective_bands=bands)
+                   inter=link, collective_links=per_kind, collective_bands=bands,
+                   overlap_slowdown=overlap.get("slowdown"),
+                   ring_step_overhead_s=float(overlap.get("ring_step_overhead_s", RING_STEP_OVERHEAD_S)))
 
 
 def get_cluster(name_or_profile_path: str) -> Cluster:

@@ -25,7 +25,15 @@ def test_calibrate_two_ranks_smoke(tmp_path):
     cl = get_cluster(out)
     assert cl.num_devices == 2 and cl.device.efficiency == 1.0
     assert all(v > 1e6 for v in cl.device.peak_flops.values())  # measured, not zero
+    # the overlap of compute and transfers, measured on stpc's own AG-ring, reaches the cost model
+    ov = prof["overlap"]
+    assert ov["slowdown"] >= 0 and ov["ring_step_overhead_s"] >= 0
+    for which in ("long", "tiny"):
+        assert all(ov[which][k] > 0 for k in ("gemm_s", "p2p_s", "ring_step_s")), which
+    assert ov["long"]["gemm_s"] > 100 * ov["tiny"]["gemm_s"]
+    assert (cl.overlap_slowdown, cl.ring_step_overhead_s) == (ov["slowdown"], ov["ring_step_overhead_s"])
     cm = CostModel(cl, (2,))
+    assert cm.overlap_slowdown == ov["slowdown"]
     # The CostModel uses the profile's band that contains the message size.
     from stpc.cost_models.profile import coefficients
     for kind, c in prof["collectives"].items():

@@ -1,6 +1,7 @@
 """Unit tests of stpc.cost_models: formulas, mesh/link mapping, profiles, memory."""
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from stpc import models
 from stpc.cost_models import (CLUSTERS, OVERLAP_COMPUTE_SLOWDOWN, Cluster, CostModel, DeviceSpec, Link,
                               MemoryModel, exposed, fit_alpha_beta, get_cluster, get_device, load_profile,
                               matmul_phase_cost, optimizer_state_bytes, roofline, save_profile)
+from stpc.cost_models.cluster import RING_STEP_OVERHEAD_S
 from stpc.cost_models.estimator import closed_form_memory
 from stpc.cost_models.memory import adamw_step_transient_bytes, training_step_peak
 from stpc.cost_models.profile import fit_bands, predict
@@ -100,9 +102,22 @@ def test_cross_node_never_cheaper_than_intra(n_log, in_log, N, a_i, bw_i, slow_a
         assert getattr(across, kind)(N, 0) >= getattr(inside, kind)(N, 0) * (1 - 1e-12), kind
 
 
-def test_ring_step_overlaps():
-    assert CostModel.ring_step(2.0, 3.0) == 3.0
-    assert CostModel.ring_step(5.0, 3.0) == 5.0
+def test_ring_step_overlaps_at_the_slowdown_and_pays_its_overhead():
+    cl = get_cluster("dgx-h100")
+    assert cl.ring_step_overhead_s == RING_STEP_OVERHEAD_S == 20e-6  # the named guess, with its source
+    cm = CostModel(cl, (8,))
+    s, o = OVERLAP_COMPUTE_SLOWDOWN, RING_STEP_OVERHEAD_S
+    assert cm.ring_step(2.0, 3.0) == pytest.approx(3.0 + s * 2.0 + o)  # transfer-bound
+    assert cm.ring_step(5.0, 3.0) == pytest.approx(5.0 + s * 3.0 + o)  # compute-bound
+    # slowdown 1: nothing overlaps (the step is the sum); 0: perfect overlap
+    assert CostModel(cl, (8,), overlap_slowdown=1.0).ring_step(5.0, 3.0) == pytest.approx(8.0 + o)
+    assert CostModel(cl, (8,), overlap_slowdown=0.0).ring_step(5.0, 3.0) == pytest.approx(5.0 + o)
+    # a cluster's own figures (a calibration profile's) replace the presets'
+    measured = dataclasses.replace(cl, overlap_slowdown=0.9, ring_step_overhead_s=1e-3)
+    assert CostModel(measured, (8,)).ring_step(5.0, 3.0) == pytest.approx(5.0 + 0.9 * 3.0 + 1e-3)
+    assert CostModel(measured, (8,)).overlapped(1.0, 2.0) == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        dataclasses.replace(cl, ring_step_overhead_s=-1.0)
 
 
 @settings(max_examples=200, deadline=None)
@@ -202,8 +217,30 @@ def test_fit_recovers_alpha_beta_and_roundtrips(tmp_path):
     assert band_err < 0.2 < 0.3 < line_err
     assert cm.p2p(1e6, 0) == pytest.approx(alpha + 1e6 / bw)
     assert cm.reduce_scatter(1e6, 0) == pytest.approx(3 * alpha + 0.75e6 / bw)  # falls back to the joint link
+    # a profile without the overlap figures (written before they were measured) gets the presets';
+    # with them, its own
+    assert (cl.overlap_slowdown, cl.ring_step_overhead_s) == (None, RING_STEP_OVERHEAD_S)
+    save_profile({**prof, "overlap": {"slowdown": 0.97, "ring_step_overhead_s": 4e-4}}, path)
+    cm = CostModel(get_cluster(path), (n,))
+    assert (cm.overlap_slowdown, cm.ring_step_overhead_s) == (0.97, 4e-4)
     with pytest.raises(FileNotFoundError, match="stpc calibrate"):
         load_profile(str(tmp_path / "missing.json"))
+
+
+def test_fit_overlap_reads_overhead_from_the_tiny_ring_and_slowdown_from_the_long_one():
+    from stpc.cli.calibrate import fit_overlap
+
+    o, slowdown = 3e-4, 0.8
+    gemm, p2p = 0.010, 0.004  # a long step: the transfer hides behind the GEMM, at the slowdown
+    tiny = (1e-6, 1e-4)
+    ranks = [{"long": (gemm, p2p, gemm + slowdown * p2p + o), "tiny": (*tiny, sum(tiny) + o)},
+             {"long": (gemm * 0.9, p2p, gemm * 0.9 + p2p), "tiny": (*tiny, sum(tiny))}]  # a faster rank
+    got = fit_overlap(ranks)  # the slowest rank's times
+    assert got["ring_step_overhead_s"] == pytest.approx(o)
+    assert got["slowdown"] == pytest.approx(slowdown)
+    # noise below the ideal overlap does not make a negative slowdown or overhead
+    quiet = fit_overlap([{"long": (gemm, p2p, gemm * 0.99), "tiny": (*tiny, 0.5 * sum(tiny))}])
+    assert quiet["slowdown"] == 0.0 and quiet["ring_step_overhead_s"] == 0.0
 
 
 # ----------------------------------------------------------------------------- memory formulas

@@ -460,6 +460,9 @@ def contributors(r: dict) -> dict:
             # what forward added on top of the state (gradients freed by zero_grad are not in it)
             "forward_added_measured": w["forward_end_bytes"] - (w["start_bytes"] - w["grad_bytes"]),
             "peak_phase": peak_phase, "phase_max": phase_max,
+            "step_peak_predicted": pp.get("step_peak_bytes", 0.0), "forward_peak_predicted": pp.get("forward_peak_bytes", 0.0),
+            "peak_phase_predicted": ("optimizer" if pp.get("step_peak_bytes", 0.0) > pp.get("forward_peak_bytes", 0.0)
+                                     else "forward"),
             "compute_predicted_s": pp.get("compute_s", 0.0) - pp.get("optimizer_step_s", 0.0),
             "optimizer_step_predicted_s": pp.get("optimizer_step_s", 0.0),
             "exposed_predicted_s": pp.get("exposed_s", 0.0),
@@ -506,9 +509,9 @@ def notes(r: dict) -> str:
     if alive:
         mem.append("forward left alive most in " + ", ".join(f"{op} {_mib(b)} MiB" for op, b in alive))
     w = _worst_rank(r)
-    mem.append(f"measured peak in {c['peak_phase']}; the optimizer step climbed "
-               f"{_mib(w['optimizer_max_bytes'] - w['start_bytes'])} MiB above the live bytes at the step's start "
-               f"(AdamW's foreach scratch with the gradients alive: not modelled)")
+    mem.append(f"measured peak in {c['peak_phase']}, modelled peak in {c['peak_phase_predicted']}; the optimizer "
+               f"step: modelled {_mib(c['step_peak_predicted'])} MiB (state + AdamW's foreach scratch), measured "
+               f"{_mib(w['optimizer_max_bytes'])} MiB")
     gaps = [("compute (model's roofline vs GEMM + attention + other op time)",
              c["compute_predicted_s"] - c["gemm_measured_s"] - c["other_measured_s"]),
             ("communication (model's exposed vs collective and ring-op waits)",
@@ -569,7 +572,8 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
               f"of {len(verdict['rows'])}); the same order (tau = 1): {met[verdict['order_met']]}.", "",
               "Where the errors come from. Memory: the model's weights + gradients + optimizer state against the "
               "measured state (the highest rank), its activations + largest transient against what forward added "
-              "on top of the state (measured live level at the end of forward, less the state), and the phase in "
+              "on top of the state (measured live level at the end of forward, less the state), its optimizer-step "
+              "peak (state + AdamW's foreach scratch) against the highest live level during the step, and the phase in "
               "which the measured peak fell (highest live level in forward / backward / optimizer step). Time: the "
               "model's compute (roofline of every op's local work, forward + backward), its optimizer step and "
               "exposed communication "
@@ -577,14 +581,15 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
               "in GEMM and attention kernels, in every other op, in collectives and their waits, and in the ring / "
               "PrimePar ops' own bodies (their P2P waits), and the measured optimizer step.", "",
               "| plan | state MiB model / measured | activations + transient MiB model / forward added, "
-              "measured | peak phase (fwd / bwd / opt MiB) | compute s model | GEMM + attention s | other ops s | "
+              "measured | optimizer step MiB model / measured | measured peak phase (fwd / bwd / opt MiB) | compute s model | GEMM + attention s | other ops s | "
               "exposed comm s model | collectives s | ring ops s | optimizer step s model / measured |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         c = contributors(r)
         pm = c["phase_max"]
         lines.append(f"| {r['plan']} | {_mib(c['state_predicted'])} / {_mib(c['state_measured'])} | "
-                     f"{_mib(c['act_transient_predicted'])} / {_mib(c['forward_added_measured'])} | {c['peak_phase']} "
+                     f"{_mib(c['act_transient_predicted'])} / {_mib(c['forward_added_measured'])} | "
+                     f"{_mib(c['step_peak_predicted'])} / {_mib(pm['optimizer'])} | {c['peak_phase']} "
                      f"({_mib(pm['forward'])} / {_mib(pm['backward'])} / {_mib(pm['optimizer'])}) | "
                      f"{c['compute_predicted_s']:.3f} | {c['gemm_measured_s']:.3f} | {c['other_measured_s']:.3f} | "
                      f"{c['exposed_predicted_s']:.3f} | {c['comm_measured_s']:.3f} | {c['ring_measured_s']:.3f} | "

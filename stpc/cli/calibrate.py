@@ -9,7 +9,15 @@ planner models):
   them during a step;
 * all-gather, reduce-scatter, all-reduce, all-to-all and ring P2P (every rank sends to
   its right neighbour) over a range of message sizes, on gloo over 127.0.0.1 on CPU or
-  NCCL on GPUs. A sample's time is the slowest rank's, fastest of several timed windows.
+  NCCL on GPUs. A sample's time is the slowest rank's, fastest of several timed windows;
+* how compute and communication overlap (``overlap`` in the profile): one step's GEMM
+  alone, its P2P alone, and stpc's own AG-ring (``runtime.ops.ring_allgather_matmul``,
+  the transfer posted before each step's GEMM and waited after it), once with blocks
+  whose GEMM is long and once with tiny blocks. The tiny ring gives the per-step overhead
+  (its step time beyond the P2P), the long one the compute slowdown beside a transfer:
+  step = max(gemm, p2p) + slowdown * min(gemm, p2p) + overhead. On a CPU whose cores the
+  ranks share, gloo's transfers take the same cores the GEMM needs, and the slowdown
+  comes out near 1 (no overlap); on GPUs it is small.
 
 alpha and beta are then fitted by least squares (``cost_models.profile``): one fit per
 collective kind plus a joint fit, and the profile is written as JSON. Load it with
@@ -40,6 +48,7 @@ from stpc.cli._progress import Status
 from stpc.cost_models import get_device
 from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, save_profile
 from stpc.runtime.launch import SpawnTimeout, spawn
+from stpc.runtime.ops import ring_allgather_matmul
 
 DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 MATMUL_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024)]
@@ -162,6 +171,54 @@ def _mem_bw(dev, nbytes: int = 64 << 20, window_s: float = 0.4) -> float:
     return 2.0 * nbytes / _sustained(lambda: y.copy_(x), dev, window_s)  # a copy reads and writes every byte
 
 
+# The AG-ring blocks the overlap is measured with: (rows per rank, n, k) of a step's GEMM.
+# Long: a gpt-50m linear's step on 4 ranks (2048 tokens / 4 x 1024 -> 1024). Tiny: latency only.
+OVERLAP_LONG = (512, 1024, 1024)
+OVERLAP_TINY = (8, 64, 64)
+
+
+def _ring_times(dev, world: int, rows: int, n: int, k: int, window_s: float) -> tuple[float, float, float]:
+    """(GEMM, P2P, ring step) seconds of one AG-ring step, each sustained on every rank at
+    once (the step: the ring's whole time over its ``world`` steps)."""
+    x = torch.randn(rows, n, device=dev)
+    w = torch.randn(n, k, device=dev)
+    gemm = _sustained(lambda: torch.mm(x, w), dev, window_s)
+    # (a P2P or a ring needs every rank in every call: the same number of calls on each rank,
+    # not a window each rank ends by its own clock)
+    p2p = _together(_collective_fn("p2p", x.numel() * x.element_size(), dist.get_rank(), world, dev), dev, window_s)
+    ring = _together(lambda: ring_allgather_matmul(x, w, 0, dist.group.WORLD), dev, window_s)
+    return gemm, p2p, ring / world
+
+
+def _together(fn, dev, window_s: float, windows: int = 3) -> float:
+    """Seconds per call of a ``fn`` every rank must join (a P2P, a ring): the median of
+    ``windows`` windows of the same call count on every rank, all ranks busy at once."""
+    reps = _repeats(fn, dev, window_s / windows)
+    return statistics.median(_window(fn, reps, dev) for _ in range(windows))
+
+
+def _overlap(dev, world: int, window_s: float = 0.6) -> dict:
+    """This rank's ring-step times, long and tiny blocks (see the module docstring)."""
+    return {"long": _ring_times(dev, world, *OVERLAP_LONG, window_s),
+            "tiny": _ring_times(dev, world, *OVERLAP_TINY, window_s / 2)}
+
+
+def fit_overlap(per_rank: list[dict]) -> dict:
+    """The profile's ``overlap`` from every rank's :func:`_overlap`: the slowest rank's
+    times (a ring waits for its slowest member); overhead from the tiny ring, slowdown
+    from the long one, both at least 0."""
+    def slowest(which):
+        return [max(r[which][i] for r in per_rank) for i in range(3)]
+
+    gemm, p2p, step = slowest("tiny")
+    overhead = max(0.0, step - max(gemm, p2p) - min(gemm, p2p))  # (tiny: the shorter part barely counts)
+    gemm_l, p2p_l, step_l = slowest("long")
+    slowdown = max(0.0, (step_l - overhead - max(gemm_l, p2p_l)) / min(gemm_l, p2p_l))
+    return {"slowdown": slowdown, "ring_step_overhead_s": overhead,
+            "long": {"gemm_s": gemm_l, "p2p_s": p2p_l, "ring_step_s": step_l, "shape": list(OVERLAP_LONG)},
+            "tiny": {"gemm_s": gemm, "p2p_s": p2p, "ring_step_s": step, "shape": list(OVERLAP_TINY)}}
+
+
 def _worker(rank: int, world: int, task: dict) -> dict | None:
     """One rank of a calibration run (started by ``runtime.launch.spawn``); rank 0 returns
     the result."""
@@ -171,8 +228,9 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
         dist.barrier()
         rates = _matmul_rates(dev)
         bw = _mem_bw(dev)
+        overlap = _overlap(dev, world)
         gathered = [None] * world
-        dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw})
+        dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw, "overlap": overlap})
         result["per_rank"] = gathered
     cases = [(kind, nbytes) for kind in task["kinds"] for nbytes in task["sizes"]]
     fns = [_collective_fn(kind, nbytes, rank, world, dev) for kind, nbytes in cases]
@@ -255,7 +313,7 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
                "backend": backend, "ranks": world_size, "torch": torch.__version__,
                "device": device, "matmul": rows,
                "link": {"alpha_s": alpha, "bw_bytes_per_s": bw, "rel_rms": err},
-               "collectives": collectives}
+               "collectives": collectives, "overlap": fit_overlap([r["overlap"] for r in per_rank])}
     if out:
         save_profile(profile, out)
     return profile
@@ -313,6 +371,9 @@ def main_calibrate(argv: list[str]) -> int:
     print("|---|---|")
     for dt, v in prof["device"]["peak_flops"].items():
         print(f"| {dt} | {v / 1e9:.1f} |")
+    ov = prof["overlap"]
+    print(f"overlap: compute beside a transfer slows by {ov['slowdown']:.2f} of the transfer's time; "
+          f"a ring step's overhead {ov['ring_step_overhead_s'] * 1e6:.0f} us")
     return 0
 
 
