@@ -222,7 +222,9 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
     return Program(plan, gm, fn, feed, tg.in_spec, tg.out_spec, out_placements, out_shapes, snapshots,
                    deferred=deferred, bucket_bytes=int((opts.bucket_mb or 0) * 2**20),
                    calls=list(tg.meta.get("module_calls", [])), backend=opts.backend,
-                   regathers=opts.backend is None and any(n.target is runtime.gather_wait for n in gm.graph.nodes))
+                   # ZeRO-3 regathers in backward; a ZeRO-2 plan keeps what forward gathered
+                   regathers=(opts.backend is None and not plan.stats.get("keep_gathered")
+                              and any(n.target is runtime.gather_wait for n in gm.graph.nodes)))
 
 
 def _report(plan: Plan, tg, opts: _Options) -> None:

@@ -13,6 +13,7 @@ from stpc.cost_models import CostModel, get_cluster
 from stpc.planner import HintUnsatisfiable, Hints, InfeasibleBudget, mesh_shapes, plan_graph, search
 from stpc.planner.baselines import Layout
 from stpc.planner.hints import fsdp_tp, megatron
+from stpc.planner.summary import breakdown
 
 CLUSTER = get_cluster("primepar-v100")  # 4 devices a node: which axis crosses nodes matters
 
@@ -93,10 +94,13 @@ def test_megatron_is_the_best_of_its_space(name, n):
 
 
 def test_megatron_distributed_optimizer_steps_and_holds_a_shard_of_the_state():
-    """ZeRO-1 shards the optimizer state over DP: each rank's optimizer step touches 1/dp of
-    it (time) and holds 1/dp of it (memory), while the gradients' all-reduce becomes a
-    reduce-scatter and the updated weights' all-gather, the same traffic. So every layout
-    with it is faster and smaller than the same layout without, and the search picks it."""
+    """The distributed optimizer, run as ZeRO-2, shards weights, gradients and optimizer state
+    over DP: each rank's optimizer step touches 1/dp of it and holds 1/dp of it plus the
+    whole weights gathered once in forward and kept for backward, while the gradients'
+    all-reduce becomes the weights' all-gather (in forward) and the gradients'
+    reduce-scatter: the same bytes, twice the latencies. So every layout with it is smaller
+    than the same layout without, its optimizer step 1/dp as long, and the search keeps
+    whichever of the two is faster."""
     tg = _meta_trace("llama-tiny", batch=4, seq=16)
     n = 8
     points = [(mesh, megatron(mesh, dp, tp, distributed_optimizer=z), rec)
@@ -108,9 +112,24 @@ def test_megatron_distributed_optimizer_steps_and_holds_a_shard_of_the_state():
     pairs = [v for v in by_layout.values() if len(v) == 2]
     assert len(pairs) >= 3
     for v in pairs:
-        assert v[1][0] < v[0][0] and v[1][1] < v[0][1], v
-    plan, _ = _check_best(tg, "megatron", points, n)
-    assert plan.stats["layout"]["zero"] == 1
+        assert v[1][1] < v[0][1], v
+    _check_best(tg, "megatron", points, n)
+    # the DP-only layout with it: weights stored sharded over DP, the optimizer step over 1/dp,
+    # the whole weights kept for backward counted once beside the 1/dp state
+    mesh = (4,)
+    plan = plan_graph(tg, CostModel(CLUSTER, mesh), None, megatron(mesh, 0, None, distributed_optimizer=True))
+    plain = plan_graph(tg, CostModel(CLUSTER, mesh), None, megatron(mesh, 0, None))
+    assert plan.stats["keep_gathered"] and "keep_gathered" not in plain.stats
+    params = [(k, v) for k, v in plan.nodes.items() if v.role == "param" and v.mem_bytes]
+    assert all(v.out[0][0] == "S" for _, v in params), params
+    nodes = {nd.name: nd for nd in tg.graph.nodes}
+    for k, v in params:  # each weight: 16 B per element of its quarter, and its whole fp32 copy kept
+        numel = nodes[k].meta["val"].numel()
+        assert v.mem_bytes == pytest.approx(numel * 16 / 4 + numel * 4) and plain.nodes[k].mem_bytes == numel * 16
+    bd, bd_plain = breakdown(plan), breakdown(plain)
+    assert bd["step_peak_bytes"] == pytest.approx(bd_plain["step_peak_bytes"] / 4, rel=1e-9)  # state + scratch
+    assert bd["activation_bytes"] > bd_plain["activation_bytes"]  # the kept weights with them
+    assert bd["optimizer_step_s"] == pytest.approx(bd_plain["optimizer_step_s"] / 4, rel=1e-6)
 
 
 @pytest.mark.parametrize("name,n", [("llama-tiny", 8), ("gpt-tiny", 4)])

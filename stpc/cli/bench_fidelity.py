@@ -60,8 +60,7 @@ while saved tensors are released, in the optimizer step the gradients plus AdamW
 foreach scratch (one parameter-sized temporary per tensor). It also sees what the model
 does not count: allocator-visible copies inside collectives (gloo's send/receive staging,
 the gradient reducer's buckets beside autograd's own gradient, a FSDP layer's gathered
-flat buffer), SDPA's workspace, and the optimizer state a plan's memory model shards but
-the runtime does not (ZeRO-1, ``Hints.optimizer_shard_axes``: modelled in memory only).
+flat buffer) and SDPA's workspace.
 To show where a gap comes from, one more profiled step per plan records the live level at
 the end of forward (and which top-level ops allocated what is still alive then), and the
 highest level in forward, backward and the optimizer step, beside the model's parts
@@ -173,7 +172,7 @@ def make_plans(cfg: dict, progress: bool = False) -> list[dict]:
                     "families": plan.strategy_counts(), "cluster": plan.cluster, "plan_hash": plan.hash()[:12],
                     "predicted_peak_bytes": float(plan.peak_memory_bytes),
                     "predicted_step_s": float(plan.modelled_step_time_s), "predicted_parts": parts,
-                    "zero1_modelled_not_run": bool(layout and layout.get("zero") == 1), "plan_s": plan_s,
+                    "plan_s": plan_s,
                     "planned_params": params,
                     "plan_json": plan.to_json()})
     return out
@@ -493,9 +492,6 @@ def notes(r: dict) -> str:
     """One plan's biggest contributors to its two errors, in words."""
     c = contributors(r)
     mem = [f"state {_mib(c['state_predicted'])} MiB modelled / {_mib(c['state_measured'])} held"]
-    if r.get("zero1_modelled_not_run"):
-        mem.append(f"optimizer state modelled ZeRO-1-sharded ({_mib(c['optimizer_predicted'])} MiB) but run whole "
-                   f"({_mib(c['optimizer_measured'])} MiB)")
     mis = param_mismatches(r)
     if mis:
         diff = sum(h - p for _, _, p, _, h in mis)
@@ -546,8 +542,6 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
         v = rows[r["plan"]]
         fams = ", ".join(f"{k} {n}" for k, n in r["families"].items())
         where = r["mesh"] + (f": {r['layout']}" if r["layout"] else "")
-        if r.get("zero1_modelled_not_run"):
-            where += " (ZeRO-1 modelled, not run)"
         lines.append(f"| {r['plan']} | {where} | {fams} | {_mib(r['predicted_peak_bytes'])} | "
                      f"{_mib(r['measured_peak_bytes'])} | {_pct(v['memory_error'])}{'' if v['memory_met'] else ' (missed)'} | "
                      f"{r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | {_pct(v['time_error'])}"

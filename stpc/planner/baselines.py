@@ -7,16 +7,18 @@ budget as stpc's own search: ``search`` solves every layout of the space exactly
 * ``megatron`` — Megatron-LM: tensor + sequence parallelism (TP) on one mesh axis,
   data parallelism (DP) on the other; every factorisation dp x tp = N (pure DP and
   pure TP included), both axis orders (``dp-outer``: DP across nodes, TP inside one,
-  the usual choice; ``tp-outer``: the reverse) and the distributed optimizer
-  (ZeRO-1 over DP) on or off. ZeRO-1 is modelled in memory only (the reduce-scatter
-  and all-gather it runs move what DP's all-reduce moves) and stpc's runtime does not
-  execute it (``Hints.optimizer_shard_axes``).
+  the usual choice; ``tp-outer``: the reverse) and the distributed optimizer on or
+  off. Megatron's distributed optimizer is ZeRO-1 (reduce-scatter the gradients, step
+  1/dp of the state, all-gather the weights: DP's all-reduce traffic); stpc plans and runs
+  it as ZeRO-2, the same traffic in no more memory: weights, gradients and optimizer state
+  stored 1/dp per rank, each weight gathered once per step and kept for backward
+  (``Hints.keep_gathered``).
 * ``fsdp-tp`` — TorchTitan's 2-D default: FSDP (ZeRO-3) over DP, TP+SP over the other
   axis; every factorisation with dp >= 2 (pure FSDP included), both orders. The
   parameter all-gathers and gradient reduce-scatters overlap compute as FSDP's
   prefetch does (``cost_models.overlap``, the same rule for every plan). The gathered
-  weights are kept from forward to backward (FSDP's ``reshard_after_forward=False``,
-  what stpc's runtime does with a sharded weight): no second all-gather in backward.
+  weights are freed after forward and gathered again in backward (FSDP2's default,
+  ``reshard_after_forward=True``, what stpc's runtime does with a ZeRO-3 weight).
 * ``spatial`` — stpc's own search with the spatial-temporal families off (Alpa-like):
   every mesh shape ``search.mesh_shapes`` tries.
 
@@ -35,7 +37,9 @@ BASELINES = ("megatron", "fsdp-tp", "spatial")
 class Layout:
     """How a Megatron/FSDP baseline uses N devices: the DP and TP degrees, which of the two
     axes is outer (row-major: the outer axis strides across nodes first), and what ZeRO
-    shards over DP (0: nothing, 1: optimizer state, 3: everything)."""
+    shards over DP (0: nothing; 1: Megatron's distributed optimizer, run as ZeRO-2:
+    everything sharded at rest, weights gathered once per step; 3: FSDP, weights gathered
+    again in backward)."""
 
     dp: int
     tp: int
@@ -59,7 +63,7 @@ class Layout:
 
     def describe(self) -> str:
         where = {"dp-outer": ", dp-outer (TP on the inner axis)", "tp-outer": ", tp-outer (DP on the inner axis)"}
-        zero = {0: "", 1: ", ZeRO-1 (distributed optimizer)", 3: ", ZeRO-3 (FSDP)"}[self.zero]
+        zero = {0: "", 1: ", distributed optimizer (run as ZeRO-2)", 3: ", ZeRO-3 (FSDP)"}[self.zero]
         return f"dp {self.dp} x tp {self.tp}{where.get(self.order, '')}{zero}"
 
 

@@ -35,8 +35,8 @@ from stpc.cost_models import CostModel, MemoryModel, optimizer_step_time
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse
-from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, reshard_cost,
-                               transient_bytes)
+from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, kept_gathered_bytes,
+                               reshard_cost, transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints
 from stpc.planner.plan import NodePlan, Plan
 from stpc.planner.sharing import Share
@@ -135,18 +135,18 @@ class Builder:
             if node.name in self.tg.tied_params:  # the same tensor as an earlier parameter: held once
                 mem = [0.0] * len(choices)
             else:
-                zero = self.hints.optimizer_shard_axes  # ZeRO-1: state sharded where the weight is whole
-                shards = [(math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE),
-                           math.prod(self.mesh[a] for a in zero if p[a] == REPLICATE)) for p in choices]
-                mem = [self.memory.param_bytes(val.numel(), w, z) for w, z in shards]
+                shards = [math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE) for p in choices]
+                mem = [self.memory.param_bytes(val.numel(), w) for w in shards]
                 if node in self.rg:  # the optimizer steps the elements this device holds the state of
-                    cost = [optimizer_step_time(self.cm.device, val.numel() / (w * z), self.memory.layout)
-                            for w, z in shards]
+                    cost = [optimizer_step_time(self.cm.device, val.numel() / w, self.memory.layout) for w in shards]
                     # ... with its scratch beside the whole state (``MemoryModel.step_scratch``)
-                    scratch = [self.memory.step_scratch(val.numel() / (w * z)) for w, z in shards]
+                    scratch = [self.memory.step_scratch(val.numel() / w) for w in shards]
                     step = ([m + s for m, (s, _) in zip(mem, scratch)], [t for _, t in scratch])
                 else:
                     step = (mem, [0.0] * len(choices))
+                # ZeRO-2: the whole weight gathered in forward is kept for backward (not in the step)
+                kept = [kept_gathered_bytes(val, p, self.mesh, self.hints.keep_gathered) for p in choices]
+                mem = [m + k for m, k in zip(mem, kept)]
         else:
             # A user input: each rank loads its own shard, so any even split is free.
             choices = placement_choices(shape, self.mesh, grid_weight=False)
@@ -389,8 +389,8 @@ class Builder:
                         k = (sig, tok, q, nbytes / sf, split, rg)
                         c = self._reshard_phases.get(k)
                         if c is None:
-                            c = self._reshard_phases[k] = axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split,
-                                                                              rg, regather=True)
+                            c = self._reshard_phases[k] = axis_reshard_phases(
+                                self.cm, a, tok, q, nbytes / sf, split, rg, regather=a not in self.hints.keep_gathered)
                         phases[:, pc, qc] = c
                 fwd, bwd = phases[:, :, list(need)]
                 wins = np.array([w for _, _, w in vkeys]).reshape(-1, 2)
@@ -515,7 +515,8 @@ class Builder:
         return Plan(model=self.tg.model_name, mesh_shape=list(self.mesh), cluster=self.cm.cluster.name,
                     dtype=meta.get("dtype", "fp32"), budget_bytes=meta.get("budget"), nodes=nodes,
                     modelled_step_time_s=sol.objective_ns / NS, peak_memory_bytes=float(sol.peak_bytes),
-                    stats=meta.get("stats", {}), alternatives=self._alternatives(choice))
+                    stats={**meta.get("stats", {}), **({"keep_gathered": True} if self.hints.keep_gathered else {})},
+                    alternatives=self._alternatives(choice))
 
     def _node_fields(self, it: Item, c: int, edge_s: dict) -> tuple:
         """(role, op, kind, out, ins, axis, time_s, comm_s, mem_bytes) of item ``it`` under

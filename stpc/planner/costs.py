@@ -201,4 +201,14 @@ def transient_bytes(node, strategies, mesh, memory: MemoryModel) -> list[float]:
     return sizes
 
 
-__all__ = ["reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]
+def kept_gathered_bytes(val, placement, mesh, axes) -> float:
+    """Bytes of a parameter's whole copy kept from forward to backward under ZeRO-2
+    (``Hints.keep_gathered``): gathered over ``axes`` where its placement splits it there,
+    still split as placed on the other axes; 0 when it is whole on every one of ``axes``."""
+    if not any(placement[a] != REPLICATE for a in axes):
+        return 0.0
+    rest = math.prod(n for a, (n, t) in enumerate(zip(mesh, placement)) if t != REPLICATE and a not in axes)
+    return val.numel() * val.element_size() / rest
+
+
+__all__ = ["kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]

@@ -40,12 +40,13 @@ class Hints:
     input shapes keeps its parameters where they are; a data loader that feeds
     shards fixes its inputs' placements).
 
-    ``optimizer_shard_axes``: mesh axes over which the optimizer state of a parameter
-    held whole there is sharded (ZeRO-1: Megatron's distributed optimizer). Only the
-    memory model sees it: its reduce-scatter of gradients and all-gather of updated
-    weights move what the data-parallel all-reduce moves. stpc's own runtime does not
-    shard optimizer state yet: a plan made with it runs with the state whole. It exists
-    so the Megatron baseline is costed as Megatron runs.
+    ``keep_gathered``: mesh axes over which a parameter stored sharded and read whole is
+    gathered once per step and kept for backward (ZeRO-2: FSDP's ``SHARD_GRAD_OP``, FSDP2's
+    ``reshard_after_forward=False``), where by default (ZeRO-3, FSDP2's default) backward
+    gathers it again (``runtime.RegatherSaved``). The planner charges the kept copies as
+    memory saved for backward and no second gather; the plan records it
+    (``plan.stats["keep_gathered"]``) and the compiled model runs it so. Megatron's
+    distributed optimizer is planned and run this way (see :func:`megatron`).
     """
 
     force: list[tuple[str, callable]] = field(default_factory=list)
@@ -54,7 +55,7 @@ class Hints:
     input_exact: dict[str, tuple[str, ...]] = field(default_factory=dict)
     temporal: bool = True
     name: str = ""
-    optimizer_shard_axes: tuple[int, ...] = ()
+    keep_gathered: tuple[int, ...] = ()
 
 
 COLUMN = r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj|lm_head)$"
@@ -88,31 +89,44 @@ def megatron(mesh_shape: tuple[int, ...], dp_axis: int | None = None, tp_axis: i
              distributed_optimizer: bool = False) -> Hints:
     """Megatron-LM on ``mesh_shape``: TP+SP on ``tp_axis``, data parallelism on ``dp_axis``
     (None: absent). With neither given: TP on the last axis, DP on the first of two.
-    ``distributed_optimizer``: ZeRO-1 over the DP axis (see ``Hints.optimizer_shard_axes``)."""
+
+    ``distributed_optimizer``: Megatron's distributed optimizer over the DP axis. Megatron
+    reduce-scatters the gradients, steps its 1/dp of the optimizer state and all-gathers the
+    updated weights (ZeRO-1: the traffic of DP's all-reduce). stpc runs it as ZeRO-2: each
+    weight, its gradient and its optimizer state stored 1/dp per rank, the weight gathered
+    once per step (in forward, prefetched) and kept for backward, its gradient
+    reduce-scattered (``Hints.keep_gathered``): the same traffic, and no more memory than
+    Megatron's (which keeps whole weights and gradient buffers)."""
     if dp_axis is None and tp_axis is None:
         tp_axis = len(mesh_shape) - 1
         dp_axis = 0 if len(mesh_shape) > 1 else None
     dp, tp = dp_axis, tp_axis
+    zero = distributed_optimizer and dp is not None
 
     def weight(p):  # parameters: never ZeRO/grid-sharded on the data axis
         return dp is None or p[dp] == "R"
 
-    return Hints(force=_tensor_parallel(dp, tp), param_force=[(r".", weight), _vocab_parallel(tp)],
-                 temporal=False, name="megatron",
-                 optimizer_shard_axes=(dp,) if distributed_optimizer and dp is not None else ())
+    return Hints(force=_tensor_parallel(dp, tp), param_force=[(r".", _zero_sharded(dp, tp) if zero else weight),
+                                                              _vocab_parallel(tp)],
+                 temporal=False, name="megatron", keep_gathered=(dp,) if zero else ())
+
+
+def _zero_sharded(dp: int, tp: int | None):
+    """Parameters stored sharded over the DP axis (ZeRO-2/3). A dim TP does not split when DP
+    is the outer axis: the runtime nests splits outer axis first, so a dim split on both
+    would be gathered whole over both axes and sliced back for TP (TorchTitan's strided
+    sharding avoids that; here the other dim does, at the same bytes). A parameter with no
+    other dim falls back (a hint that leaves nothing keeps every choice)."""
+    def sharded(p):
+        return p[dp][0] == "S" and not (tp is not None and dp < tp and p[tp] == p[dp])
+    return sharded
 
 
 def fsdp_tp(mesh_shape: tuple[int, ...], dp_axis: int, tp_axis: int | None = None) -> Hints:
     """TorchTitan's FSDP (ZeRO-3) over ``dp_axis`` with TP+SP on ``tp_axis`` (None: FSDP
     alone). A parameter no dim of which divides over the DP axis stays whole there."""
     dp, tp = dp_axis, tp_axis
-
-    def sharded(p):
-        # FSDP shards a dim TP does not split when DP is the outer axis: the runtime nests
-        # splits outer axis first, so a dim split on both would be gathered whole over both
-        # axes and sliced back for TP (TorchTitan's strided sharding avoids that; here the
-        # other dim does, at the same bytes). A parameter with no other dim falls back.
-        return p[dp][0] == "S" and not (tp is not None and dp < tp and p[tp] == p[dp])
+    sharded = _zero_sharded(dp, tp)
 
     return Hints(force=_tensor_parallel(dp, tp), param_force=[(r".", sharded), _vocab_parallel(tp)],
                  temporal=False, name="fsdp-tp")

@@ -34,7 +34,7 @@ import numpy as np
 
 from stpc.cost_models import CostModel, optimizer_state_bytes
 from stpc.placement import REPLICATE, shard_factor
-from stpc.planner.costs import NodeTimer
+from stpc.planner.costs import NodeTimer, kept_gathered_bytes
 from stpc.planner.sharing import Share
 from stpc.planner.solver import Edge, InfeasibleBudget, Problem, memory_blind_optimum, solve
 from stpc.planner.strategies import tensor_operands
@@ -304,20 +304,19 @@ def _breakdown(sv: Solved) -> dict:
     gathers = groups - compute - ring_exposed  # followers/derived ops that gather to keep going
     exposed = groups - compute + param_real + other_edges
     # memory: persistent parts under the chosen placements + the largest transient
-    weight = grad = opt = 0.0
+    weight = grad = opt = kept = 0.0
     mesh = b.mesh
-    zero_axes = b.hints.optimizer_shard_axes
     for g, it in enumerate(facts.group_items):
         if it.kind != "param" or it.node.name in b.tg.tied_params:
             continue
         pl = b.place[it][ch[g]]
         shards = math.prod(n for n, t in zip(mesh, pl) if t != REPLICATE)
-        zero = math.prod(mesh[a] for a in zero_axes if pl[a] == REPLICATE)
-        parts = optimizer_state_bytes(it.node.meta["val"].numel() / shards, layout, zero, 1, b.memory.fp32_grad_accum)
+        parts = optimizer_state_bytes(it.node.meta["val"].numel() / shards, layout, 1, 1, b.memory.fp32_grad_accum)
         weight += parts.weight * it.count
         grad += parts.grad * it.count
         opt += parts.optimizer * it.count
-    act = 0.0
+        kept += kept_gathered_bytes(it.node.meta["val"], pl, mesh, b.hints.keep_gathered) * it.count
+    act = kept  # (ZeRO-2's whole weights, kept for backward, count with the activations)
     for it, count in facts.saved_uses.items():
         val = it.node.meta["val"]
         act += count * b.memory.saved_bytes(val.numel() * val.element_size(),
