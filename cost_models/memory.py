@@ -4,13 +4,15 @@
 ``Plan.peak_memory_bytes``, ``plan.table()``, the CLI and the benchmarks report:
 
     peak = max(end of forward, optimizer step)
-    end of forward  = sum of persistent bytes + the largest transient working set
-    optimizer step  = parameter state + the optimizer's scratch (``step_scratch``)
+    end of forward  = weights + optimizer state + saved activations + the largest transient
+    optimizer step  = weights + gradients + optimizer state + the optimizer's scratch
 
-* persistent: each parameter's weight, gradient and optimizer state under its
-  placement (:meth:`MemoryModel.param_bytes`), and each tensor backward keeps, at its
-  owner's placement (:meth:`MemoryModel.saved_bytes`; training peaks at the end of
-  forward, when all of them are alive);
+* persistent: each parameter's weight and optimizer state under its placement, its
+  gradient too where the trainer keeps gradients through forward
+  (:meth:`MemoryModel.forward_param_bytes`, ``grads_at_forward``), and each tensor
+  backward keeps, at its owner's placement (:meth:`MemoryModel.saved_bytes`; the end of
+  forward is where all of them are alive, and the measured peak of every plan in the
+  fidelity bench is there or at the start of backward, where gradients are still few);
 * transient: while a node runs, its local inputs and output, plus for a ring
   (spatial-temporal) schedule the two in-flight blocks of its double buffer
   (:meth:`MemoryModel.transient_bytes`).
@@ -103,12 +105,24 @@ class MemoryModel:
     layout: str = "fp32-adam"
     fp32_grad_accum: bool = True
     optimizer_impl: str = "foreach"
+    grads_at_forward: bool = False
 
     def __post_init__(self):
         bytes_per_param(self.layout, self.fp32_grad_accum)  # an unknown layout fails here, not mid-plan
         if self.optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(f"unknown optimizer implementation {self.optimizer_impl!r}; "
                              f"known: {', '.join(OPTIMIZER_IMPLS)}")
+
+    def forward_param_bytes(self, numel: float, shards: float = 1) -> float:
+        """What a parameter holds at the end of forward: its weight and optimizer state, and
+        its gradient only with ``grads_at_forward``. ``zero_grad(set_to_none=True)``
+        (torch's default, and what stpc's benches and demo run) frees the gradients before
+        forward; backward makes them again while it frees activations. A trainer that
+        accumulates gradients over micro-batches, or zeroes them in place, keeps them."""
+        if self.grads_at_forward:
+            return self.param_bytes(numel, shards)
+        w, g, o = bytes_per_param(self.layout, self.fp32_grad_accum)
+        return numel * (w + o) / shards
 
     def step_scratch(self, numel: float) -> tuple[float, float]:
         """The optimizer step's scratch for a parameter whose optimizer state this device
@@ -129,14 +143,10 @@ class MemoryModel:
         """Weight + gradient + optimizer bytes of one unsharded parameter."""
         return sum(bytes_per_param(self.layout, self.fp32_grad_accum))
 
-    def param_bytes(self, numel: float, shards: float = 1, optimizer_shards: float = 1) -> float:
+    def param_bytes(self, numel: float, shards: float = 1) -> float:
         """Weight, gradient and optimizer state of a parameter of ``numel`` elements whose
-        placement splits it ``shards`` ways (product of the mesh sizes of its split axes);
-        ``optimizer_shards`` further divides the optimizer state alone (ZeRO-1 over the
-        data-parallel ranks that hold the parameter whole: Megatron's distributed optimizer)."""
-        if optimizer_shards == 1:
-            return numel * self.bytes_per_param / shards
-        return optimizer_state_bytes(numel / shards, self.layout, optimizer_shards, 1, self.fp32_grad_accum).total
+        placement splits it ``shards`` ways (product of the mesh sizes of its split axes)."""
+        return numel * self.bytes_per_param / shards
 
     @staticmethod
     def saved_bytes(nbytes: float, shards: float = 1) -> float:

@@ -27,9 +27,10 @@ def _nbytes(val, placement, mesh):
 
 
 def recompute_peak(tg, plan, layout="fp32-adam"):
-    """Per-device peak from the plan's placements alone (not from solver variables):
-    params+grads+optimizer (a tied parameter once) + saved activations + the largest node
-    working set."""
+    """Per-device peak from the plan's placements alone (not from solver variables): the
+    larger of the end of forward, params + optimizer (a tied parameter once; zero_grad freed
+    the gradients) + saved activations + the largest node working set, and the optimizer
+    step, params + grads + optimizer + AdamW's foreach scratch."""
     mesh = tuple(plan.mesh_shape)
     bpp = sum(bytes_per_param(layout))
     nodes = {n.name: n for n in tg.graph.nodes}
@@ -68,7 +69,8 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
     # temporary per element of the parameters this device steps)
     scratch = sum(_nbytes(nodes[k].meta["val"], v.out, mesh) // nodes[k].meta["val"].element_size() * 4
                   for k, v in plan.nodes.items() if v.role == "param" and k not in tg.tied_params)
-    return max(static + act + trans, static + scratch)
+    # (the end of forward holds no gradients: 4 B of the 16 per element)
+    return max(static * (bpp - 4) // bpp + act + trans, static + scratch)
 
 
 def test_enumeration_shared_only_where_dims_divide_alike():

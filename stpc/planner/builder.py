@@ -11,9 +11,10 @@ Size control (none of it gives up exactness for the graph as modelled):
     (``stpc.planner.analysis``): a mesh shape costs each item once, times its count.
 
 Memory per device is ``cost_models.MemoryModel``'s, the larger of two phases: at the end
-of forward, parameters + gradients + optimizer state (under their placements) +
-activations saved for backward + the largest transient working set of any node; in the
-optimizer step, the parameter state + the optimizer's scratch (``MemoryModel.step_scratch``).
+of forward, weights + optimizer state (under their placements; gradients only where the
+trainer keeps them through forward) + activations saved for backward + the largest
+transient working set of any node; in the optimizer step, weights + gradients +
+optimizer state + the optimizer's scratch (``MemoryModel.step_scratch``).
 
 Resharding is costed on the inputs of decision nodes: one solver edge per consumer,
 except where several consumers read one tensor (``GraphFacts.shared``): a
@@ -97,12 +98,12 @@ class Builder:
         self.budget = None
 
     # ---------------------------------------------------------------- per item
-    def _open_group(self, it: Item, strategies, cost, mem, transient, step=None):
+    def _open_group(self, it: Item, strategies, cost, mem, transient, step=None, own_mem=None):
         assert it.group == len(self.groups)
         step_mem, step_tr = step if step is not None else (np.zeros(len(cost)), [0.0] * len(cost))
         self.groups.append(_Group(strategies, np.array(cost, dtype=float) * it.count,
                                   np.array(mem, dtype=float) * it.count, list(transient),
-                                  own_cost=list(cost), own_mem=list(mem),
+                                  own_cost=list(cost), own_mem=list(mem if own_mem is None else own_mem),
                                   step_mem=np.asarray(step_mem, dtype=float) * it.count, step_transient=list(step_tr)))
 
     def _hinted(self, node, strategies):
@@ -121,7 +122,7 @@ class Builder:
         node = it.node
         val = node.meta["val"]
         shape = tuple(val.shape)
-        step = None  # (the optimizer step's bytes: parameters only)
+        step = own_mem = None  # (the optimizer step's bytes, a parameter's whole state: parameters only)
         if it.kind == "param":
             choices = placement_choices(shape, self.mesh)
             fqn = node.meta.get("param") or ""
@@ -146,7 +147,8 @@ class Builder:
                     step = (mem, [0.0] * len(choices))
                 # ZeRO-2: the whole weight gathered in forward is kept for backward (not in the step)
                 kept = [kept_gathered_bytes(val, p, self.mesh, self.hints.keep_gathered) for p in choices]
-                mem = [m + k for m, k in zip(mem, kept)]
+                own_mem = [m + k for m, k in zip(mem, kept)]  # (what NodePlan.mem_bytes reports)
+                mem = [self.memory.forward_param_bytes(val.numel(), w) + k for w, k in zip(shards, kept)]
         else:
             # A user input: each rank loads its own shard, so any even split is free.
             choices = placement_choices(shape, self.mesh, grid_weight=False)
@@ -154,7 +156,7 @@ class Builder:
                 choices = self._exact(node, f"input {node.name}", choices, self.hints.input_exact[node.name])
             mem = [0.0] * len(choices)
             cost = [0.0] * len(choices)
-        self._open_group(it, choices, cost, mem, [0.0] * len(choices), step)
+        self._open_group(it, choices, cost, mem, [0.0] * len(choices), step, own_mem)
         self.place[it] = choices
 
     def _exact(self, node, what: str, choices: list, want) -> list:

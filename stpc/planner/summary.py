@@ -330,6 +330,8 @@ def _breakdown(sv: Solved) -> dict:
             "peak_bytes": float(sv.peak), "weight_bytes": weight, "grad_bytes": grad, "optimizer_bytes": opt,
             "activation_bytes": act, "transient_bytes": float(transient),
             "forward_peak_bytes": float(forward_peak), "step_peak_bytes": float(step_peak),
+            # the gradients the end of forward holds (0: zero_grad frees them, MemoryModel.grads_at_forward)
+            "forward_grad_bytes": grad if b.memory.grads_at_forward else 0.0,
             "step_scratch_bytes": float(step_peak - (weight + grad + opt)) if p.has_step_phase else 0.0}
 
 
@@ -504,8 +506,8 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
         else:
             lines += [
                 f"  optimizer scratch {_bytes(bd['step_scratch_bytes']):>9}  the optimizer step's temporaries",
-                f"  end of forward {_bytes(bd['forward_peak_bytes']):>12}  parameters + gradients + optimizer + "
-                "activations + transient",
+                f"  end of forward {_bytes(bd['forward_peak_bytes']):>12}  parameters + optimizer + activations + "
+                "transient" + (" + gradients" if bd.get("forward_grad_bytes") else " (zero_grad freed the gradients)"),
                 f"  optimizer step {_bytes(bd['step_peak_bytes']):>12}  parameters + gradients + optimizer + "
                 "optimizer scratch (activations are freed)",
                 "  the peak is the larger phase: the " + ("optimizer step" if bd["step_peak_bytes"] >

@@ -3,16 +3,18 @@
 
 What the model holds, and so what is drawn:
 
-* parameters, gradients and optimizer state: alive the whole step (the model charges the
-  gradients as persistent, like a trainer that keeps its gradient buffers), at the parts of
-  ``plan.stats["breakdown"]``;
+* parameters and optimizer state: alive the whole step, at the parts of
+  ``plan.stats["breakdown"]``; the gradients only where the model counts them through
+  forward (``MemoryModel.grads_at_forward``; by default ``zero_grad`` frees them and they
+  come back in backward, shown in the optimizer step's phase of ``plan.summary()``);
 * activations kept for backward: each such tensor (``planner.analysis.saved_bases``) at its
   producer's placement (``plan.nodes[...].out``), added when its producer runs in forward;
 * the transient working set of each op (its local operands and output, a ring's double
   buffer), from the solved problem.
 
 The model gives no order to backward: it says only that the end of forward, where every
-saved tensor is alive, is the peak, and charges the largest transient of any op on top of
+saved tensor is alive, is forward's peak (the plan's peak is it or the optimizer step's,
+drawn as a line), and charges the largest transient of any op on top of
 it. The timeline therefore mirrors forward: in backward a saved tensor is released once
 backward has passed its producer (an approximation; autograd frees it when the op that
 saved it is done), and each op's transient is drawn at its forward size. Its highest point
@@ -53,6 +55,7 @@ def memory_timeline(plan, tg=None) -> dict:
     parts = breakdown(plan)  # computed from the problem (and kept in plan.stats), or the saved one
     if parts is not None:
         persistent = {k: float(parts[key]) for k, key, _ in PARTS[:3]}
+        persistent["grads"] = float(parts.get("forward_grad_bytes", parts["grad_bytes"]))
     else:  # the parameters' own accounting (NodePlan.mem_bytes): one band
         persistent = {"weights": float(sum(n.mem_bytes for n in plan.nodes.values() if n.role == "param"))}
     out = {"ops": [], "activations": np.zeros(0), "transient": None, "persistent": persistent, "parts": parts,
@@ -127,7 +130,8 @@ def memory(plan, tg=None, out=None):
         bx = fig.add_subplot(grid[0, 1] if have_timeline else grid[0, 0])
         bottom = 0.0
         for k, key, lab in PARTS:
-            v = tl["parts"][key] / scale
+            v = tl["parts"]["forward_grad_bytes" if key == "grad_bytes" and "forward_grad_bytes" in tl["parts"]
+                            else key] / scale
             bx.bar([0], [v], 0.6, bottom=bottom, color=COLORS[k], label=f"{lab}: {v:.3g} {u}")
             bottom += v
         bx.axhline(tl["peak"] / scale, color="black", linestyle="--", linewidth=1)
@@ -135,7 +139,8 @@ def memory(plan, tg=None, out=None):
         bx.set_xlim(-0.6, 0.6)
         bx.set_ylim(0, tl["peak"] / scale * 1.12)
         bx.set_ylabel(f"memory per device ({u})")
-        bx.set_title("parts at the peak (they add up to it)", fontsize=9)
+        bx.set_title("parts at the end of forward (they add up to it;\nthe dashed line: the plan's peak)",
+                     fontsize=9)
         bx.legend(*[list(reversed(h)) for h in bx.get_legend_handles_labels()], fontsize=7, loc="upper left",
                   bbox_to_anchor=(1.0, 1.0), title="top to bottom", title_fontsize=7)
     elif not have_timeline:
