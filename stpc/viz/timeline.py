@@ -114,7 +114,7 @@ def memory(plan, tg=None, out=None):
             ax.fill_between(x, base, base + trn, step="post", color=COLORS["transient"], alpha=0.6, linewidth=0,
                             label="transient (the op's working set)")
         ax.axhline(tl["peak"] / scale, color="black", linestyle="--", linewidth=1,
-                   label="modelled peak (all activations + the largest transient)")
+                   label="modelled peak (the larger of the end of forward and the optimizer step)")
         ax.axvline(n, color="gray", linewidth=0.8)
         ax.annotate("end of forward", (n, tl["peak"] / scale * 1.06), xytext=(3, 0), textcoords="offset points",
                     fontsize=8, color="gray", va="center")
