@@ -124,3 +124,49 @@ def test_regather_saved_frees_whole_parameters_after_forward_and_gathers_again_i
         assert keep["backward_calls"].count("all_gather_into_tensor") == 0, keep
         assert free["backward_calls"].count("all_gather_into_tensor") == 2, free
         assert free["backward_calls"][:2] == ["all_gather_into_tensor", "all_gather_into_tensor"], free
+
+
+def _compiled_gathers(rank, world, plans):
+    """Per plan: the functional collectives ``param_gather`` issues in one forward and in the
+    backward after it, through ``stpc.compile`` (which picks regather or keep from the plan)."""
+    import stpc
+    from stpc import models
+    from stpc.planner import Plan
+    from stpc.runtime import param_gather
+
+    out = {}
+    for name, plan_json in plans.items():
+        plan = Plan.from_json(plan_json)
+        torch.manual_seed(0)
+        model = models.build("gpt-tiny")
+        idx, tgt = models.example_inputs("gpt-tiny", 4, 16, device="cpu")
+        dm = stpc.compile(model, tuple(plan.mesh_shape), (idx, tgt), plan=plan)
+        dm(idx, tgt).backward()  # (a first step: buffers and groups made)
+        calls = _spy(param_gather)
+        loss = dm(idx, tgt)
+        forward = len(calls)
+        loss.backward()
+        out[name] = {"forward": calls[:forward], "backward": calls[forward:]}
+    return out
+
+
+def test_a_zero2_plan_gathers_once_per_step_and_a_zero3_plan_again_in_backward():
+    """``stpc.compile`` runs what the plan says: Megatron's distributed optimizer (ZeRO-2,
+    ``plan.stats["keep_gathered"]``) keeps forward's gathered weights for backward, so its
+    backward only reduce-scatters gradients; FSDP (ZeRO-3) gathers each layer again there."""
+    from stpc import models, trace
+    from stpc.planner import search
+    from stpc.planner.hints import fsdp_tp, megatron
+
+    with torch.device("meta"):
+        tg = trace(models.build("gpt-tiny"), models.example_inputs("gpt-tiny", 4, 16))
+    zero2 = search(tg, (2,), "cpu-local", hints=megatron((2,), 0, None, distributed_optimizer=True))
+    zero3 = search(tg, (2,), "cpu-local", hints=fsdp_tp((2,), 0))
+    assert zero2.stats["keep_gathered"] and "keep_gathered" not in zero3.stats
+    for r in spawn(_compiled_gathers, 2, {"zero2": zero2.to_json(), "zero3": zero3.to_json()}, timeout_s=240):
+        for name in ("zero2", "zero3"):
+            assert r[name]["forward"].count("all_gather_into_tensor") > 0, r
+            assert r[name]["backward"].count("reduce_scatter_tensor") > 0, r
+        assert r["zero2"]["backward"].count("all_gather_into_tensor") == 0, r
+        assert r["zero3"]["backward"].count("all_gather_into_tensor") == r["zero3"]["forward"].count(
+            "all_gather_into_tensor"), r

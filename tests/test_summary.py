@@ -49,7 +49,7 @@ def _parts_add_up(bd, plan):
     assert bd["peak_bytes"] == max(bd["forward_peak_bytes"], bd["step_peak_bytes"])
     # foreach AdamW's scratch: one fp32 temporary per element of optimizer state the device holds
     # (8 B of state per element in fp32-adam, 12 B in mixed-adam: fp32 master, m, v)
-    state_b = (8, 12) if plan._solved is None else (bytes_per_param(plan._solved.b.memory.layout)[2],)
+    state_b = (8, 12) if plan.solved is None else (bytes_per_param(plan.solved.b.memory.layout)[2],)
     assert any(bd["step_scratch_bytes"] == pytest.approx(bd["optimizer_bytes"] * 4 / o, abs=64) for o in state_b)
 
 

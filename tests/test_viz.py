@@ -38,6 +38,8 @@ def plans(tg):
     out = {f: search(tg, mesh, cluster="cpu-local", hints=family_hints(f))
            for f, mesh in (("p2x2", (4,)), ("ag_ring", (4,)), ("rs_ring", (2,)))}
     out["megatron"] = search(tg, (2, 2), cluster="cpu-local", hints=megatron((2, 2)))
+    out["megatron-zero2"] = search(tg, (2, 2), cluster="cpu-local",
+                                   hints=megatron((2, 2), 0, 1, distributed_optimizer=True))
     out["solved"] = search(tg, 4, cluster="cpu-local")
     return out
 
@@ -85,10 +87,12 @@ def test_layers_figure_has_a_bar_per_layer_plan_and_part(plans, tmp_path):
 # ------------------------------------------------------------------ memory
 
 
-def test_memory_timeline_is_the_memory_model(plans):
-    plan = plans["p2x2"]
+@pytest.mark.parametrize("family", ["p2x2", "megatron-zero2"])
+def test_memory_timeline_is_the_memory_model(plans, family):
+    plan = plans[family]
     tl = viz.memory_timeline(plan)
     bd = breakdown(plan)
+    assert (bd["kept_weight_bytes"] > 0) == (family == "megatron-zero2")  # ZeRO-2's kept whole weights
     n_ops = sum(1 for n in plan.nodes.values() if n.role in ("decision", "follower"))
     assert len(tl["ops"]) == len(tl["activations"]) == len(tl["transient"]) == n_ops
     # activations grow through forward to what the model charges at the end of forward

@@ -25,7 +25,9 @@ both overlap with compute (``cost_models.overlap``; the builder applies it):
 A parameter's edge S/grid -> R or P (ZeRO-3 / FSDP: stored sharded, read whole) costs one
 more all-gather in backward (``regather``): the runtime does not keep whole parameters
 from forward to backward and gathers them again there, as FSDP2 does by default
-(``stpc.runtime.RegatherSaved``).
+(``stpc.runtime.RegatherSaved``). Not on the axes a plan keeps gathered weights over
+(ZeRO-2, ``Hints.keep_gathered``): there the whole copy is memory saved for backward
+(:func:`kept_gathered_bytes`) instead.
 """
 from __future__ import annotations
 

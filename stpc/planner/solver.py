@@ -180,29 +180,14 @@ def _build(p: Problem, minimise_memory: bool):
         obj += [w * ev[pq] for pq, w in sorted(e.table.items()) if w and pq in ev]
     for k, share in enumerate(p.shares):
         obj += sharing.add_to_cpsat(m, x, share, str(k))
-    mem_terms = []
-    mem_const = 0
-    for g, mems in enumerate(p.mem):
-        if x[g] is None:
-            mem_const += mems[0]
-        else:
-            mem_terms += [mems[c] * x[g][c] for c in range(len(mems)) if mems[c]]
-    t_max = max((max(t) for t in p.transient), default=0)
-    T = m.NewIntVar(0, max(t_max, 0), "transient")
     if p.cap is not None and not minimise_memory:
         m.Add(sum(obj) + const <= p.cap)
     if p.budget is None and not minimise_memory:  # memory does not constrain: skip its rows
         m.Minimize(sum(obj) + const)
         return m, x, n_edge_vars
-    for g, ts in enumerate(p.transient):
-        if x[g] is None:
-            m.Add(T >= ts[0])
-        elif any(ts):
-            m.Add(T >= sum(ts[c] * x[g][c] for c in range(len(ts))))
-    memory = sum(mem_terms) + T + mem_const
-    phases = [memory]
+    phases = [_phase_memory(m, x, p.mem, p.transient, "transient")]
     if p.has_step_phase:
-        phases.append(_step_memory(m, x, p))
+        phases.append(_phase_memory(m, x, p.step_mem, p.step_transient, "step_transient"))
     if minimise_memory:
         peak = m.NewIntVar(0, sum(sum(max(r) for r in rows) for rows in _memory_rows(p)), "peak")
         for ph in phases:
@@ -220,23 +205,24 @@ def _memory_rows(p: Problem) -> list:
     return [r for r in (p.mem, p.transient, p.step_mem, p.step_transient) if r is not None]
 
 
-def _step_memory(m, x, p: Problem):
-    """CP-SAT expression of the optimizer step's bytes (``Problem.step_mem`` summed, plus
-    the largest chosen ``step_transient``)."""
+def _phase_memory(m, x, summed, maxed, name: str):
+    """CP-SAT expression of one memory phase's bytes: the chosen ``summed`` bytes of every
+    group plus the largest chosen ``maxed`` bytes (an integer variable ``name`` at least each
+    group's); either list may be None (nothing of that kind in the phase)."""
     terms, const = [], 0
-    for g, mems in enumerate(p.step_mem or []):
+    for g, mems in enumerate(summed or []):
         if x[g] is None:
             const += mems[0]
         else:
             terms += [mems[c] * x[g][c] for c in range(len(mems)) if mems[c]]
-    if p.step_transient is not None:
-        S = m.NewIntVar(0, max((max(t) for t in p.step_transient), default=0), "step_transient")
-        for g, ts in enumerate(p.step_transient):
+    if maxed is not None:
+        top = m.NewIntVar(0, max(0, max((max(t) for t in maxed), default=0)), name)
+        for g, ts in enumerate(maxed):
             if x[g] is None:
-                m.Add(S >= ts[0])
+                m.Add(top >= ts[0])
             elif any(ts):
-                m.Add(S >= sum(ts[c] * x[g][c] for c in range(len(ts))))
-        terms.append(S)
+                m.Add(top >= sum(ts[c] * x[g][c] for c in range(len(ts))))
+        terms.append(top)
     return sum(terms) + const
 
 

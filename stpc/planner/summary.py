@@ -332,6 +332,7 @@ def _breakdown(sv: Solved) -> dict:
             "forward_peak_bytes": float(forward_peak), "step_peak_bytes": float(step_peak),
             # the gradients the end of forward holds (0: zero_grad frees them, MemoryModel.grads_at_forward)
             "forward_grad_bytes": grad if b.memory.grads_at_forward else 0.0,
+            "kept_weight_bytes": kept,  # (part of activation_bytes)
             "step_scratch_bytes": float(step_peak - (weight + grad + opt)) if p.has_step_phase else 0.0}
 
 

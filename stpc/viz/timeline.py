@@ -72,7 +72,9 @@ def memory_timeline(plan, tg=None) -> dict:
         val = t.meta["val"]
         saved[t.name] = MemoryModel.saved_bytes(val.numel() * val.element_size(),
                                                 shard_factor(tuple(plan.nodes[t.name].out), mesh))
-    ops, act, tr, alive = [], [], [], 0.0
+    # ZeRO-2's whole weights, kept for backward, count with the activations (drawn alive from
+    # the first op: the model does not place each layer's gather)
+    ops, act, tr, alive = [], [], [], float((parts or {}).get("kept_weight_bytes", 0.0))
     for name, n in plan.nodes.items():
         alive += saved.get(name, 0.0)
         if n.role not in ("decision", "follower"):
