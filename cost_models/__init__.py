@@ -10,19 +10,19 @@ Units throughout: seconds, bytes, bytes/s, FLOP/s. The symbolic closed-form memo
 estimator is ``stpc.cost_models.estimator`` (not imported here: it needs sympy, which
 the planner's hot path never pays for).
 """
-from .cluster import CLUSTERS, Cluster, Link
+from .cluster import CLUSTERS, USABLE_MEMORY_FRACTION, Cluster, Link
 from .comm import CostModel
-from .compute import OPTIMIZER_STEP_BYTES, PhaseCost, matmul_phase_cost, matmul_phase_flops, optimizer_step_time, roofline
+from .compute import OPTIMIZER_STEP_BYTES, PhaseCost, gemm_time, matmul_phase_cost, matmul_phase_flops, optimizer_step_time, roofline
 from .devices import DEVICES, DeviceSpec, canonical_dtype, get_device
 from .memory import (LAYOUTS, MemoryModel, MemoryParts, adamw_step_transient_bytes, bytes_per_param,
                      optimizer_state_bytes, training_step_peak)
 from .overlap import OVERLAP_COMPUTE_SLOWDOWN, exposed
-from .profile import default_profile_path, fit_alpha_beta, get_cluster, load_profile, save_profile, world_cluster
+from .profile import default_profile_path, fit_alpha_beta, fit_gemm_curve, get_cluster, load_profile, save_profile, world_cluster
 
 __all__ = [
-    "CLUSTERS", "Cluster", "Link", "get_cluster", "CostModel", "PhaseCost", "matmul_phase_cost",
-    "matmul_phase_flops", "roofline", "optimizer_step_time", "OPTIMIZER_STEP_BYTES", "DEVICES", "DeviceSpec", "canonical_dtype", "get_device",
+    "CLUSTERS", "Cluster", "Link", "USABLE_MEMORY_FRACTION", "get_cluster", "CostModel", "PhaseCost", "matmul_phase_cost",
+    "matmul_phase_flops", "roofline", "gemm_time", "optimizer_step_time", "OPTIMIZER_STEP_BYTES", "DEVICES", "DeviceSpec", "canonical_dtype", "get_device",
     "LAYOUTS", "MemoryModel", "MemoryParts", "adamw_step_transient_bytes", "bytes_per_param",
-    "optimizer_state_bytes", "training_step_peak", "fit_alpha_beta", "load_profile", "save_profile",
+    "optimizer_state_bytes", "training_step_peak", "fit_alpha_beta", "fit_gemm_curve", "load_profile", "save_profile",
     "world_cluster", "default_profile_path", "OVERLAP_COMPUTE_SLOWDOWN", "exposed",
 ]

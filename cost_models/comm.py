@@ -45,7 +45,7 @@ import math
 from bisect import bisect_left
 
 from .cluster import Cluster, Link
-from .compute import roofline
+from .compute import gemm_time, roofline
 from .overlap import OVERLAP_COMPUTE_SLOWDOWN, exposed
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
@@ -152,6 +152,11 @@ class CostModel:
     def compute(self, flops: float, bytes_moved: float, dtype="fp32") -> float:
         """Roofline seconds: max(flops / achievable FLOP/s, bytes / memory bandwidth)."""
         return roofline(self.device, flops, bytes_moved, dtype)
+
+    def gemm(self, flops: float, bytes_moved: float, dtype="fp32") -> float:
+        """Seconds of one GEMM of ``flops`` FLOPs: :meth:`compute` at its size's efficiency
+        (``cost_models.compute.gemm_time``)."""
+        return gemm_time(self.device, flops, bytes_moved, dtype)
 
     # ------------------------------------------------------------------ collectives
     def all_gather(self, nbytes: float, axis: int) -> float:

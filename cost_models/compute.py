@@ -6,7 +6,9 @@ bytes between device memory and the cores takes
     t = max(flops / (peak_flops[dtype] * efficiency), bytes_moved / mem_bw)   [seconds]
 
 i.e. it is bound by whichever of compute and memory traffic is slower (the two
-overlap on real hardware). Plain float math: the planner calls this per strategy.
+overlap on real hardware). A GEMM (:func:`gemm_time`) also pays its size's place on the
+device's efficiency curve: ``flops / rate + gemm_ramp_s``. Plain float math: the planner
+calls this per strategy.
 """
 from __future__ import annotations
 
@@ -19,6 +21,16 @@ def roofline(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32")
     """Seconds for one kernel doing ``flops`` FLOPs and ``bytes_moved`` bytes of traffic."""
     rate = device.peak_flops[canonical_dtype(dtype)] * device.efficiency
     return max(flops / rate, bytes_moved / device.mem_bw)
+
+
+def gemm_time(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32") -> float:
+    """Seconds for one GEMM: the roofline with the compute side at the GEMM's own size on
+    the device's efficiency curve (``DeviceSpec.gemm_ramp_s``: a smaller GEMM reaches less
+    of the large-GEMM rate)."""
+    if flops <= 0:
+        return bytes_moved / device.mem_bw
+    rate = device.peak_flops[canonical_dtype(dtype)] * device.efficiency
+    return max(flops / rate + device.ramp_s(dtype), bytes_moved / device.mem_bw)
 
 
 # Bytes one optimizer step moves per parameter element, by optimizer layout

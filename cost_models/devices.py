@@ -8,6 +8,19 @@ reaches in practice (cuBLAS on a big square bf16 matmul lands at 70-80% of
 peak on A100/H100); the roofline in :mod:`compute` divides by
 ``peak * efficiency``. A calibration profile replaces both with a measured
 throughput and sets ``efficiency=1``.
+
+Smaller GEMMs run further below peak. ``gemm_ramp_s`` shapes that curve: a GEMM of ``f``
+FLOPs runs at ``rate * f / (f + rate * gemm_ramp_s)`` (``rate`` the large-GEMM figure
+above), i.e. it takes ``gemm_ramp_s`` longer than the large-GEMM rate says, so its
+efficiency is half at ``f = rate * gemm_ramp_s``. The GPU default is the NVIDIA Matrix
+Multiplication Background User's Guide's wave quantization (DU-09799-001, ch. 3): cuBLAS
+computes 256x128 output tiles, one per SM at a time, so a GEMM smaller than one wave of
+tiles leaves SMs idle and a partial last wave costs a whole one; averaged over sizes,
+efficiency reaches one half near half a wave. Half a wave of 256x128 tiles at the
+contraction depth of the 7B models (K = 4096) is ``SMs * 256 * 128 * 4096`` FLOPs
+(:func:`wave_ramp_s`); a GEMM with a shallower K ramps faster, a deeper one slower (a named
+simplification: the curve is over FLOPs, not shape). ``python -m stpc calibrate`` measures
+the ramp of its own machine from GEMMs of several sizes.
 """
 from __future__ import annotations
 
@@ -41,6 +54,10 @@ class DeviceSpec:
     mem_bw:      device memory bandwidth, bytes/s
     mem_bytes:   device memory capacity, bytes
     efficiency:  achievable fraction of ``peak_flops`` for large GEMMs (0 < e <= 1)
+    gemm_ramp_s: what a GEMM takes beyond its FLOPs at the large-GEMM rate, seconds (the
+                 efficiency curve over GEMM size; module docstring)
+    gemm_ramps:  dtype name -> its own ramp, where measured (a calibration profile fits one
+                 per dtype); other dtypes use ``gemm_ramp_s``
     """
 
     name: str
@@ -48,6 +65,8 @@ class DeviceSpec:
     mem_bw: float
     mem_bytes: float
     efficiency: float = 0.75
+    gemm_ramp_s: float = 0.0
+    gemm_ramps: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         missing = {"fp32", "tf32", "bf16", "fp16"} - set(self.peak_flops)
@@ -55,6 +74,8 @@ class DeviceSpec:
             raise ValueError(f"DeviceSpec {self.name!r}: peak_flops lacks {sorted(missing)}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"DeviceSpec {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
+        if self.gemm_ramp_s < 0 or any(v < 0 for v in self.gemm_ramps.values()):
+            raise ValueError(f"DeviceSpec {self.name!r}: gemm_ramp_s must be >= 0, got {self.gemm_ramp_s}")
         if self.mem_bw <= 0 or self.mem_bytes <= 0:
             raise ValueError(f"DeviceSpec {self.name!r}: mem_bw and mem_bytes must be positive")
 
@@ -62,10 +83,31 @@ class DeviceSpec:
         """FLOP/s a large matmul reaches in ``dtype`` (peak x efficiency)."""
         return self.peak_flops[canonical_dtype(dtype)] * self.efficiency
 
+    def ramp_s(self, dtype="fp32") -> float:
+        """The GEMM ramp of ``dtype`` (``gemm_ramps``, else ``gemm_ramp_s``)."""
+        return self.gemm_ramps.get(canonical_dtype(dtype), self.gemm_ramp_s)
+
+    def gemm_efficiency(self, flops: float, dtype="fp32") -> float:
+        """The fraction of the large-GEMM rate a GEMM of ``flops`` FLOPs reaches."""
+        ramp = self.ramp_s(dtype) * self.achievable_flops(dtype)
+        return flops / (flops + ramp) if flops > 0 else 0.0
+
 
 T = 1e12
 GB = 1e9
 GiB = 2**30
+MiB = 2**20
+
+
+# The wave-quantization ramp (module docstring): half a wave of 256 x 128 output tiles at
+# K = 4096, one tile per SM, at the dense fp16/bf16 tensor-core rate.
+WAVE_TILE_FLOPS = 256 * 128 * 4096   # half of one tile's 2 * 256 * 128 * 4096 FLOPs
+
+
+def wave_ramp_s(sms: int, fp16_flops: float, efficiency: float = 0.75) -> float:
+    """``gemm_ramp_s`` of a GPU with ``sms`` streaming multiprocessors: half a wave of
+    cuBLAS tiles at the large-GEMM fp16 rate."""
+    return sms * WAVE_TILE_FLOPS / (fp16_flops * efficiency)
 
 
 def _host_memory_bytes() -> float:
@@ -76,21 +118,30 @@ def _host_memory_bytes() -> float:
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    # H100 SXM5: 67 TF fp32, 494.7 TF tf32, 989.4 TF bf16/fp16 (dense), HBM3 3.35 TB/s, 80 GB.
+    # Memory capacities are the sold figure read as GiB (an "80GB" H100 reports 81559 MiB in
+    # nvidia-smi, a "32GB" V100 32510 MiB: binary gigabytes less the driver's reserve, which
+    # the planner's budget headroom, Cluster.usable_memory_fraction, covers).
+    # H100 SXM5: 67 TF fp32, 494.7 TF tf32, 989.4 TF bf16/fp16 (dense), HBM3 3.35 TB/s, 80 GiB,
+    # 132 SMs.
     "H100-SXM": DeviceSpec("H100-SXM", {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T,
-                                        "fp16": 989.4 * T}, mem_bw=3.35e12, mem_bytes=80 * GB),
-    # H200 SXM: H100 compute, HBM3e 4.8 TB/s, 141 GB.
+                                        "fp16": 989.4 * T}, mem_bw=3.35e12, mem_bytes=80 * GiB,
+                            gemm_ramp_s=wave_ramp_s(132, 989.4 * T)),
+    # H200 SXM: H100 compute, HBM3e 4.8 TB/s, 141 GB sold: 143771 MiB in nvidia-smi (140.4 GiB,
+    # less than 141 GiB), so that figure.
     "H200": DeviceSpec("H200", {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T,
-                                "fp16": 989.4 * T}, mem_bw=4.8e12, mem_bytes=141 * GB),
-    # A100 SXM4 80GB: 19.5 TF fp32, 156 TF tf32, 312 TF bf16/fp16, HBM2e 2.039 TB/s.
+                                "fp16": 989.4 * T}, mem_bw=4.8e12, mem_bytes=143771 * MiB,
+                        gemm_ramp_s=wave_ramp_s(132, 989.4 * T)),
+    # A100 SXM4 80GB: 19.5 TF fp32, 156 TF tf32, 312 TF bf16/fp16, HBM2e 2.039 TB/s, 108 SMs.
     "A100-80GB": DeviceSpec("A100-80GB", {"fp32": 19.5 * T, "tf32": 156 * T, "bf16": 312 * T,
-                                          "fp16": 312 * T}, mem_bw=2.039e12, mem_bytes=80 * GB),
-    # V100 SXM2 32GB: 15.7 TF fp32, 125 TF fp16 tensor cores. No tf32 and no native bf16
+                                          "fp16": 312 * T}, mem_bw=2.039e12, mem_bytes=80 * GiB,
+                              gemm_ramp_s=wave_ramp_s(108, 312 * T)),
+    # V100 SXM2 32GB: 15.7 TF fp32, 125 TF fp16 tensor cores, 80 SMs. No tf32 and no native bf16
     # (bf16 matmuls run at the fp32 rate there), so both map to the fp32 figure.
     "V100-32GB": DeviceSpec("V100-32GB", {"fp32": 15.7 * T, "tf32": 15.7 * T, "bf16": 15.7 * T,
-                                          "fp16": 125 * T}, mem_bw=900 * GB, mem_bytes=32 * GB),
+                                          "fp16": 125 * T}, mem_bw=900 * GB, mem_bytes=32 * GiB,
+                              gemm_ramp_s=wave_ramp_s(80, 125 * T)),
     # A generic CPU socket share: order-of-magnitude figures only (a few AVX2 cores); run
-    # `python -m stpc calibrate` for real numbers. Memory is this host's RAM, which all
+    # `python -m stpc calibrate` for real numbers (and the GEMM ramp: none assumed here). Memory is this host's RAM, which all
     # local ranks share.
     "CPU": DeviceSpec("CPU", {"fp32": 100e9, "tf32": 100e9, "bf16": 50e9, "fp16": 25e9},
                       mem_bw=20 * GB, mem_bytes=_host_memory_bytes(), efficiency=0.6),

@@ -7,13 +7,18 @@ Profile JSON (version 1)::
 
     {"version": 1, "name": str, "backend": "gloo"|"nccl", "ranks": int,
      "device": {"name", "peak_flops": {fp32,tf32,bf16,fp16: FLOP/s}, "mem_bw": B/s,
-                "mem_bytes": B, "efficiency": 1.0},
+                "mem_bytes": B, "efficiency": 1.0, "gemm_ramp_s": s,      # ramps: optional
+                "gemm_ramps": {dtype: s}},
      "matmul": [{"m","n","k","dtype","seconds","flops_per_s"}, ...],
      "link": {"alpha_s": s, "bw_bytes_per_s": B/s},          # joint fit, all collectives
      "collectives": {kind: {"alpha_s", "bw_bytes_per_s", "rel_rms",
                             "samples": [[nbytes, seconds], ...],
                             "bands": [[upper_nbytes, alpha_s, bw_bytes_per_s], ...]}},
      "overlap": {"slowdown": float, "ring_step_overhead_s": s, ...}}   # optional
+
+``peak_flops`` is each dtype's large-GEMM rate and ``gemm_ramps`` its ramp (``gemm_ramp_s``:
+fp32's), both from :func:`fit_gemm_curve` over the timed ``matmul`` rows (profiles written
+before the ramp was fitted lack them: no ramp, and the best row's rate).
 
 ``overlap`` (written by ``calibrate`` since it measures it; older profiles lack it and get
 the presets' figures): ``slowdown`` is how much of a transfer's time compute running beside
@@ -117,6 +122,21 @@ def fit_bands(samples: list[tuple[str, float, float]], n: int) -> list[list[floa
     return bands
 
 
+def fit_gemm_curve(rows: list[dict]) -> tuple[float, float]:
+    """(large-GEMM FLOP/s, ramp seconds) of one dtype's timed GEMMs (``{"m","n","k","seconds"}``):
+    the line ``seconds = ramp + flops / rate`` (``DeviceSpec.gemm_ramp_s``'s curve) fitted by
+    least squares on relative residuals, so the small GEMMs that show the ramp weigh as much
+    as the large ones that show the rate. A negative intercept (timing noise on a flat curve) is no ramp: the line through
+    the origin then, which is the FLOP-weighted mean rate."""
+    f = np.array([2.0 * r["m"] * r["n"] * r["k"] for r in rows])
+    t = np.array([float(r["seconds"]) for r in rows])
+    if len(rows) >= 2 and np.ptp(f) > 0:
+        slope, ramp = np.polyfit(f, t, 1, w=1.0 / t)   # relative residuals: small GEMMs count too
+        if ramp >= 0 and slope > 0:
+            return float(1.0 / slope), float(ramp)
+    return float(f.sum() / t.sum()), 0.0
+
+
 def predict(kind: str, n: int, nbytes: float, alpha_s: float, bw_bytes_per_s: float) -> float:
     """Seconds the fitted model gives for one ``kind`` of ``nbytes`` on ``n`` ranks."""
     ca, cb = coefficients(kind, n, nbytes)
@@ -152,7 +172,9 @@ def load_profile(path: str) -> Cluster:
     _validate(p, path)
     d = p["device"]
     device = DeviceSpec(d["name"], dict(d["peak_flops"]), mem_bw=float(d["mem_bw"]),
-                        mem_bytes=float(d["mem_bytes"]), efficiency=float(d.get("efficiency", 1.0)))
+                        mem_bytes=float(d["mem_bytes"]), efficiency=float(d.get("efficiency", 1.0)),
+                        gemm_ramp_s=float(d.get("gemm_ramp_s", 0.0)),
+                        gemm_ramps={k: float(v) for k, v in d.get("gemm_ramps", {}).items()})
     link = Link(float(p["link"]["alpha_s"]), float(p["link"]["bw_bytes_per_s"]))
     per_kind = {kind: Link(float(c["alpha_s"]), float(c["bw_bytes_per_s"]))
                 for kind, c in p["collectives"].items()}

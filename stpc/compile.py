@@ -307,7 +307,9 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     instead of a :class:`stpc.validate.PlanWarning`. ``timeout_s``: the process groups stpc
     creates for the mesh time out after that many seconds (None: the backend's default), so
     a rank that dies or stalls makes the others raise :class:`stpc.runtime.CommFailure`
-    naming the operation instead of hanging. ``bucket_mb``: gradients of parameters
+    naming the operation instead of hanging. ``budget_gib``: the per-device memory a plan
+    may fill (None: the cluster's device memory times its usable fraction, 0.8 by default,
+    ``stpc.cost_models.USABLE_MEMORY_FRACTION``). ``bucket_mb``: gradients of parameters
     replicated over a data-parallel axis are summed in buckets of that many MiB, launched
     asynchronously as backward produces them (as DDP does); None: each is all-reduced
     where it is used, synchronously.
@@ -333,7 +335,6 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     mesh_spec = validate.mesh_spec(mesh, plan, world, device_type)
     example_kwargs = dict(example_kwargs or {})
     example_inputs = validate.example_inputs(model, example_inputs, example_kwargs, device_type)
-    budget = validate.budget(budget_gib)
     hints = validate.hints(hints)
     backend = validate.backend(backend)
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
@@ -341,6 +342,7 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
         raise InvalidArgument(f"stpc.compile: timeout_s={timeout_s!r} is not a positive number of seconds. Fix: "
                               f"e.g. timeout_s=600, or None for the backend's default")
     cluster = validate.cluster(cluster, world, device_type)
+    budget = validate.budget(budget_gib, cluster)
     local = {}
     if input_placements:
         if not isinstance(mesh_spec, tuple):

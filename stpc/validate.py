@@ -147,14 +147,15 @@ def _name(path, names) -> str:
     return str(keys)
 
 
-def budget(budget_gib) -> float | None:
-    """The memory budget in bytes (None: the cluster's device memory)."""
+def budget(budget_gib, cluster) -> float:
+    """The per-device memory budget in bytes; None: ``cluster``'s default budget (its device
+    memory less the allocator's headroom, ``Cluster.default_budget_bytes``)."""
     if budget_gib is None:
-        return None
+        return (cluster if isinstance(cluster, Cluster) else get_cluster(cluster)).default_budget_bytes
     if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)) or not math.isfinite(budget_gib) \
             or budget_gib <= 0:
         raise InvalidArgument(f"stpc.compile: budget_gib={budget_gib!r} is not a positive number of GiB. Fix: pass "
-                              f"e.g. budget_gib=70, or None for the device's memory")
+                              f"e.g. budget_gib=70, or None for the device's memory less the allocator's headroom")
     return float(budget_gib) * 2**30
 
 

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from stpc import models
 from stpc.cost_models import (CLUSTERS, OVERLAP_COMPUTE_SLOWDOWN, Cluster, CostModel, DeviceSpec, Link,
-                              MemoryModel, exposed, fit_alpha_beta, get_cluster, get_device, load_profile,
-                              matmul_phase_cost, optimizer_state_bytes, roofline, save_profile)
-from stpc.cost_models.cluster import RING_STEP_OVERHEAD_S
+                              MemoryModel, exposed, fit_alpha_beta, fit_gemm_curve, gemm_time, get_cluster,
+                              get_device, load_profile, matmul_phase_cost, optimizer_state_bytes, roofline,
+                              save_profile)
+from stpc.cost_models.cluster import RING_STEP_OVERHEAD_S, USABLE_MEMORY_FRACTION
 from stpc.cost_models.estimator import closed_form_memory
 from stpc.cost_models.memory import adamw_step_transient_bytes, training_step_peak
 from stpc.cost_models.profile import fit_bands, predict
@@ -158,6 +159,34 @@ def test_roofline_bounds():
         roofline(d, 1, 1, "int8")
 
 
+def test_gemm_efficiency_curve_is_half_a_wave_on_gpus_and_flat_on_the_cpu_preset():
+    d = get_device("H100-SXM")
+    rate = 989.4e12 * d.efficiency
+    # NVIDIA's wave quantization: half a wave of 256x128 tiles at K=4096 on 132 SMs
+    assert d.gemm_ramp_s == pytest.approx(132 * 256 * 128 * 4096 / rate)
+    half = rate * d.gemm_ramp_s
+    assert d.gemm_efficiency(half, "bf16") == pytest.approx(0.5)
+    assert gemm_time(d, half, 0, "bf16") == pytest.approx(2 * roofline(d, half, 0, "bf16"))
+    assert d.gemm_efficiency(1e15, "bf16") > 0.99                     # large GEMMs: the roofline
+    assert gemm_time(d, 1.0, 3.35e12, "bf16") == pytest.approx(1.0)   # memory-bound stays so
+    assert get_device("V100").gemm_ramp_s > get_device("H100-SXM").gemm_ramp_s > 0  # fewer SMs, slower rate
+    assert get_device("CPU").gemm_ramp_s == 0.0 and gemm_time(get_device("CPU"), 1e9, 0) == roofline(
+        get_device("CPU"), 1e9, 0)
+    with pytest.raises(ValueError, match="gemm_ramp_s"):
+        dataclasses.replace(d, gemm_ramp_s=-1.0)
+
+
+def test_fit_gemm_curve_recovers_rate_and_ramp_and_reads_no_ramp_into_a_flat_curve():
+    rows = [{"m": m, "n": m, "k": m, "seconds": 2.0 * m ** 3 / 1e11 + 40e-6} for m in (128, 256, 512, 1024)]
+    rate, ramp = fit_gemm_curve(rows)
+    assert rate == pytest.approx(1e11, rel=1e-6) and ramp == pytest.approx(40e-6, rel=1e-6)
+    # timing noise that puts the intercept below zero is no ramp, not a negative one
+    flat = [{"m": m, "n": m, "k": m, "seconds": 2.0 * m ** 3 / 1e11 * (1.02 if m == 128 else 1.0) - 1e-6}
+            for m in (128, 256, 512)]
+    rate, ramp = fit_gemm_curve(flat)
+    assert ramp == 0.0 and rate == pytest.approx(1e11, rel=0.02)
+
+
 def test_matmul_phases():
     d = get_device("A100-80GB")
     pc = matmul_phase_cost(d, 8192, 4096, 4096, "bf16")
@@ -180,7 +209,10 @@ def test_devices_and_clusters():
     with pytest.raises(ValueError, match="lacks"):
         DeviceSpec("x", {"fp32": 1.0}, 1.0, 1.0)
     cm = CostModel(get_cluster("primepar-v100"), (8, 4))
-    assert cm.device_memory_bytes == 32e9
+    assert cm.device_memory_bytes == 32 * 2**30   # sold as "32GB": binary gigabytes
+    assert get_cluster("primepar-v100").default_budget_bytes == pytest.approx(USABLE_MEMORY_FRACTION * 32 * 2**30)
+    with pytest.raises(ValueError, match="usable_memory_fraction"):
+        dataclasses.replace(get_cluster("dgx-h100"), usable_memory_fraction=1.5)
 
 
 # ----------------------------------------------------------------------------- profiles
@@ -225,6 +257,11 @@ def test_fit_recovers_alpha_beta_and_roundtrips(tmp_path):
     assert (cm.overlap_slowdown, cm.ring_step_overhead_s) == (0.97, 4e-4)
     with pytest.raises(FileNotFoundError, match="stpc calibrate"):
         load_profile(str(tmp_path / "missing.json"))
+    # the GEMM curve a calibration fitted: fp32's ramp for every dtype, each dtype's own where fitted
+    assert cl.device.gemm_ramp_s == 0.0
+    save_profile({**prof, "device": {**prof["device"], "gemm_ramp_s": 5e-6, "gemm_ramps": {"bf16": 3e-5}}}, path)
+    d = get_cluster(path).device
+    assert (d.ramp_s("fp32"), d.ramp_s("bf16"), d.ramp_s("fp16")) == (5e-6, 3e-5, 5e-6)
 
 
 def test_fit_overlap_reads_overhead_from_the_tiny_ring_and_slowdown_from_the_long_one():

@@ -1,4 +1,5 @@
 """The planner: strategies, budget, determinism, hints, plans for the zoo."""
+import dataclasses
 import math
 import subprocess
 import sys
@@ -8,10 +9,11 @@ import torch
 import torch.nn as nn
 
 from stpc import models, trace
-from stpc.cost_models import CostModel, bytes_per_param, get_cluster
+from stpc.cost_models import CostModel, Link, bytes_per_param, get_cluster
 from stpc.placement import local_shape
 from stpc.planner import Hints, InfeasibleBudget, Plan, mesh_shapes, plan_graph
 from stpc.planner.hints import data_parallel, megatron
+from stpc.planner.costs import NodeTimer
 from stpc.planner.summary import breakdown
 from stpc.planner.strategies import SAVES_INPUTS, SAVES_OUTPUT, enumerate_strategies, tensor_operands
 
@@ -202,7 +204,7 @@ def test_weight_gradient_reduction_overlaps_the_backward_compute(mesh):
     cm = CostModel(get_cluster("primepar-v100"), mesh)
     plan = plan_graph(tg, cm, hints=dp)
     lin = next(k for k, v in plan.nodes.items() if v.op == "linear.default")
-    fwd = cm.compute(2 * 64 * 1024 * 1024 / 4, (64 * 1024 * 2 + 1024 * 1024) * 4 / 4, "fp32")
+    fwd = cm.gemm(2 * 64 * 1024 * 1024 / 4, (64 * 1024 * 2 + 1024 * 1024) * 4 / 4, "fp32")   # (a GEMM: its ramp)
     nbytes = 1024 * 1024 * 4
     # the all-reduce on each axis: of the gradient as split by the other axes (none here)
     per_axis = [cm.overlapped(cm.all_reduce(nbytes, a), fwd / len(mesh)) for a in range(len(mesh))]
@@ -480,3 +482,19 @@ def test_ring_strategies_keep_nested_splits_true(mesh):
         assert any(s.kind == "rs_ring" and s.axis == 1 and s.out[0] == "S1"
                    for node in tg.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
                    for s in enumerate_strategies(node, mesh)[0])
+
+
+def test_a_ring_step_gemm_pays_the_ramp_once_per_step():
+    """An AG ring on n devices runs n GEMMs of 1/n the device's work, three phases each: on a
+    compute-bound step, the ramp adds 3 n ramps over the same ring without one."""
+    lin = torch.nn.Linear(4096, 4096, bias=False, device="meta")
+    tg = trace(lin, (torch.empty(64, 1024, 4096, device="meta", requires_grad=True),))
+    node = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.linear.default)
+    ring = next(s for s in enumerate_strategies(node, (4,))[0] if s.kind == "ag_ring")
+    spatial = next(s for s in enumerate_strategies(node, (4,))[0] if s.kind == "spatial" and any(s.split_axes()))
+    fast = dataclasses.replace(get_cluster("dgx-h100"), intra=Link(0.0, 1e15))   # transfers free: compute-bound
+    flat = dataclasses.replace(fast, device=dataclasses.replace(fast.device, gemm_ramp_s=0.0))
+    with_ramp, without = (NodeTimer(node, CostModel(c, (4,)), [True, True]) for c in (fast, flat))
+    ramp = fast.device.gemm_ramp_s
+    assert with_ramp(ring) - without(ring) == pytest.approx(3 * 4 * ramp, rel=1e-6)
+    assert with_ramp(spatial) - without(spatial) == pytest.approx(3 * ramp, rel=1e-6)   # one GEMM a phase

@@ -1,6 +1,8 @@
 """Bad input to stpc.compile is one clear error (cause and fix) before any tracing."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from stpc import models, validate
-from stpc.cost_models import CLUSTERS, get_device, save_profile
+from stpc.cost_models import CLUSTERS, get_cluster, get_device, save_profile
 from stpc.planner import Hints, search
 from stpc.runtime.launch import spawn
 from stpc.validate import InvalidArgument, budget, cluster, example_inputs, mesh_spec
@@ -72,11 +74,15 @@ def test_example_inputs_are_checked_against_forward():
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "70", True])
 def test_bad_budgets(bad):
     with pytest.raises(InvalidArgument, match="budget_gib"):
-        budget(bad)
+        budget(bad, "primepar-v100")
 
 
-def test_budget_in_bytes():
-    assert budget(None) is None and budget(1.5) == 1.5 * 2**30
+def test_budget_in_bytes_and_the_default_leaves_the_allocator_headroom():
+    assert budget(1.5, "primepar-v100") == 1.5 * 2**30
+    # a V100 sold as 32 GB holds 32 GiB; a plan may fill 80% of it by default
+    assert budget(None, "primepar-v100") == pytest.approx(0.8 * 32 * 2**30)
+    cl = dataclasses.replace(get_cluster("dgx-h100"), usable_memory_fraction=0.9)
+    assert budget(None, cl) == pytest.approx(0.9 * 80 * 2**30)
 
 
 def test_the_default_cluster_follows_the_world(monkeypatch, tmp_path):

@@ -3,10 +3,12 @@
 What is measured, with ``world_size`` ranks running at once (the SPMD situation the
 planner models):
 
-* matmul throughput for a few shapes and dtypes and memory bandwidth from a large copy,
-  each sustained over a window in which every rank computes at once (median over ranks,
-  best shape per dtype): on a machine whose cores the ranks share, what one rank gets of
-  them during a step;
+* matmul throughput for GEMMs of several sizes and dtypes and memory bandwidth from a
+  large copy, each sustained over a window in which every rank computes at once (median
+  over ranks): on a machine whose cores the ranks share, what one rank gets of them during
+  a step. Per dtype the line ``seconds = ramp + flops / rate`` through the sizes gives the
+  large-GEMM rate and its ramp, the device's GEMM efficiency curve
+  (``DeviceSpec.gemm_ramps``, ``cost_models.profile.fit_gemm_curve``);
 * all-gather, reduce-scatter, all-reduce, all-to-all and ring P2P (every rank sends to
   its right neighbour) over a range of message sizes, on gloo over 127.0.0.1 on CPU or
   NCCL on GPUs. A sample's time is the slowest rank's, fastest of several timed windows;
@@ -46,12 +48,12 @@ import torch.distributed as dist
 from stpc.cli._common import TORCH_DTYPES, Failure, Parser, add_flags, verb
 from stpc.cli._progress import Status
 from stpc.cost_models import get_device
-from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, save_profile
+from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, fit_gemm_curve, save_profile
 from stpc.runtime.launch import SpawnTimeout, spawn
 from stpc.runtime.ops import ring_allgather_matmul
 
 DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-MATMUL_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024)]
+MATMUL_SHAPES = [(128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024)]
 MATMUL_DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -156,7 +158,7 @@ def _sustained(fn, dev, window_s: float) -> float:
 def _matmul_rates(dev, window_s: float = 0.4) -> list[dict]:
     out = []
     for dt in MATMUL_DTYPES:
-        shapes = MATMUL_SHAPES if dt != "fp16" else MATMUL_SHAPES[:2]  # CPU fp16 GEMM is slow
+        shapes = MATMUL_SHAPES if dt != "fp16" else MATMUL_SHAPES[:3]  # CPU fp16 GEMM is slow
         for m, n, k in shapes:
             a = torch.randn(m, n, device=dev, dtype=TORCH_DTYPES[dt])
             b = torch.randn(n, k, device=dev, dtype=TORCH_DTYPES[dt])
@@ -284,13 +286,16 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     res = run_spawned(world_size, task, timeout_s)
     samples = [tuple(s) for s in res["samples"]]
 
-    # Device: per dtype the best shape's median-over-ranks rate.
+    # Device: per dtype the large-GEMM rate of the line through its sizes' median-over-ranks
+    # times; the fp32 line's intercept is the GEMM ramp.
     per_rank = res["per_rank"]
     rows = []
     for i, row in enumerate(per_rank[0]["matmul"]):
-        rates = [r["matmul"][i]["flops_per_s"] for r in per_rank]
-        rows.append({**row, "flops_per_s": statistics.median(rates)})
-    peak = {dt: max(r["flops_per_s"] for r in rows if r["dtype"] == dt) for dt in MATMUL_DTYPES}
+        secs = [r["matmul"][i]["seconds"] for r in per_rank]
+        sec = statistics.median(secs)
+        rows.append({**row, "seconds": sec, "flops_per_s": 2.0 * row["m"] * row["n"] * row["k"] / sec})
+    curves = {dt: fit_gemm_curve([r for r in rows if r["dtype"] == dt]) for dt in MATMUL_DTYPES}
+    peak = {dt: rate for dt, (rate, _) in curves.items()}
     # tf32 is a CUDA matmul mode; elsewhere fp32 runs at the fp32 rate.
     peak["tf32"] = peak["fp32"]
     if backend == "nccl":
@@ -300,6 +305,7 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
         dev_name = "cpu"
         mem_bytes = get_device("CPU").mem_bytes
     device = {"name": f"calibrated-{dev_name}", "peak_flops": peak, "efficiency": 1.0,
+              "gemm_ramp_s": curves["fp32"][1], "gemm_ramps": {dt: ramp for dt, (_, ramp) in curves.items()},
               "mem_bw": statistics.median(r["mem_bw"] for r in per_rank), "mem_bytes": mem_bytes}
 
     collectives = {}
@@ -367,10 +373,13 @@ def main_calibrate(argv: list[str]) -> int:
     print("|---|---|---|---|")
     for kind, c in prof["collectives"].items():
         print(f"| {kind} | {c['alpha_s'] * 1e6:.1f} | {c['bw_bytes_per_s'] / 1e9:.3f} | {c['rel_rms']:.1%} |")
-    print("| matmul dtype | GFLOP/s per rank |")
+    print("| matmul dtype | large-GEMM GFLOP/s per rank |")
     print("|---|---|")
     for dt, v in prof["device"]["peak_flops"].items():
         print(f"| {dt} | {v / 1e9:.1f} |")
+    for dt, ramp in prof["device"]["gemm_ramps"].items():
+        print(f"GEMM ramp ({dt}): {ramp * 1e6:.1f} us beyond the large-GEMM rate (half that rate at "
+              f"{ramp * prof['device']['peak_flops'][dt] / 1e6:.1f} MFLOP)")
     ov = prof["overlap"]
     print(f"overlap: compute beside a transfer slows by {ov['slowdown']:.2f} of the transfer's time; "
           f"a ring step's overhead {ov['ring_step_overhead_s'] * 1e6:.0f} us")

@@ -21,8 +21,9 @@ Defaults (the same for every model unless given): global batch 8, sequence
 2048 (capped at the model's position table), fp32 with AdamW (16 B/param);
 ``--dtype bf16`` / ``fp16`` plan mixed precision (16-bit weights/activations,
 fp32 master weights and Adam state: 18 B/param; V100 has no bf16 units, so
-PrimePar-style V100 comparisons use fp16). The budget is the device memory of the
-cluster preset unless ``--budget-gib`` is given.
+PrimePar-style V100 comparisons use fp16). The budget is the cluster's default budget
+(its device memory times the usable fraction, 0.8: ``Cluster.default_budget_bytes``)
+unless ``--budget-gib`` is given.
 
 ``--hints megatron|fsdp-tp|spatial`` plans a baseline instead: the best plan of its own
 space (every DP x TP factorisation and axis order, ZeRO on or off; see
@@ -64,7 +65,7 @@ def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int
     cl = get_cluster(cluster)
     budget = None
     if use_budget:
-        budget = budget_gib * 2**30 if budget_gib is not None else cl.device.mem_bytes
+        budget = budget_gib * 2**30 if budget_gib is not None else cl.default_budget_bytes
     with SearchStatus(f"search {model} on {mesh}", progress) as status:
         plan = search(tg, mesh, cl, budget_bytes=budget, hints=hints, temporal=temporal, dtype=dtype,
                       optimizer_layout="fp32-adam" if dtype == "fp32" else "mixed-adam", progress=status)
@@ -96,7 +97,7 @@ def main_plan(argv: list[str]) -> int:
                   "mesh": {"required": True}, "cluster": {"default": "primepar-v100"},
                   "batch": {"shown": DEFAULT_BATCH},
                   "seq": {"shown": f"{DEFAULT_SEQ}, capped at the model's position table"},
-                  "dtype": {"default": "fp32"}, "budget-gib": {"shown": "the cluster's device memory"},
+                  "dtype": {"default": "fp32"}, "budget-gib": {"shown": "80% of the cluster's device memory"},
                   "json": {"shown": "none", "note": "the summary, and the plan itself beside it (NAME.plan.json)"}})
     p.add_argument("--no-budget", action="store_true", help="plan without a memory limit")
     p.add_argument("--hints", default=None, choices=HINTS, help="plan a preset instead: megatron, fsdp-tp, spatial "

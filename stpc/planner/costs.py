@@ -132,10 +132,12 @@ class NodeTimer:
         return got
 
     def phases(self, split: int) -> tuple[float, float, float]:
+        """Seconds of each phase when the work is split ``split`` ways (a ring's step is a
+        further split: a GEMM that size, on the device's efficiency curve)."""
         got = self._phases.get(split)
         if got is None:
             flops, moved = self.flops / split, self.moved / split
-            fwd = self.cm.compute(flops, moved, self.dt)
+            fwd = (self.cm.gemm if self.matmul else self.cm.compute)(flops, moved, self.dt)
             if self.matmul:
                 bwd = fwd if self.grad_in else 0.0
                 grad = fwd if self.grad_w else 0.0
@@ -162,29 +164,31 @@ class NodeTimer:
             if got is None:
                 got = self._spatial[split] = sum(self.phases(_work_split(s, mesh)))
             return got
-        fwd, bwd, grad = self.phases(_work_split(s, mesh))
         a = s.axis
         n = mesh[a]
         x_local = self._arg_bytes(0) / shard_factor(s.ins[0], mesh)
         out_local = self.out_bytes / shard_factor(s.out, mesh)
         if s.kind == "ag_ring":
-            # n steps; each moves one block of x (fwd, and again for dW) or of dI (bwd).
+            # n steps; each moves one block of x (fwd, and again for dW) or of dI (bwd), and
+            # runs 1/n of the device's GEMMs.
+            fwd, bwd, grad = self.phases(_work_split(s, mesh) * n)
             step = cm.p2p(x_local, a)
-            return n * (cm.ring_step(fwd / n, step) + cm.ring_step(bwd / n, step) + cm.ring_step(grad / n, step))
+            return n * (cm.ring_step(fwd, step) + cm.ring_step(bwd, step) + cm.ring_step(grad, step))
         if s.kind == "rs_ring":
             # fwd: accumulator blocks of the output travel; bwd+grad: one AG ring over dO blocks.
+            fwd, bwd, grad = self.phases(_work_split(s, mesh) * n)
             step = cm.p2p(out_local, a)
-            return n * (cm.ring_step(fwd / n, step) + cm.ring_step((bwd + grad) / n, step))
+            return n * (cm.ring_step(fwd, step) + cm.ring_step(bwd + grad, step))
         if s.kind == "p2x2":
             g = math.isqrt(n)
+            fwd, bwd, grad = self.phases(_work_split(s, mesh) * g)
             w_local = self._arg_bytes(1) / shard_factor(s.ins[1], mesh)
             # Per step both an activation block and a weight block move (fwd: I and W;
             # bwd: dO and W; grad: I and dO), on different neighbours, in parallel.
             step_f = cm.p2p(max(x_local, w_local), a)
             step_b = cm.p2p(max(out_local, w_local), a)
             step_g = cm.p2p(max(x_local, out_local), a)
-            return g * (cm.ring_step(fwd / g, step_f) + cm.ring_step(bwd / g, step_b)
-                        + cm.ring_step(grad / g, step_g))
+            return g * (cm.ring_step(fwd, step_f) + cm.ring_step(bwd, step_b) + cm.ring_step(grad, step_g))
         raise ValueError(f"unknown strategy family {s.kind!r}")
 
 

@@ -83,6 +83,8 @@ class _FreeCompute(CostModel):
     def compute(self, flops, bytes_moved, dtype="fp32"):
         return 0.0
 
+    gemm = compute
+
 
 class Solved:
     """What a Plan planned in this process keeps of its solve: the builder (graph facts,
