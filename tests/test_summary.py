@@ -92,6 +92,31 @@ def test_summary_parts_with_rings_and_parameter_sync():
     assert "ring transfers under their step's matmul" in plan.summary()
 
 
+def test_a_p2x2_linear_keeps_its_last_blocks_for_backward_and_the_peak_counts_them():
+    """stpc::primepar_linear saves the last activation and weight blocks its ring received
+    (new buffers) for backward: the plan charges one local block of each per P(2x2) linear,
+    as activations, and the split still adds up."""
+    with torch.device("meta"):
+        m = models.build("gpt-tiny", bias=False)
+    tg = stpc.trace(m, models.example_inputs("gpt-tiny", 8, 64))
+    cl = get_cluster("primepar-v100")
+    p2x2 = Hints(force=[(r"^linear", lambda s: s.kind == "p2x2")])
+    plan = search(tg, (4,), cl, hints=p2x2)
+    grid = [(k, n) for k, n in plan.nodes.items() if n.kind == "p2x2"]
+    assert grid
+    by_name = {n.name: n for n in tg.graph.nodes}
+    for k, n in grid:
+        x, w = (a.meta["val"] for a in by_name[k].args[:2])
+        # each operand a 2x2 grid block: a quarter of it on each of the 4 devices
+        assert n.mem_bytes == pytest.approx((x.numel() + w.numel()) * 4 / 4), k
+    bd = plan.solved.breakdown()
+    _parts_add_up(bd, plan)
+    spatial = search(tg, (4,), cl, hints=Hints(force=[(r"^linear", lambda s: s.kind == "spatial")]))
+    stash = sum(n.mem_bytes for _, n in grid)
+    assert bd["activation_bytes"] >= stash > 0 and plan.peak_memory_bytes > 0
+    assert all(n.mem_bytes == 0 for n in spatial.nodes.values() if n.role == "decision")
+
+
 def test_explain_ranks_by_full_effect_where_the_local_ranking_misleads(llama3):
     tg, plan = llama3
     node = "linear_3"  # attn.o_proj: locally a Partial output looks cheaper; its consumer pays the reduction

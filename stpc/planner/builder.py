@@ -12,7 +12,8 @@ Size control (none of it gives up exactness for the graph as modelled):
 
 Memory per device is ``cost_models.MemoryModel``'s, the larger of two phases: at the end
 of forward, weights + optimizer state (under their placements; gradients only where the
-trainer keeps them through forward) + activations saved for backward + the largest
+trainer keeps them through forward) + activations saved for backward (and the blocks a
+P(2^k x 2^k) op keeps for its backward, ``costs.stash_bytes``) + the largest
 transient working set of any node; in the optimizer step, weights + gradients +
 optimizer state + the optimizer's scratch (``MemoryModel.step_scratch``).
 
@@ -37,7 +38,7 @@ from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse
 from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, kept_gathered_bytes,
-                               reshard_cost, transient_bytes)
+                               reshard_cost, stash_bytes, transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints
 from stpc.planner.plan import NodePlan, Plan
 from stpc.planner.sharing import Share
@@ -185,18 +186,19 @@ class Builder:
             timer = NodeTimer(node, self.cm, grads)
             place = self._shared_result(("place", id(strategies)), lambda: [s.out for s in strategies])
             return (strategies, fb, [timer(s) for s in strategies],
-                    transient_bytes(node, strategies, self.mesh, self.memory), place, timer)
+                    transient_bytes(node, strategies, self.mesh, self.memory), place, timer,
+                    stash_bytes(node, strategies, self.mesh, any(grads)))
 
-        strategies, fb, cost, tr, place, timer = self._shared_result(("decision", it.signature), compute)
+        strategies, fb, cost, tr, place, timer, stash = self._shared_result(("decision", it.signature), compute)
         if fb:
             self.fallback[str(node.target)] += 1
         kept = self._hinted(node, strategies)
         if kept is not strategies:  # a hint narrowed this node: its own lists
             keep = set(kept)
             idx = [i for i, s in enumerate(strategies) if s in keep]
-            strategies, cost, tr = kept, [cost[i] for i in idx], [tr[i] for i in idx]
+            strategies, cost, tr, stash = kept, [cost[i] for i in idx], [tr[i] for i in idx], [stash[i] for i in idx]
             place = [s.out for s in strategies]
-        self._open_group(it, strategies, cost, [0.0] * len(strategies), tr)
+        self._open_group(it, strategies, cost, stash, tr)  # (the op's own saved blocks: forward memory)
         self.place[it] = place
         self.timers[it.group] = timer
 
@@ -533,7 +535,8 @@ class Builder:
             return "decision", op, s.kind, s.out, s.ins, -1, float(self.extra[it][c]), 0.0, 0.0
         if it.kind == "decision":
             s = grp.strategies[c]
-            return "decision", op, s.kind, s.out, s.ins, s.axis, grp.own_cost[c], edge_s.get(it, 0.0), 0.0
+            return ("decision", op, s.kind, s.out, s.ins, s.axis, grp.own_cost[c], edge_s.get(it, 0.0),
+                    float(grp.own_mem[c]))   # (the blocks the op keeps for backward: costs.stash_bytes)
         return "follower", op, "spatial", self.place[it][c], (), -1, float(self.extra[it][c]), 0.0, 0.0
 
     def _edge_seconds(self, choice) -> dict:

@@ -207,6 +207,20 @@ def transient_bytes(node, strategies, mesh, memory: MemoryModel) -> list[float]:
     return sizes
 
 
+def stash_bytes(node, strategies, mesh, needs_grad: bool) -> list[float]:
+    """Per strategy, what the op itself keeps for backward beyond the tensors the graph
+    saves (``analysis.saved_bases``, charged to their owners): P(2^k x 2^k) keeps the last
+    activation and weight blocks its ring received (``stpc::primepar_linear``'s ``x_stash``
+    and ``w_stash``, new buffers, one local block of each), which backward restarts from;
+    nothing for every other family. Nothing when no operand needs a gradient."""
+    if not needs_grad:
+        return [0.0] * len(strategies)
+    ops = tensor_operands(node)
+    sizes = [o.meta["val"].numel() * o.meta["val"].element_size() for o in ops[:2]]
+    return [sum(nb / shard_factor(p, mesh) for nb, p in zip(sizes, s.ins)) if s.kind == "p2x2" else 0.0
+            for s in strategies]
+
+
 def kept_gathered_bytes(val, placement, mesh, axes) -> float:
     """Bytes of a parameter's whole copy kept from forward to backward under ZeRO-2
     (``Hints.keep_gathered``): gathered over ``axes`` where its placement splits it there,

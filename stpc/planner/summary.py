@@ -319,6 +319,9 @@ def _breakdown(sv: Solved) -> dict:
         opt += parts.optimizer * it.count
         kept += kept_gathered_bytes(it.node.meta["val"], pl, mesh, b.hints.keep_gathered) * it.count
     act = kept  # (ZeRO-2's whole weights, kept for backward, count with the activations)
+    for g, it in enumerate(facts.group_items):  # ... and the blocks a P(2^k x 2^k) op keeps
+        if it.kind == "decision":
+            act += b.groups[g].own_mem[ch[g]] * it.count
     for it, count in facts.saved_uses.items():
         val = it.node.meta["val"]
         act += count * b.memory.saved_bytes(val.numel() * val.element_size(),

@@ -79,6 +79,7 @@ def memory_timeline(plan, tg=None) -> dict:
         alive += saved.get(name, 0.0)
         if n.role not in ("decision", "follower"):
             continue
+        alive += n.mem_bytes if n.role == "decision" else 0.0  # (blocks a P(2^k x 2^k) op keeps)
         ops.append(name)
         act.append(alive)
         if sv is not None:
