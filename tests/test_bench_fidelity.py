@@ -88,6 +88,23 @@ def test_judge_boundaries_and_misses():
     assert not v["order_met"] and v["tau"] < 1
 
 
+def test_judge_orders_distinct_plans_once():
+    """Two presets that find one program are ranked once (their mean): the noise between two
+    runs of the same plan neither makes nor breaks the order."""
+    recs = [_rec("megatron", 100, 100, 2.0, 3.0), _rec("solved", 100, 100, 2.0, 2.9), _rec("p2x2", 100, 100, 3.0, 5.0)]
+    recs[0]["plan_hash"] = recs[1]["plan_hash"] = "abc"
+    recs[2]["plan_hash"] = "def"
+    v = judge(recs)
+    assert v["tau"] == pytest.approx(1.0) and v["order_met"] and v["same_plan"] == [["megatron", "solved"]]
+    # without the hashes they are three plans, and the tie in the prediction caps tau-b below 1
+    for r in recs:
+        del r["plan_hash"]
+    assert judge(recs)["tau"] < 1
+    # a distinct plan out of order still breaks it
+    recs[2]["measured_step_s"] = 1.0
+    assert not judge(recs)["order_met"]
+
+
 def test_judge_targets_are_parameters():
     recs = [_rec("a", 110, 100, 1.4, 1.0), _rec("b", 220, 200, 2.8, 2.0)]
     assert not judge(recs)["memory_met"]
@@ -150,7 +167,7 @@ def test_param_mismatches_and_notes():
 
 def test_report_and_json_records():
     recs = [_full_record(), _full_record("solved", zero=False) | {"predicted_step_s": 0.9, "measured_step_s": 1.2,
-                                                                   "measured_fwd_bwd_s": 1.0}]
+                                                                   "measured_fwd_bwd_s": 1.0, "plan_hash": "def"}]
     cfg = {"model": "gpt-50m", "d_model": 64, "layers": 1, "heads": 4, "ffn": 256, "batch": 4, "seq": 16,
            "ranks": 2, "warmup": 1, "steps": 3, "cluster": None, "n_params": 1e6}
     v = judge(recs)
