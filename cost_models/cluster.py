@@ -16,6 +16,14 @@ once). Presets derive it from the marketed figures:
 Latencies (alpha) are typical per-hop NCCL figures: a few microseconds inside a node,
 ~10 us across InfiniBand.
 
+A collective spreads over all of a device's links; a P2P to one neighbour (a ring step's
+transfer) gets only the links to that peer: ``intra_peer`` where that is less than
+``intra`` (None: a switch gives one peer the whole bandwidth, as NVSwitch does on a DGX
+H100). On a 4-V100 node each GPU's six NVLink2 links (25 GB/s per direction each) join it
+fully to the other three, two links each: 50 GB/s per direction to one peer, against
+150 GB/s for a collective (NVIDIA Tesla V100 whitepaper's link figures; the two-links-per-
+pair wiring of a fully connected 4-GPU board, a named assumption).
+
 Two overlap figures: ``overlap_slowdown``, how much slower compute runs beside a transfer
 (``cost_models.overlap``; None: the published GPU figure there), and
 ``ring_step_overhead_s``, what one step of a ring schedule costs beyond its GEMM and its
@@ -87,6 +95,7 @@ class Cluster:
     overlap_slowdown: float | None = None
     ring_step_overhead_s: float = RING_STEP_OVERHEAD_S
     usable_memory_fraction: float = USABLE_MEMORY_FRACTION
+    intra_peer: Link | None = None   # one neighbour's share of the intra-node links (None: all of them)
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -115,7 +124,8 @@ def _nvlink(bidirectional_gb_s: float) -> float:
 CLUSTERS: dict[str, Cluster] = {
     # PrimePar's testbed: 8 nodes x 4 V100-32GB, NVLink 300 GB/s, InfiniBand 100 GB/s per node.
     "primepar-v100": Cluster("primepar-v100", get_device("V100-32GB"), nodes=8, devices_per_node=4,
-                             intra=Link(5e-6, _nvlink(300)), inter=Link(10e-6, 100e9 / 4)),
+                             intra=Link(5e-6, _nvlink(300)), inter=Link(10e-6, 100e9 / 4),
+                             intra_peer=Link(5e-6, 2 * 25e9)),
     # DGX H100 nodes: 8 x H100, NVLink4 900 GB/s, 8 x 400 Gb/s ConnectX-7 (one per GPU).
     # 8 nodes = 64 GPUs; a mesh may use fewer devices than the cluster has.
     "dgx-h100": Cluster("dgx-h100", get_device("H100-SXM"), nodes=8, devices_per_node=8,

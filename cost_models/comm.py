@@ -10,7 +10,8 @@ input of a reduce-scatter / all-reduce):
     reduce_scatter(N) = (n-1) alpha + (n-1)/n * N * beta
     all_reduce(N)     = 2 (n-1) alpha + 2 (n-1)/n * N * beta    reduce-scatter + all-gather
     all_to_all(N)     = (n-1) alpha + (n-1)/n * (N/n) * beta    each rank holds N/n, keeps 1/n of it
-    p2p(N)            = alpha + N * beta                        one neighbour transfer
+    p2p(N)            = alpha + N * beta                        one neighbour transfer, on the
+                                                                links to that peer (Cluster.intra_peer)
 
 Mesh convention: ranks are laid out row-major over ``mesh_shape``, the LAST axis
 innermost. Axis ``i``'s groups have stride ``s = prod(mesh_shape[i+1:])`` and size
@@ -93,7 +94,14 @@ class CostModel:
 
     # ------------------------------------------------------------------ links
     def _intra(self, kind: str) -> Link:
-        return self.cluster.collective_links.get(kind, self.cluster.intra)
+        """The intra-node link of ``kind``: a calibrated per-collective fit, else for a P2P
+        the links to one peer (``Cluster.intra_peer``), else the whole ``intra`` link."""
+        got = self.cluster.collective_links.get(kind)
+        if got is not None:
+            return got
+        if kind == "p2p" and self.cluster.intra_peer is not None:
+            return self.cluster.intra_peer
+        return self.cluster.intra
 
     def _axis(self, axis: int):
         try:

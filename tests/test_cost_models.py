@@ -159,6 +159,17 @@ def test_roofline_bounds():
         roofline(d, 1, 1, "int8")
 
 
+def test_a_p2p_gets_the_links_to_its_peer_a_collective_all_of_them():
+    v100 = CostModel(get_cluster("primepar-v100"), (4,))
+    assert v100.p2p(50e9, 0) == pytest.approx(5e-6 + 1.0)               # two NVLink2 links: 50 GB/s
+    assert v100.all_gather(4 * 150e9, 0) == pytest.approx(3 * 5e-6 + 3.0)  # six: 150 GB/s per direction
+    h100 = CostModel(get_cluster("dgx-h100"), (8,))
+    assert h100.p2p(450e9, 0) == pytest.approx(3e-6 + 1.0)              # NVSwitch: one peer gets it all
+    # across nodes a ring step is as slow as its inter-node hop, whatever the peer links
+    v100x = CostModel(get_cluster("primepar-v100"), (8,))
+    assert v100x.p2p(25e9, 0) == pytest.approx(10e-6 + 1.0)
+
+
 def test_gemm_efficiency_curve_is_half_a_wave_on_gpus_and_flat_on_the_cpu_preset():
     d = get_device("H100-SXM")
     rate = 989.4e12 * d.efficiency
