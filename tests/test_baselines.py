@@ -11,7 +11,7 @@ import torch
 from stpc import models, trace
 from stpc.cost_models import CostModel, get_cluster
 from stpc.planner import HintUnsatisfiable, Hints, InfeasibleBudget, mesh_shapes, plan_graph, search
-from stpc.planner.baselines import Layout
+from stpc.planner.baselines import Layout, describe_layout
 from stpc.planner.hints import fsdp_tp, megatron
 from stpc.planner.summary import breakdown
 
@@ -154,9 +154,51 @@ def test_fsdp_tp_never_nests_one_dim_with_dp_outer():
 
 def test_spatial_is_the_best_spatial_plan_of_every_mesh_shape():
     tg = _meta_trace("llama-tiny")
-    points = [(s, Hints(temporal=False), {"mesh": "x".join(map(str, s)), "temporal": False}) for s in mesh_shapes(8)]
+    # every mesh shape, its sharded weights regathered in backward (ZeRO-3) or kept (ZeRO-2)
+    points = [(s, Hints(temporal=False, keep_gathered=kept), {"mesh": "x".join(map(str, s)), "temporal": False,
+                                                              **({"kept": True} if kept else {})})
+              for s in mesh_shapes(8) for kept in ((), tuple(range(len(s))))]
     plan, _ = _check_best(tg, "spatial", points, 8)
     assert set(plan.strategy_counts()) == {"spatial"}
+
+
+@pytest.mark.parametrize("name,n,cluster,budget_gib", [("llama-tiny", 8, "primepar-v100", None),
+                                                       ("gpt-tiny", 4, "cpu-local", None),
+                                                       ("llama-tiny", 4, "dgx-h100", 0.004)])
+def test_stpc_own_space_holds_every_baseline(name, n, cluster, budget_gib):
+    """stpc's own search covers each baseline's space (a baseline's hints only narrow it, and
+    Megatron's distributed optimizer, run as ZeRO-2, is the kept-weights half of stpc's
+    points): its plan is never slower than the best baseline that fits."""
+    tg = _meta_trace(name)
+    budget = None if budget_gib is None else budget_gib * 2**30
+    own = search(tg, n, cluster, budget_bytes=budget)
+    for b in ("megatron", "fsdp-tp", "spatial"):
+        try:
+            base = search(tg, n, cluster, budget_bytes=budget, hints=b)
+        except InfeasibleBudget:
+            continue
+        assert own.modelled_step_time_s <= base.modelled_step_time_s * (1 + 1e-9), (b, base.stats["layout"])
+
+
+def test_stpc_keeps_gathered_weights_where_megatron_would_win_with_them():
+    """llama2-7b (2 layers) on 16 H100s, bf16: Megatron's best layout is its distributed
+    optimizer (ZeRO-2, weights gathered once per step and kept). Regathering every sharded
+    weight in backward, stpc's points alone lose to it; with the kept-weights points of its
+    own space (baselines.own_points) stpc's plan is faster than Megatron's, and the plan
+    says how it runs its weights."""
+    from stpc.cli._common import meta_trace
+
+    tg, _, _ = meta_trace("llama2-7b", 8, 2048, "bf16", layers=2)
+    cl = get_cluster("dgx-h100")
+    kw = dict(budget_bytes=cl.default_budget_bytes, dtype="bf16", optimizer_layout="mixed-adam")
+    meg = search(tg, 16, cl, hints="megatron", **kw)
+    assert meg.stats["layout"]["zero"] == 1
+    regathered = search(tg, 16, cl, hints=Hints(), **kw)   # (explicit hints: one point per shape)
+    assert regathered.modelled_step_time_s > meg.modelled_step_time_s
+    own = search(tg, 16, cl, **kw)
+    assert own.modelled_step_time_s < meg.modelled_step_time_s
+    assert own.stats["layout"].get("kept") and own.stats.get("keep_gathered")
+    assert "kept for backward (ZeRO-2)" in describe_layout(own.stats["layout"])
 
 
 def test_layouts_cover_both_orders_and_the_optimizer():

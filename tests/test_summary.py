@@ -133,11 +133,14 @@ def test_explain_ranks_by_full_effect_where_the_local_ranking_misleads(llama3):
     # each number is the best plan with the node forced to that strategy (a re-plan through
     # hints), here and for q_proj, one of the consumers whose shared reshard is paid once
     cm = CostModel(get_cluster("cpu-local"), tuple(plan.mesh_shape))
+    # (in the plan's own point of the space: its sharded weights regathered or kept, baselines.own_points)
+    kept = tuple(range(len(plan.mesh_shape))) if plan.stats["layout"].get("kept") else ()
     for name in (node, "linear"):
         ranked = plan.solved.ranked(plan.solved.group_of(name)[1], top=3)
         for alt in ranked[1:]:
             forced = plan_graph(tg, cm, hints=Hints(force=[(rf"^{name}$",
-                                                            lambda s, want=alt.label: strategy_label(s) == want)]))
+                                                            lambda s, want=alt.label: strategy_label(s) == want)],
+                                                    keep_gathered=kept))
             assert forced.modelled_step_time_s == pytest.approx(alt.step_s, abs=1e-9), (name, alt)
             assert strategy_label(forced.nodes[name]) == alt.label
 
@@ -210,8 +213,10 @@ def test_explain_under_a_binding_budget_matches_forced_plans():
     ranked = plan.solved.ranked(plan.solved.group_of("linear_1")[1], top=3)
     assert [a.how for a in ranked] == ["chosen", "exact", "exact"]
     cm = CostModel(get_cluster("cpu-local"), (2,))
+    kept = (0,) if plan.stats["layout"].get("kept") else ()   # (the plan's own point: baselines.own_points)
     for alt in ranked[1:]:
         forced = plan_graph(tg, cm, budget=budget,
-                            hints=Hints(force=[(r"^linear_1$", lambda s, want=alt.label: strategy_label(s) == want)]))
+                            hints=Hints(force=[(r"^linear_1$", lambda s, want=alt.label: strategy_label(s) == want)],
+                                        keep_gathered=kept))
         assert forced.modelled_step_time_s == pytest.approx(alt.step_s, abs=1e-9) and alt.peak_bytes <= budget
     assert "next " in plan.summary()

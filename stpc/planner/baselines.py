@@ -20,13 +20,14 @@ budget as stpc's own search: ``search`` solves every layout of the space exactly
   weights are freed after forward and gathered again in backward (FSDP2's default,
   ``reshard_after_forward=True``, what stpc's runtime does with a ZeRO-3 weight).
 * ``spatial`` — stpc's own search with the spatial-temporal families off (Alpa-like):
-  every mesh shape ``search.mesh_shapes`` tries.
+  every mesh shape ``search.mesh_shapes`` tries, each with sharded weights regathered in
+  backward or kept from forward (:func:`own_points`, as stpc's own search).
 
 Activation recomputation is in no plan's space yet, baselines included.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from stpc.planner.hints import Hints, fsdp_tp, megatron, spatial
 
@@ -98,15 +99,32 @@ def describe_layout(layout: dict | None) -> str:
         return ""
     if "dp" in layout:
         return Layout(**layout).describe()
-    return f"mesh {layout['mesh']}" + ("" if layout.get("temporal", True) else ", spatial families only")
+    return (f"mesh {layout['mesh']}" + ("" if layout.get("temporal", True) else ", spatial families only")
+            + (", sharded weights gathered once and kept for backward (ZeRO-2)" if layout.get("kept") else ""))
+
+
+def own_points(shapes: list[tuple[int, ...]], hints: Hints, record: dict | None = None):
+    """(mesh shape, hints, layout record) of stpc's own space (and ``spatial``'s): every mesh
+    shape, each with both ways to run a weight stored sharded and read whole: gathered in
+    forward and again in backward (ZeRO-3, FSDP's default) or gathered once and kept for
+    backward (ZeRO-2, ``Hints.keep_gathered`` on every axis, ``"kept": True``). Without the
+    second, a plan the ``megatron`` baseline reaches (its distributed optimizer runs as
+    ZeRO-2) would be outside stpc's own space."""
+    out = []
+    for s in shapes:
+        rec = {"mesh": "x".join(map(str, s)), **(record or {})}
+        out.append((s, hints, rec))
+        out.append((s, replace(hints, keep_gathered=tuple(range(len(s)))), {**rec, "kept": True}))
+    return out
 
 
 def candidates(name: str, n: int, mesh_shape: tuple[int, ...] | None, shapes: list[tuple[int, ...]]):
     """(mesh shape, hints, layout record) of every point of baseline ``name``'s space;
-    ``shapes``: the mesh shapes stpc's own search tries (the ``spatial`` space)."""
+    ``shapes``: the mesh shapes stpc's own search tries (the ``spatial`` space, with both
+    ways of running a sharded weight, as stpc's own: :func:`own_points`)."""
     if name == "spatial":
-        return [(s, spatial(s), {"mesh": "x".join(map(str, s)), "temporal": False}) for s in shapes]
+        return own_points(shapes, spatial(()), {"temporal": False})
     return [(lay.mesh_shape, layout_hints(name, lay), lay.as_dict()) for lay in layouts(name, n, mesh_shape)]
 
 
-__all__ = ["BASELINES", "Layout", "layouts", "layout_hints", "candidates", "describe_layout"]
+__all__ = ["BASELINES", "Layout", "layouts", "layout_hints", "candidates", "own_points", "describe_layout"]

@@ -101,7 +101,9 @@ def _candidates(hints, shape, n, cluster=None) -> list[tuple[tuple[int, ...], Hi
     shapes = [shape] if shape else mesh_shapes(n, cluster=cluster)
     if hints in baselines.BASELINES:
         return baselines.candidates(hints, n, shape, shapes)
-    return [(s, preset(hints, s) if isinstance(hints, str) else (hints or Hints()),
+    if hints is None:  # stpc's own space: both ways of running a sharded weight (baselines.own_points)
+        return baselines.own_points(shapes, Hints())
+    return [(s, preset(hints, s) if isinstance(hints, str) else hints,
              {"mesh": "x".join(map(str, s))}) for s in shapes]
 
 
