@@ -3,15 +3,26 @@ benchmarks/RESULTS.md (``--results FILE``; the section sits between
 ``<!-- bench:<name> -->`` and ``<!-- /bench:<name> -->`` markers and is replaced whole,
 so no figure in it is ever typed by hand).
 
-Benchmarks: ``runtime`` (stpc's programs against torch's own engines, side by side on the
-same ranks; ``stpc.cli.bench_runtime``), ``fidelity`` (the planner's predicted peak memory
-and step time against measured runs of five plans; ``stpc.cli.bench_fidelity``).
+Benchmarks:
 
-Both take the shared flags where they mean something (``--model``, ``--layers``,
-``--batch``, ``--seq``, ``--ranks``, ``--steps``, ``--cluster``, ``--timeout``, ``--json``,
-``--quiet``, ``--debug``); ``--quiet`` prints only the line saying which targets were met.
-Progress (a bar over the timed rounds) goes to stderr when it is a terminal. Exit codes:
-0 measured (whether or not the targets were met), 1 a failure, 2 a usage error.
+* ``runtime``: stpc's programs against torch's own engines, side by side on the same
+  ranks (measured; ``stpc.cli.bench_runtime``);
+* ``fidelity``: the planner's predicted peak memory and step time against measured runs of
+  five plans (``stpc.cli.bench_fidelity``);
+* ``primepar``: PrimePar's six models on 4-32 devices of ``primepar-v100`` and ``dgx-h100``,
+  stpc against each baseline (modelled; ``stpc.cli.bench_primepar``);
+* ``planner``: the planner's trace and search times on those cells beside PrimePar's
+  published search times, and Llama-3-8B on 64 devices (measured on this machine;
+  ``stpc.cli.bench_planner``);
+* ``kernel``: the Triton ring-step kernel against ``torch.addmm`` on llama2-7b's ring-step
+  GEMM shapes (measured where a CUDA GPU is available, else the section says not measured;
+  ``stpc.cli.bench_kernel``).
+
+Each takes the shared flags where they mean something (``--model``, ``--layers``,
+``--batch``, ``--seq``, ``--ranks``, ``--steps``, ``--cluster``, ``--budget-gib``,
+``--timeout``, ``--json``, ``--quiet``, ``--debug``) and ``--results FILE``; ``--quiet``
+prints only the headline line. Progress goes to stderr when it is a terminal. Exit codes:
+0 done (whether or not the targets were met), 1 a failure, 2 a usage error.
 """
 from __future__ import annotations
 
@@ -23,9 +34,13 @@ import torch
 
 from stpc.cli._common import UsageError, verb
 from stpc.cli.bench_fidelity import main_fidelity
+from stpc.cli.bench_kernel import main_kernel
+from stpc.cli.bench_planner import main_planner
+from stpc.cli.bench_primepar import main_primepar
 from stpc.cli.bench_runtime import main_runtime
 
-BENCHES = {"runtime": main_runtime, "fidelity": main_fidelity}
+BENCHES = {"runtime": main_runtime, "fidelity": main_fidelity, "primepar": main_primepar, "planner": main_planner,
+           "kernel": main_kernel}
 
 
 def machine_line() -> str:

@@ -1,0 +1,482 @@
+"""``python -m stpc bench primepar``: stpc against the baselines on PrimePar's models (modelled).
+
+PrimePar (ASPLOS'24) evaluated six models, OPT 6.7B/175B, Llama2 7B/70B and BLOOM 7.1B/176B,
+on 4, 8, 16 and 32 V100s. This benchmark plans each (model, devices) cell on each
+``--clusters`` entry (default: ``primepar-v100`` in fp16 and ``dgx-h100`` in bf16; mixed
+precision Adam, ``optimizer_layout="mixed-adam"``) with stpc's own search and with each
+baseline (``megatron``, ``fsdp-tp``, ``spatial``: the best plan of each one's layout space,
+``stpc.planner.baselines``), all on the same cost model and memory budget (the cluster's
+default, ``Cluster.default_budget_bytes``, or ``--budget-gib``). Every number it prints
+is modelled by stpc's cost model; nothing is run.
+
+Per cell: stpc's mesh, strategy families, step time, peak memory and the step split into
+compute / exposed communication / hidden communication (``stpc.planner.summary.breakdown``);
+per baseline its step time, peak memory and chosen layout; the speedup of stpc against the
+best baseline that fits the budget (its step time / stpc's) and the memory ratio against it.
+
+Reduced depth: at full depth the 70B/175B/176B models fit no 32 x 32 GiB cluster at all
+(mixed-precision Adam's model states alone exceed it), and the 7B models fit no 4 V100s.
+Where no baseline fits a cell at full depth, the cell is planned, stpc and every baseline
+alike, at the greatest depth (``n_layers``, found by binary search) at which the best
+baseline fits; the ``layers`` column says so. A cell in which not even one layer fits any
+baseline is reported infeasible, with the smallest budget one layer would need.
+
+Sensitivity: the cells of the first ``--clusters`` entry at the largest ``--sizes`` are
+planned again with the inter-node link at each ``--inter-node-gbs`` (GB/s per node, split
+evenly over the node's devices, as the presets do).
+
+Traced graphs are cached per (model, layers, dtype) within a run.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+import torch
+
+from stpc.cli._common import Parser, UsageError, add_flags, meta_trace, verb, write_json
+from stpc.cli._progress import bar
+from stpc.cost_models import CLUSTERS, Link, bytes_per_param, get_cluster
+from stpc.frontend import models
+from stpc.planner import InfeasibleBudget, search
+from stpc.planner.baselines import BASELINES, describe_layout
+from stpc.planner.summary import breakdown
+
+PRIMEPAR_MODELS = ("opt-6.7b", "opt-175b", "llama2-7b", "llama2-70b", "bloom-7b1", "bloom-176b")
+DEFAULT_SIZES = (4, 8, 16, 32)
+DEFAULT_CLUSTERS = ("primepar-v100:fp16", "dgx-h100:bf16")
+DTYPES = ("fp16", "bf16", "fp32")
+OPTIMIZER_LAYOUT = {"fp16": "mixed-adam", "bf16": "mixed-adam", "fp32": "fp32-adam"}
+# Inter-node bandwidths of the sensitivity rows, GB/s per node (the issue's figures: one
+# 100 Gb/s NIC per node, and PrimePar's stated 100 GB/s per node).
+SENSITIVITY_GBS = (12.5, 100.0)
+# How a cell's speedup is worded: above WIN stpc wins, below TIE_LOW it loses, else a tie.
+WIN, TIE_LOW = 1.02, 0.98
+PRIMEPAR_SOURCE = ("PrimePar, Wang et al., ASPLOS'24, DOI 10.1145/3620666.3651357, as summarised in "
+                   "shared/REFERENCES.md")
+PRIMEPAR_GEOMEAN_32 = 1.30   # published geo-mean throughput gain over Megatron-LM at 32 GPUs (PRIMEPAR_SOURCE)
+GIB = 2**30
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Target:
+    """One ``--clusters`` entry: the cluster planned on and the training dtype."""
+
+    cluster: object   # cost_models.Cluster
+    dtype: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.cluster.name} ({self.dtype})"
+
+
+def parse_target(text: str) -> Target:
+    """``CLUSTER:DTYPE`` (a preset or profile path, then fp16 / bf16 / fp32)."""
+    name, sep, dtype = text.rpartition(":")
+    if not sep or dtype not in DTYPES:
+        raise UsageError(f"--clusters entry {text!r} is not CLUSTER:DTYPE",
+                         f"give e.g. primepar-v100:fp16 (dtype one of {', '.join(DTYPES)})")
+    try:
+        return Target(get_cluster(name), dtype)
+    except KeyError:
+        raise UsageError(f"unknown cluster {name!r}", f"give one of {', '.join(CLUSTERS)}, or a profile .json") from None
+
+
+def with_inter_node(cluster, gb_per_s_per_node: float):
+    """``cluster`` with its inter-node link carrying ``gb_per_s_per_node`` GB/s per node,
+    split evenly over the node's devices (the presets' per-device convention), renamed so."""
+    bw = gb_per_s_per_node * 1e9 / cluster.devices_per_node
+    return replace(cluster, name=f"{cluster.name}, inter-node {gb_per_s_per_node:g} GB/s per node",
+                   inter=Link(cluster.inter.alpha_s, bw))
+
+
+def inter_node_gbs(cluster) -> float:
+    """The inter-node bandwidth of ``cluster`` in GB/s per node."""
+    return cluster.inter.bw_bytes_per_s * cluster.devices_per_node / 1e9
+
+
+class TraceCache:
+    """Meta-traced graphs by (model, layers, dtype), least recently used dropped past
+    ``capacity``; ``seconds`` records each trace's wall time."""
+
+    def __init__(self, batch: int, seq: int, capacity: int = 12):
+        self.batch, self.seq, self.capacity = batch, seq, capacity
+        self._graphs: OrderedDict = OrderedDict()
+        self.seconds: dict = {}
+
+    def get(self, model: str, layers: int, dtype: str):
+        key = (model, layers, dtype)
+        if key in self._graphs:
+            self._graphs.move_to_end(key)
+            return self._graphs[key]
+        full = models.get_config(model).n_layers
+        t0 = time.perf_counter()
+        tg, _, _ = meta_trace(model, self.batch, self.seq, dtype, layers=None if layers == full else layers)
+        self.seconds[key] = time.perf_counter() - t0
+        self._graphs[key] = tg
+        while len(self._graphs) > self.capacity:
+            self._graphs.popitem(last=False)
+        return tg
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+
+@functools.lru_cache(maxsize=None)
+def model_states_bytes(model: str, layers: int, dtype: str) -> float:
+    """Weights, gradients and optimizer state of ``model`` at ``layers`` deep, unsharded."""
+    with torch.device("meta"):
+        n = models.num_params(models.build(model, n_layers=layers))
+    return float(n * sum(bytes_per_param(OPTIMIZER_LAYOUT[dtype])))
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def plan_or_none(tg, n: int, cluster, budget: float, hints: str | None, dtype: str):
+    """(plan, None) if a plan fits the budget, else (None, the InfeasibleBudget)."""
+    try:
+        return search(tg, n, cluster, budget_bytes=budget, hints=hints, dtype=dtype,
+                      optimizer_layout=OPTIMIZER_LAYOUT[dtype]), None
+    except InfeasibleBudget as e:
+        return None, e
+
+
+def plan_record(plan, err, search_s: float) -> dict:
+    """What the tables need of one plan (or of its infeasibility)."""
+    if plan is None:
+        return {"fits": False, "min_budget_bytes": float(err.min_budget), "search_s": search_s}
+    split = breakdown(plan) or {}
+    return {"fits": True, "mesh": list(plan.mesh_shape), "families": plan.strategy_counts(),
+            "layout": describe_layout(plan.stats.get("layout")), "step_s": plan.modelled_step_time_s,
+            "peak_bytes": plan.peak_memory_bytes, "compute_s": split.get("compute_s"),
+            "exposed_s": split.get("exposed_s"), "hidden_s": split.get("hidden_s"), "search_s": search_s}
+
+
+def best_fitting(baselines: dict[str, dict]) -> str | None:
+    """The baseline with the smallest modelled step time among those that fit (None: none fits)."""
+    fitting = [(rec["step_s"], name) for name, rec in baselines.items() if rec["fits"]]
+    return min(fitting)[1] if fitting else None
+
+
+def greatest_fitting_depth(fits, full: int) -> int | None:
+    """The greatest depth in 1..``full`` at which ``fits(depth)`` holds, by binary search
+    (``fits`` must be monotone: true up to some depth, false beyond); None if not even 1."""
+    if fits(full):
+        return full
+    lo, hi = 0, full   # fits(hi) is false; lo is the greatest depth known to fit (0: none yet)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo or None
+
+
+def compare(cell: dict) -> dict:
+    """The cell with its best fitting baseline, the speedup against it (its step time /
+    stpc's) and the memory ratio (stpc's peak / its)."""
+    best = best_fitting(cell["baselines"])
+    stpc = cell["stpc"]
+    ok = best is not None and stpc is not None and stpc["fits"]
+    base = cell["baselines"][best] if best else None
+    return {**cell, "best_baseline": best,
+            "speedup": base["step_s"] / stpc["step_s"] if ok else None,
+            "memory_ratio": stpc["peak_bytes"] / base["peak_bytes"] if ok else None}
+
+
+def plan_cell(traces: TraceCache, model: str, n: int, target: Target, budget: float, baselines=BASELINES,
+              layers: int | None = None, depth: int | None = None) -> dict:
+    """Plan one cell: stpc and every baseline at full depth (``layers``, else the model's
+    own), or at the greatest depth at which the best baseline fits; ``depth`` skips that
+    search and plans at the depth given."""
+    t0 = time.perf_counter()
+    full = layers or models.get_config(model).n_layers
+    cluster, dtype = target.cluster, target.dtype
+    planned: dict[int, dict] = {}
+
+    def baselines_at(d: int) -> dict:
+        if d not in planned:
+            tg = traces.get(model, d, dtype)
+            recs = {}
+            for b in baselines:
+                t1 = time.perf_counter()
+                plan, err = plan_or_none(tg, n, cluster, budget, b, dtype)
+                recs[b] = (plan, err, time.perf_counter() - t1)
+            planned[d] = recs
+        return planned[d]
+
+    def fits(d: int) -> bool:
+        return any(plan is not None for plan, _, _ in baselines_at(d).values())
+
+    chosen = depth if depth is not None else greatest_fitting_depth(fits, full)
+    cell = {"model": model, "devices": n, "cluster": cluster.name, "dtype": dtype, "budget_bytes": budget,
+            "full_layers": full, "layers": chosen, "reduced": chosen is not None and chosen < full,
+            "model_states_bytes": model_states_bytes(model, full, dtype)}
+    at = chosen or 1   # an infeasible cell: what one layer would need
+    t1 = time.perf_counter()
+    plan, err = plan_or_none(traces.get(model, at, dtype), n, cluster, budget, None, dtype)
+    cell["stpc"] = plan_record(plan, err, time.perf_counter() - t1)
+    cell["baselines"] = {b: plan_record(p, e, s) for b, (p, e, s) in baselines_at(at).items()}
+    cell["infeasible"] = chosen is None
+    cell["wall_s"] = time.perf_counter() - t0
+    return compare(cell)
+
+
+def sensitivity_cells(traces: TraceCache, cell: dict, target: Target, budget: float, gbs: tuple[float, ...],
+                      baselines=BASELINES) -> list[dict]:
+    """``cell`` (planned on ``target``) re-planned at its own depth with the inter-node link
+    at each bandwidth of ``gbs`` (GB/s per node); nothing for an infeasible cell."""
+    out = []
+    for g in gbs if not cell["infeasible"] else ():
+        tweaked = Target(with_inter_node(target.cluster, g), target.dtype)
+        rec = plan_cell(traces, cell["model"], cell["devices"], tweaked, budget, baselines, cell["full_layers"],
+                        depth=cell["layers"])
+        out.append({**rec, "inter_node_gbs_per_node": g})
+    return out
+
+
+def geo_mean(xs: list[float]) -> float | None:
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else None
+
+
+def verdict(speedup: float) -> str:
+    return "wins" if speedup > WIN else ("loses" if speedup < TIE_LOW else "ties")
+
+
+def why(cell: dict) -> str:
+    """Why stpc's plan wins, ties or loses against the best fitting baseline, from what the
+    two plans are (families, layouts), in a few words."""
+    s, best = cell["stpc"], cell["best_baseline"]
+    if cell["speedup"] is None:
+        return "-"
+    temporal = [k for k in s["families"] if k not in ("spatial", "replicate-fallback")]
+    if temporal:
+        return (f"{', '.join(temporal)} on {sum(s['families'][k] for k in temporal)} ops: ring transfers under "
+                f"their steps' GEMMs ({_s(s['hidden_s'])} s hidden in all)")
+    if cell["speedup"] < TIE_LOW:
+        return f"{best}'s plan is outside stpc's own space"
+    if best == "spatial" or cell["speedup"] <= WIN:
+        return "no temporal family pays here: stpc's plan is a spatial one, as good as " + best + "'s"
+    return f"a spatial layout outside {best}'s space ({s['layout']})"
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _s(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / GIB:.1f}"
+
+
+def layers_text(cell: dict) -> str:
+    if cell["infeasible"]:
+        return f"infeasible: not 1 of {cell['full_layers']} fits a baseline (1 layer shown)"
+    return f"{cell['layers']} of {cell['full_layers']}" + (" (reduced)" if cell["reduced"] else "")
+
+
+def _plan_cells(rec: dict, layout: bool) -> list[str]:
+    if not rec["fits"]:
+        return [f"over budget (needs {_gib(rec['min_budget_bytes'])} GiB)", "-"] + (["-"] if layout else [])
+    return [_s(rec["step_s"]), _gib(rec["peak_bytes"])] + ([rec["layout"]] if layout else [])
+
+
+def cell_row(c: dict, baselines, extra: list[str] = ()) -> str:
+    s = c["stpc"]
+    if s["fits"] and c["infeasible"]:
+        head = [f"1 layer fits (peak {_gib(s['peak_bytes'])} GiB)"] + ["-"] * 6
+    elif s["fits"]:
+        fams = ", ".join(f"{k} {v}" for k, v in s["families"].items())
+        head = [s["layout"] or "x".join(map(str, s["mesh"])), fams, _s(s["step_s"]), _gib(s["peak_bytes"]),
+                _s(s["compute_s"]),
+                _s(s["exposed_s"]), _s(s["hidden_s"])]
+    else:
+        head = [f"over budget (needs {_gib(s['min_budget_bytes'])} GiB)"] + ["-"] * 6
+    cols = [c["model"], *extra, str(c["devices"]), layers_text(c), *head]
+    for b in baselines:
+        cols += _plan_cells(c["baselines"][b], layout=True)
+    cols += [c["best_baseline"] or "none fits", _s(c["speedup"], ".2f") + ("x" if c["speedup"] else ""),
+             _s(c["memory_ratio"], ".2f"), why(c)]
+    return "| " + " | ".join(cols) + " |"
+
+
+def table_head(baselines, extra: list[str] = ()) -> list[str]:
+    cols = ["model", *extra, "devices", "layers", "stpc layout", "stpc families", "stpc step s", "stpc peak GiB",
+            "compute s", "exposed comm s", "hidden comm s"]
+    for b in baselines:
+        cols += [f"{b} step s", f"{b} peak GiB", f"{b} layout"]
+    cols += ["best fitting baseline", "speedup vs best fitting baseline (modelled)", "memory stpc / best baseline",
+             "why"]
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
+def summary_lines(cells: list[dict], top: int) -> list[str]:
+    """The geo-mean at ``top`` devices beside PrimePar's, the memory ratio, and which cells
+    stpc wins, ties or loses."""
+    at_top = [c for c in cells if c["devices"] == top and c["speedup"] is not None]
+    gm = geo_mean([c["speedup"] for c in at_top])
+    gm_mem = geo_mean([c["memory_ratio"] for c in at_top])
+    lines = [f"Geo-mean speedup at {top} devices against the best fitting baseline (modelled): "
+             f"{_s(gm, '.3f')}x over {len(at_top)} cells; PrimePar's published geo-mean at 32 GPUs is "
+             f"{PRIMEPAR_GEOMEAN_32:.2f}x over Megatron-LM, measured ({PRIMEPAR_SOURCE}). Geo-mean memory "
+             f"stpc / best baseline at {top} devices: {_s(gm_mem, '.3f')}.", ""]
+    by = {"wins": [], "ties": [], "loses": []}
+    for c in cells:
+        if c["speedup"] is not None:
+            by[verdict(c["speedup"])].append(f"{c['model']} on {c['devices']} ({c['speedup']:.2f}x)")
+    none = [f"{c['model']} on {c['devices']}" for c in cells if c["speedup"] is None]
+    words = {"wins": f"wins (> {WIN:g}x)", "ties": f"ties ({TIE_LOW:g}-{WIN:g}x)", "loses": f"loses (< {TIE_LOW:g}x)"}
+    text = "; ".join(f"stpc {words[k]} in {len(v)}" + (f": {', '.join(v)}" if v else "") for k, v in by.items())
+    if none:
+        text += f"; no comparison in {len(none)} (nothing fits, or stpc does not): {', '.join(none)}"
+    return lines + [text + "."]
+
+
+def states_line(cells: list[dict], top: int) -> list[str]:
+    """Which models' unsharded model states alone exceed ``top`` devices' budgets (no layout
+    fits them at full depth), computed from the parameter counts."""
+    total = top * cells[0]["budget_bytes"]
+    over = {c["model"]: c["model_states_bytes"] for c in cells if c["model_states_bytes"] > total}
+    if not over:
+        return []
+    return ["At full depth the model states alone (weights, gradients, optimizer state) of "
+            + ", ".join(f"{m} ({b / GIB:,.0f} GiB)" for m, b in over.items())
+            + f" exceed {top} devices' budgets together ({total / GIB:,.0f} GiB): no layout fits them.", ""]
+
+
+def report(cfg: dict, cells: list[dict], sens: list[dict], machine: str, command: str, wall_s: float) -> str:
+    baselines = cfg["baselines"]
+    top = max(cfg["sizes"])
+    budget_note = (f"{cfg['budget_gib']:g} GiB per device (--budget-gib)" if cfg["budget_gib"] else
+                   "each cluster's default (device memory x its usable fraction, `Cluster.default_budget_bytes`)")
+    lines = ["## PrimePar's models: stpc against the baselines (modelled)", "", f"Command: `{command}`", "",
+             machine, "",
+             "Every step time, memory figure and speedup below is **modelled** by stpc's cost model on the "
+             "named cluster preset; nothing was run. "
+             f"Global batch {cfg['batch']} x seq {cfg['seq']}, mixed-precision Adam; memory budget {budget_note}. "
+             f"Baselines ({', '.join(baselines)}): the best plan of each one's layout space "
+             "(`stpc.planner.baselines`) on the same cost model and budget. Speedup = the best fitting "
+             "baseline's modelled step time / stpc's; memory = stpc's modelled peak / that baseline's. "
+             "Step split (stpc's plan): compute, exposed communication (in the step), hidden communication "
+             "(beside compute, not in the step). Where no baseline fits a cell at full depth, all its plans "
+             "are made at the greatest depth at which the best baseline fits (`layers`: \"reduced\").", ""]
+    for target_label in dict.fromkeys(f"{c['cluster']} ({c['dtype']})" for c in cells):
+        mine = [c for c in cells if f"{c['cluster']} ({c['dtype']})" == target_label]
+        lines += [f"### {target_label}, budget {_gib(mine[0]['budget_bytes'])} GiB per device", ""]
+        lines += table_head(baselines) + [cell_row(c, baselines) for c in mine] + [""]
+        lines += states_line(mine, top)
+        lines += summary_lines(mine, top) + [""]
+    if sens:
+        base = sens[0]["cluster"].split(",")[0]
+        lines += [f"### Sensitivity: inter-node bandwidth ({base}, {sens[0]['devices']} devices)", "",
+                  f"The same cells with the inter-node link at each bandwidth (GB/s per node, split over the "
+                  f"node's devices); the preset itself has {cfg['sensitivity_preset_gbs']:g} GB/s per node.", ""]
+        lines += table_head(baselines, ["inter-node GB/s per node"])
+        lines += [cell_row(c, baselines, [f"{c['inter_node_gbs_per_node']:g}"]) for c in sens] + [""]
+        for g in dict.fromkeys(c["inter_node_gbs_per_node"] for c in sens):
+            got = [c["speedup"] for c in sens if c["inter_node_gbs_per_node"] == g and c["speedup"] is not None]
+            lines.append(f"At {g:g} GB/s per node: geo-mean speedup {_s(geo_mean(got), '.3f')}x over "
+                         f"{len(got)} cells (modelled).")
+        lines.append("")
+    lines.append(f"Wall time of this run: {wall_s:.0f} s (tracing, depth search and planning).")
+    return "\n".join(lines) + "\n"
+
+
+def quiet_line(cfg: dict, cells: list[dict]) -> str:
+    top = max(cfg["sizes"])
+    parts = []
+    for label in dict.fromkeys(f"{c['cluster']} ({c['dtype']})" for c in cells):
+        got = [c["speedup"] for c in cells
+               if f"{c['cluster']} ({c['dtype']})" == label and c["devices"] == top and c["speedup"] is not None]
+        parts.append(f"{label}: {_s(geo_mean(got), '.3f')}x")
+    return f"geo-mean speedup at {top} devices vs best fitting baseline (modelled): " + "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------- verb
+
+
+def run(cfg: dict, targets: list[Target], progress: bool = False) -> tuple[list[dict], list[dict]]:
+    """Every cell (model-major, so one model's traces are reused and then dropped), then the
+    sensitivity cells."""
+    traces = TraceCache(cfg["batch"], cfg["seq"])
+    cells = []
+    steps = bar(len(cfg["models"]) * len(targets) * len(cfg["sizes"]), "[bench primepar] cells", progress)
+    top = max(cfg["sizes"])
+    sens = []
+    for model in cfg["models"]:
+        for t in targets:
+            budget = cfg["budget_gib"] * GIB if cfg["budget_gib"] else t.cluster.default_budget_bytes
+            for n in cfg["sizes"]:
+                steps.set_postfix_str(f"{model} on {n} ({t.label})", refresh=False)
+                cells.append(plan_cell(traces, model, n, t, budget, cfg["baselines"], cfg["layers"]))
+                steps.update()
+                if t is targets[0] and n == top:
+                    sens += sensitivity_cells(traces, cells[-1], t, budget, tuple(cfg["inter_node_gbs"]),
+                                              cfg["baselines"])
+        traces.clear()
+    steps.close()
+    order = {(t.cluster.name, t.dtype): i for i, t in enumerate(targets)}
+    cells.sort(key=lambda c: order[c["cluster"], c["dtype"]])   # table by table (stable: model, then size)
+    return cells, sens
+
+
+@verb
+def main_primepar(argv: list[str], machine_line, write_section) -> int:
+    ap = Parser("python -m stpc bench primepar", __doc__)
+    add_flags(ap, {"layers": {"shown": "each model's own", "note": "every model cut to N layers (a smaller run)"},
+                   "batch": {"default": 8}, "seq": {"default": 2048},
+                   "budget-gib": {"shown": "each cluster's default_budget_bytes"},
+                   "json": {"shown": "none", "note": "one record per cell, and the sensitivity cells"}})
+    ap.add_argument("--models", nargs="+", default=list(PRIMEPAR_MODELS), metavar="MODEL",
+                    help="zoo models (default: PrimePar's six)")
+    ap.add_argument("--sizes", nargs="+", type=int, default=list(DEFAULT_SIZES), metavar="N",
+                    help="device counts (default: %(default)s)")
+    ap.add_argument("--clusters", nargs="+", default=list(DEFAULT_CLUSTERS), metavar="CLUSTER:DTYPE",
+                    help="what to plan on, each CLUSTER:DTYPE (default: %(default)s)")
+    ap.add_argument("--baselines", nargs="+", default=list(BASELINES), choices=list(BASELINES),
+                    help="baselines to compare with (default: all)")
+    ap.add_argument("--inter-node-gbs", nargs="*", type=float, default=list(SENSITIVITY_GBS), metavar="GBS",
+                    help="sensitivity rows: inter-node GB/s per node, on the first --clusters entry at the largest "
+                         "--sizes (default: %(default)s; none: no sensitivity rows)")
+    ap.add_argument("--results", help="regenerate this markdown file's primepar section (e.g. benchmarks/RESULTS.md)")
+    args = ap.parse_args(argv)
+    for m in args.models:
+        if m not in models.CONFIGS:
+            ap.error(f"unknown model {m!r}; known: {', '.join(sorted(models.CONFIGS))}. Fix: give zoo names")
+    if min(args.sizes) < 1 or any(g <= 0 for g in args.inter_node_gbs):
+        ap.error("--sizes and --inter-node-gbs must be positive. Fix: give e.g. --sizes 4 8 16 32")
+    targets = [parse_target(t) for t in args.clusters]
+    for t in targets:
+        if max(args.sizes) > t.cluster.num_devices:
+            raise UsageError(f"--sizes {max(args.sizes)} exceeds {t.cluster.name}'s {t.cluster.num_devices} devices",
+                             "give smaller --sizes, or a larger cluster")
+    cfg = {"models": args.models, "sizes": sorted(args.sizes), "clusters": args.clusters, "baselines": args.baselines,
+           "batch": args.batch, "seq": args.seq, "layers": args.layers, "budget_gib": args.budget_gib,
+           "inter_node_gbs": args.inter_node_gbs, "sensitivity_preset_gbs": inter_node_gbs(targets[0].cluster)}
+    t0 = time.perf_counter()
+    cells, sens = run(cfg, targets, progress=not args.quiet)
+    wall = time.perf_counter() - t0
+    command = ("python -m stpc bench primepar " + " ".join(argv)).strip()
+    text = report(cfg, cells, sens, machine_line(), command, wall)
+    print(quiet_line(cfg, cells) if args.quiet else text)
+    if args.json:
+        write_json(args.json, {"config": cfg, "cells": cells, "sensitivity": sens, "wall_s": wall,
+                               "primepar_geomean_32": {"value": PRIMEPAR_GEOMEAN_32, "source": PRIMEPAR_SOURCE}})
+    if args.results:
+        write_section(args.results, "primepar", text)
+    return 0
+
+
+__all__ = ["main_primepar", "plan_cell", "best_fitting", "greatest_fitting_depth", "compare", "TraceCache",
+           "parse_target", "with_inter_node", "geo_mean", "report", "run", "why", "PRIMEPAR_MODELS", "Target"]

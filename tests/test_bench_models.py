@@ -1,0 +1,167 @@
+"""The model benchmarks (``python -m stpc bench primepar|planner|kernel``): their helpers, and
+each verb on a tiny size (one model cut to 2 layers, one device count, one cluster)."""
+import json
+
+import pytest
+import torch
+
+from stpc.cli.bench import BENCHES, machine_line, main_bench, write_section
+from stpc.cli.bench_kernel import main_kernel, ring_step_shapes, step_gemms
+from stpc.cli.bench_planner import large_target, main_planner, primepar_search_s
+from stpc.cli.bench_primepar import (best_fitting, compare, greatest_fitting_depth, inter_node_gbs, main_primepar,
+                                     parse_target, why, with_inter_node)
+from stpc.cost_models import get_cluster
+
+TINY = ["--models", "llama2-7b", "--layers", "2", "--sizes", "4"]
+
+
+def test_help_lists_every_bench(capsys):
+    assert main_bench(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("runtime", "fidelity", "primepar", "planner", "kernel"):
+        assert name in BENCHES and name in out
+
+
+@pytest.mark.parametrize("limit", [1, 2, 23, 24, 95, 96])
+def test_depth_search_finds_the_greatest_fitting_depth(limit):
+    probed = []
+
+    def fits(depth):
+        probed.append(depth)
+        return depth <= limit
+
+    assert greatest_fitting_depth(fits, 96) == limit
+    assert len(probed) <= 8   # binary search: full depth, then log2(96) probes
+
+
+def test_depth_search_none_when_one_layer_does_not_fit():
+    assert greatest_fitting_depth(lambda d: False, 80) is None
+    assert greatest_fitting_depth(lambda d: True, 1) == 1
+
+
+def _rec(step, peak=10.0, fits=True):
+    return {"fits": fits, "step_s": step, "peak_bytes": peak} if fits else {"fits": False, "min_budget_bytes": 1e12}
+
+
+def test_speedup_is_against_the_best_fitting_baseline():
+    # the fastest baseline does not fit: it must not be the reference
+    baselines = {"megatron": _rec(2.0, peak=20.0), "fsdp-tp": _rec(None, fits=False), "spatial": _rec(1.6, peak=16.0)}
+    cell = compare({"stpc": _rec(1.0, peak=8.0), "baselines": baselines})
+    assert best_fitting(baselines) == "spatial"
+    assert cell["best_baseline"] == "spatial"
+    assert cell["speedup"] == pytest.approx(1.6)
+    assert cell["memory_ratio"] == pytest.approx(0.5)
+    none = compare({"stpc": _rec(1.0), "baselines": {"megatron": _rec(None, fits=False)}})
+    assert none["best_baseline"] is None and none["speedup"] is None
+
+
+def test_why_says_what_makes_the_difference():
+    def cell(speedup, families, best="spatial", layout="mesh 4x8"):
+        stpc = {"fits": True, "families": families, "hidden_s": 0.25, "layout": layout}
+        return {"stpc": stpc, "best_baseline": best, "speedup": speedup}
+    assert "ag_ring, rs_ring on 12 ops" in why(cell(1.1, {"spatial": 30, "ag_ring": 8, "rs_ring": 4}))
+    assert "no temporal family pays" in why(cell(1.0, {"spatial": 30}))
+    assert "outside megatron's space (mesh 2x2x8" in why(cell(1.2, {"spatial": 30}, "megatron", "mesh 2x2x8"))
+    assert "outside stpc's own space" in why(cell(0.9, {"spatial": 30}, "megatron"))
+    assert why({"stpc": {"fits": False}, "best_baseline": None, "speedup": None}) == "-"
+
+
+def test_inter_node_bandwidth_is_per_node_split_over_its_devices():
+    cl = get_cluster("primepar-v100")
+    slow = with_inter_node(cl, 12.5)
+    assert slow.inter.bw_bytes_per_s == pytest.approx(12.5e9 / cl.devices_per_node)
+    assert inter_node_gbs(slow) == pytest.approx(12.5)
+    assert slow.intra == cl.intra and slow.nodes == cl.nodes and "12.5 GB/s" in slow.name
+
+
+def test_primepar_tiny(tmp_path, capsys):
+    results, out = tmp_path / "RESULTS.md", tmp_path / "pp.json"
+    argv = [*TINY, "--clusters", "primepar-v100:fp16", "--json", str(out), "--results", str(results)]
+    assert main_primepar(argv, machine_line, write_section) == 0
+    text = results.read_text()
+    assert text.startswith("<!-- bench:primepar -->") and "<!-- /bench:primepar -->" in text
+    for column in ("layers", "stpc layout", "stpc families", "stpc step s", "stpc peak GiB", "compute s",
+                   "exposed comm s", "hidden comm s", "megatron layout", "fsdp-tp layout", "spatial layout",
+                   "speedup vs best fitting baseline (modelled)", "memory stpc / best baseline", "machine:",
+                   "Geo-mean speedup", "1.30x", "REFERENCES.md", "Sensitivity", "modelled"):
+        assert column in text, column
+    data = json.loads(out.read_text())
+    assert len(data["cells"]) == 1 and len(data["sensitivity"]) == 2
+    cell = data["cells"][0]
+    assert cell["layers"] == 2 and not cell["reduced"] and cell["stpc"]["fits"]
+    fitting = {b: r["step_s"] for b, r in cell["baselines"].items() if r["fits"]}
+    assert cell["best_baseline"] == min(fitting, key=fitting.get)
+    assert cell["speedup"] == pytest.approx(fitting[cell["best_baseline"]] / cell["stpc"]["step_s"])
+    assert {r["inter_node_gbs_per_node"] for r in data["sensitivity"]} == {12.5, 100.0}
+
+
+def test_primepar_reduces_depth_when_no_baseline_fits(tmp_path):
+    out = tmp_path / "pp.json"
+    # 4 layers of llama2-7b on 4 devices need more than 5 GiB per device under every baseline; 2 fit
+    argv = [*TINY[:2], "--layers", "4", "--sizes", "4", "--clusters", "primepar-v100:fp16", "--budget-gib", "5",
+            "--inter-node-gbs", "--json", str(out), "-q"]
+    assert main_primepar(argv, machine_line, write_section) == 0
+    cell = json.loads(out.read_text())["cells"][0]
+    assert cell["reduced"] and 1 <= cell["layers"] < 4 and cell["full_layers"] == 4
+    assert any(r["fits"] for r in cell["baselines"].values())
+
+
+def test_planner_tiny(tmp_path, capsys):
+    results, out = tmp_path / "RESULTS.md", tmp_path / "planner.json"
+    argv = [*TINY, "--repeat", "2", "--large-model", "none", "--json", str(out), "--results", str(results)]
+    assert main_planner(argv, machine_line, write_section) == 0
+    text = results.read_text()
+    assert "<!-- bench:planner -->" in text and "PrimePar search s (published)" in text
+    cells = json.loads(out.read_text())["cells"]
+    assert len(cells) == 1
+    c = cells[0]
+    assert c["reference_s"] == primepar_search_s("llama2-7b", 4)
+    assert len(c["budgeted"]["searches_s"]) == 2 and c["total_s"] == pytest.approx(c["trace_s"] + c["first_search_s"])
+
+
+def test_large_target_grows_a_cluster_too_small():
+    t, note = large_target("dgx-h100:bf16", 64)
+    assert t.cluster.num_devices >= 64 and note is None
+    t, note = large_target("dgx-h100:bf16", 256)
+    assert t.cluster.num_devices == 256 and "nodes" in note
+
+
+def test_parse_target_rejects_a_bad_entry():
+    from stpc.cli._common import UsageError
+    with pytest.raises(UsageError):
+        parse_target("primepar-v100")
+    with pytest.raises(UsageError):
+        parse_target("no-such-cluster:fp16")
+
+
+def test_ring_steps_split_one_linears_flops():
+    t, d_in, d_out, p = 16384, 4096, 11008, 4
+    for ring in ("ag_ring", "rs_ring"):
+        flops = {m * k * n for _, m, k, n in step_gemms(ring, t, d_in, d_out, p)}
+        assert flops == {t * d_in * d_out // p**2}   # each step: 1/P^2 of the linear's GEMM
+    shapes = ring_step_shapes("llama2-7b", [4, 8], 8, 2048)
+    assert {s["devices"] for s in shapes} == {4, 8}
+    assert any("down_proj rs_ring forward" in u for s in shapes for u in s["uses"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernel is measured")
+def test_kernel_without_cuda_says_not_measured(tmp_path):
+    results, out = tmp_path / "RESULTS.md", tmp_path / "kernel.json"
+    assert main_kernel(["--json", str(out), "--results", str(results), "-q"], machine_line, write_section) == 0
+    text = results.read_text()
+    assert "Not measured: no CUDA device" in text and "| 8 | 2048 | 4096 | 1376 |" in text
+    data = json.loads(out.read_text())
+    assert data["measured"] is False and len(data["shapes"]) > 0
+
+
+@pytest.mark.parametrize("bench", ["primepar", "planner", "kernel"])
+def test_surface_help_and_usage_errors(bench, capsys):
+    from stpc.cli import main
+    assert main(["bench", bench, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: python -m stpc bench " + bench in out and "--quiet" in out and "shared flags" in out
+    bad_model = ["--model", "no-such-model"] if bench == "kernel" else ["--models", "no-such-model"]
+    for argv in (["--no-such-flag"], bad_model):
+        assert main(["bench", bench, *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and "Fix: " in err[0], err
