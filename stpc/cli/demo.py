@@ -12,9 +12,9 @@ large model's modelled comparison with the baselines.
    (fp32, |a - b| <= 1e-6 + 1e-4 |b|; NaN or inf fails): MATCH or MISMATCH, with the
    worst errors.
 3. compare (modelled, not run): a large zoo model on the primepar-v100 cluster (fp16
-   mixed precision, 32 GB/device): stpc's own plan against the best Megatron layout,
-   FSDP+TP and spatial-only, each the best of its own space under the same cost
-   model. The model is traced once on meta and every search reuses the graph.
+   mixed precision, the cluster's default budget: 80% of 32 GiB): stpc's own plan against
+   the best Megatron layout, FSDP+TP and spatial-only, each the best of its own space
+   under the same cost model. The model is traced once on meta and every search reuses the graph.
 
 The plan, its summary and the graph after each pass land in --out; --json writes the
 outcome (plan hash, losses, worst errors, MATCH, the comparison's rows). --quiet prints
@@ -265,9 +265,9 @@ def _compare(name, devices, batch, seq, say=print, progress=True) -> list[dict]:
     t0 = time.perf_counter()
     tg, batch, seq = meta_trace(name, batch, seq, "fp16", progress=progress)
     cl = get_cluster("primepar-v100")
-    budget = cl.device.mem_bytes
+    budget = cl.default_budget_bytes   # (80% of the device's memory: Cluster.usable_memory_fraction)
     say(f"\n[model] {name} on {devices} x {cl.device.name} ({cl.name}), fp16 mixed precision, AdamW, batch "
-        f"{batch} x seq {seq}, budget {budget / 1e9:.0f} GB/device: MODELLED by stpc's cost model, not run")
+        f"{batch} x seq {seq}, budget {budget / 2**30:.1f} GiB/device: MODELLED by stpc's cost model, not run")
     rows = []
     for hints, label in (("", "stpc"), *BASELINES):
         try:
