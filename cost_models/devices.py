@@ -45,6 +45,10 @@ def canonical_dtype(dtype) -> str:
         raise ValueError(f"unknown dtype {dtype!r}; use one of fp32, tf32, bf16, fp16") from None
 
 
+# A large, well-shaped GEMM's share of peak on a GPU (module docstring: cuBLAS lands at 70-80%).
+GEMM_EFFICIENCY = 0.75
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator.
@@ -64,7 +68,7 @@ class DeviceSpec:
     peak_flops: dict = field(hash=False)
     mem_bw: float
     mem_bytes: float
-    efficiency: float = 0.75
+    efficiency: float = GEMM_EFFICIENCY
     gemm_ramp_s: float = 0.0
     gemm_ramps: dict = field(default_factory=dict, hash=False)
 
@@ -75,7 +79,8 @@ class DeviceSpec:
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"DeviceSpec {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
         if self.gemm_ramp_s < 0 or any(v < 0 for v in self.gemm_ramps.values()):
-            raise ValueError(f"DeviceSpec {self.name!r}: gemm_ramp_s must be >= 0, got {self.gemm_ramp_s}")
+            raise ValueError(f"DeviceSpec {self.name!r}: gemm_ramp_s and gemm_ramps must be >= 0, got "
+                             f"{self.gemm_ramp_s} and {self.gemm_ramps}")
         if self.mem_bw <= 0 or self.mem_bytes <= 0:
             raise ValueError(f"DeviceSpec {self.name!r}: mem_bw and mem_bytes must be positive")
 
@@ -86,11 +91,6 @@ class DeviceSpec:
     def ramp_s(self, dtype="fp32") -> float:
         """The GEMM ramp of ``dtype`` (``gemm_ramps``, else ``gemm_ramp_s``)."""
         return self.gemm_ramps.get(canonical_dtype(dtype), self.gemm_ramp_s)
-
-    def gemm_efficiency(self, flops: float, dtype="fp32") -> float:
-        """The fraction of the large-GEMM rate a GEMM of ``flops`` FLOPs reaches."""
-        ramp = self.ramp_s(dtype) * self.achievable_flops(dtype)
-        return flops / (flops + ramp) if flops > 0 else 0.0
 
 
 T = 1e12
@@ -104,7 +104,7 @@ MiB = 2**20
 WAVE_TILE_FLOPS = 256 * 128 * 4096   # half of one tile's 2 * 256 * 128 * 4096 FLOPs
 
 
-def wave_ramp_s(sms: int, fp16_flops: float, efficiency: float = 0.75) -> float:
+def wave_ramp_s(sms: int, fp16_flops: float, efficiency: float = GEMM_EFFICIENCY) -> float:
     """``gemm_ramp_s`` of a GPU with ``sms`` streaming multiprocessors: half a wave of
     cuBLAS tiles at the large-GEMM fp16 rate."""
     return sms * WAVE_TILE_FLOPS / (fp16_flops * efficiency)
@@ -141,8 +141,8 @@ DEVICES: dict[str, DeviceSpec] = {
                                           "fp16": 125 * T}, mem_bw=900 * GB, mem_bytes=32 * GiB,
                               gemm_ramp_s=wave_ramp_s(80, 125 * T)),
     # A generic CPU socket share: order-of-magnitude figures only (a few AVX2 cores); run
-    # `python -m stpc calibrate` for real numbers (and the GEMM ramp: none assumed here). Memory is this host's RAM, which all
-    # local ranks share.
+    # `python -m stpc calibrate` for real numbers (and the GEMM ramp: none assumed here).
+    # Memory is this host's RAM, which all local ranks share.
     "CPU": DeviceSpec("CPU", {"fp32": 100e9, "tf32": 100e9, "bf16": 50e9, "fp16": 25e9},
                       mem_bw=20 * GB, mem_bytes=_host_memory_bytes(), efficiency=0.6),
 }

@@ -126,8 +126,8 @@ def fit_gemm_curve(rows: list[dict]) -> tuple[float, float]:
     """(large-GEMM FLOP/s, ramp seconds) of one dtype's timed GEMMs (``{"m","n","k","seconds"}``):
     the line ``seconds = ramp + flops / rate`` (``DeviceSpec.gemm_ramp_s``'s curve) fitted by
     least squares on relative residuals, so the small GEMMs that show the ramp weigh as much
-    as the large ones that show the rate. A negative intercept (timing noise on a flat curve) is no ramp: the line through
-    the origin then, which is the FLOP-weighted mean rate."""
+    as the large ones that show the rate. A negative intercept (timing noise on a flat curve)
+    is no ramp: the line through the origin then, which is the FLOP-weighted mean rate."""
     f = np.array([2.0 * r["m"] * r["n"] * r["k"] for r in rows])
     t = np.array([float(r["seconds"]) for r in rows])
     if len(rows) >= 2 and np.ptp(f) > 0:

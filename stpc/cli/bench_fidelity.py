@@ -683,5 +683,5 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
     return 0
 
 
-__all__ = ["main_fidelity", "make_plans", "plan_spec", "kendall_tau", "judge", "distinct_plans", "rel_error", "report", "run",
-           "contributors", "param_mismatches", "notes", "json_records", "MEMORY_TARGET", "TIME_TARGET", "DEFAULT_PLANS"]
+__all__ = ["main_fidelity", "make_plans", "plan_spec", "kendall_tau", "judge", "distinct_plans", "rel_error",
+           "report", "run", "contributors", "param_mismatches", "notes", "json_records", "MEMORY_TARGET", "TIME_TARGET", "DEFAULT_PLANS"]

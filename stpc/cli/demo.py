@@ -14,7 +14,8 @@ large model's modelled comparison with the baselines.
 3. compare (modelled, not run): a large zoo model on the primepar-v100 cluster (fp16
    mixed precision, the cluster's default budget: 80% of 32 GiB): stpc's own plan against
    the best Megatron layout, FSDP+TP and spatial-only, each the best of its own space
-   under the same cost model. The model is traced once on meta and every search reuses the graph.
+   under the same cost model. The model is traced once on meta and every search reuses
+   the graph.
 
 The plan, its summary and the graph after each pass land in --out; --json writes the
 outcome (plan hash, losses, worst errors, MATCH, the comparison's rows). --quiet prints

@@ -156,7 +156,9 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
     """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple). ``hints``: a
     ``Hints``, or a preset name: ``megatron``, ``fsdp-tp`` and ``spatial`` search their
     whole layout space (``stpc.planner.baselines``; a given shape keeps the layouts on it),
-    ``dp`` constrains each mesh shape. ``progress``: called with a :class:`SearchProgress`
+    ``dp`` constrains each mesh shape. None (stpc's own space) tries each shape with sharded
+    weights regathered in backward and kept from forward (``baselines.own_points``); a
+    ``Hints`` given is one point per shape, its own ``keep_gathered`` as it says. ``progress``: called with a :class:`SearchProgress`
     as the search goes (module docstring)."""
     with _no_gc():
         return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress)
