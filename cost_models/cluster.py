@@ -96,6 +96,11 @@ class Cluster:
     ring_step_overhead_s: float = RING_STEP_OVERHEAD_S
     usable_memory_fraction: float = USABLE_MEMORY_FRACTION
     intra_peer: Link | None = None   # one neighbour's share of the intra-node links (None: all of them)
+    # Extra copies of an all-gather's output the backend allocates while it is in flight:
+    # gloo's all_gather_into_tensor gathers into a buffer of its own and copies out (seen as
+    # ``gloo:all_gather > aten::empty`` at the fidelity bench's measured backward peak), NCCL
+    # writes in place. ``MemoryModel.regathered_bytes``.
+    gather_staging: int = 0
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -133,5 +138,5 @@ CLUSTERS: dict[str, Cluster] = {
     # This machine: 4 gloo ranks over loopback TCP. Rough guesses; `python -m stpc calibrate`
     # writes a measured profile to use instead.
     "cpu-local": Cluster("cpu-local", get_device("CPU"), nodes=1, devices_per_node=4,
-                         intra=Link(50e-6, 2e9), inter=Link(50e-6, 2e9)),
+                         intra=Link(50e-6, 2e9), inter=Link(50e-6, 2e9), gather_staging=1),
 }

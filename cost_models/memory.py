@@ -3,8 +3,10 @@
 :class:`MemoryModel` is what the planner charges every choice with, so it is what
 ``Plan.peak_memory_bytes``, ``plan.table()``, the CLI and the benchmarks report:
 
-    peak = max(end of forward, optimizer step)
+    peak = max(end of forward, last layer's backward, optimizer step)
     end of forward  = weights + optimizer state + saved activations + the largest transient
+    last layer's backward = the end of forward + the gradients the head and the last layer
+                      compute + ZeRO-3 parameters gathered again for it (``regathered_bytes``)
     optimizer step  = weights + gradients + optimizer state + the optimizer's scratch
 
 * persistent: each parameter's weight and optimizer state under its placement, its
@@ -17,6 +19,12 @@
   (spatial-temporal) schedule the two in-flight blocks of its double buffer
   (:meth:`MemoryModel.transient_bytes`).
 
+* last layer's backward: backward starts where forward ended, every saved activation
+  still alive, and the first ops it differentiates (the head, then the last layer) add
+  their weights' gradients as computed (at the placement the op reads the weight in) and,
+  for a ZeRO-3 parameter, its whole copy gathered again (``regathered_bytes``). Measured
+  (fidelity bench, fsdp-tp on 4 gloo ranks) this is where a ZeRO-3 plan peaks; the
+  gradients of earlier layers come as activations go, and are not added.
 * optimizer step: activations are gone; weights, gradients and optimizer state are alive,
   and AdamW's scratch beside them (foreach: one fp32 temporary per element of state).
 
@@ -50,6 +58,14 @@ LAYOUTS = {
     "mixed-adam": (2, 4, 12),
 }
 
+
+# Whole copies a ZeRO-3 parameter holds during its layer's backward, beyond the gradient the
+# op computes: the copy gathered again for it, the previous layer's gathered ahead (in
+# flight, ``passes.prefetch_params``), and the gradient laid out rank-major for the
+# reduce-scatter (``runtime.param_gather.gather_wait``'s backward; FSDP2 copies into its
+# reduce-scatter buffer alike). Read off the allocations alive at the measured backward
+# peak of the fidelity bench's fsdp-tp plan (``MemoryModel.regathered_bytes``).
+REGATHER_COPIES = 3
 
 # AdamW implementations whose step scratch the model knows (``MemoryModel.step_scratch``).
 OPTIMIZER_IMPLS = ("foreach", "single", "fused")
@@ -147,6 +163,14 @@ class MemoryModel:
         """Weight, gradient and optimizer state of a parameter of ``numel`` elements whose
         placement splits it ``shards`` ways (product of the mesh sizes of its split axes)."""
         return numel * self.bytes_per_param / shards
+
+    @staticmethod
+    def regathered_bytes(gathered: float, staging: int = 0) -> float:
+        """Bytes a ZeRO-3 parameter whose whole copy (at the placement its op reads it in) is
+        ``gathered`` bytes holds during its layer's backward: ``REGATHER_COPIES`` copies, plus
+        ``staging`` more where the backend stages an all-gather's output in a buffer of its
+        own (``Cluster.gather_staging``: gloo 1, NCCL 0)."""
+        return gathered * (REGATHER_COPIES + staging)
 
     @staticmethod
     def saved_bytes(nbytes: float, shards: float = 1) -> float:

@@ -184,7 +184,8 @@ def load_profile(path: str) -> Cluster:
     return Cluster(p["name"], device, nodes=1, devices_per_node=int(p["ranks"]), intra=link,
                    inter=link, collective_links=per_kind, collective_bands=bands,
                    overlap_slowdown=overlap.get("slowdown"),
-                   ring_step_overhead_s=float(overlap.get("ring_step_overhead_s", RING_STEP_OVERHEAD_S)))
+                   ring_step_overhead_s=float(overlap.get("ring_step_overhead_s", RING_STEP_OVERHEAD_S)),
+                   gather_staging=int(p.get("gather_staging", 1)))  # (calibrate runs gloo ranks)
 
 
 def get_cluster(name_or_profile_path: str) -> Cluster:

@@ -240,12 +240,12 @@ def test_search_reports_incumbent_bound_and_elapsed():
 
 
 def test_search_reports_cpsat_progress_where_the_budget_binds():
-    """One layer on 2 devices under 70% of the unbudgeted plan's peak: CP-SAT solves it (a
-    fraction of a second), reporting better solutions and bounds; the plan is the one found
-    without a callback."""
+    """One layer on 2 devices under a budget halfway between the smallest feasible peak and
+    the unbudgeted plan's: CP-SAT solves it (a fraction of a second), reporting better
+    solutions and bounds; the plan is the one found without a callback."""
     tg, _, _ = meta_trace("gpt-tiny", 8, 64, layers=1)
     free = search(tg, 2, "cpu-local")
-    budget = free.peak_memory_bytes * 0.7
+    budget = (_least_peak(tg) + free.peak_memory_bytes) / 2
     events: list[SearchProgress] = []
     plan = search(tg, 2, "cpu-local", budget_bytes=budget, progress=events.append)
     assert plan.hash() == search(tg, 2, "cpu-local", budget_bytes=budget).hash()
@@ -257,6 +257,12 @@ def test_search_reports_cpsat_progress_where_the_budget_binds():
     assert incumbents == sorted(incumbents, reverse=True) and incumbents[-1] >= best - 1e-12
     assert bounds == sorted(bounds) and bounds[-1] <= best + 1e-12
     assert events[-1].phase == "done" and events[-1].incumbent_s == best
+
+
+def _least_peak(tg) -> int:
+    with pytest.raises(InfeasibleBudget) as err:
+        search(tg, 2, "cpu-local", budget_bytes=1)
+    return err.value.min_budget
 
 
 def test_a_progress_callback_can_stop_the_search():
@@ -271,7 +277,7 @@ def test_a_progress_callback_can_stop_the_search():
 
     free = search(tg, 2, "cpu-local")
     with pytest.raises(Enough):
-        search(tg, 2, "cpu-local", budget_bytes=free.peak_memory_bytes * 0.7, progress=stop)
+        search(tg, 2, "cpu-local", budget_bytes=(_least_peak(tg) + free.peak_memory_bytes) / 2, progress=stop)
 
 
 def test_shared_flags_are_defined_once():

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stpc.planner.elimination import TooWide, eliminate
-from stpc.planner.solver import Edge, Problem, min_memory, solve, solve_unconstrained
+from stpc.planner.solver import Edge, InfeasibleBudget, Problem, min_memory, solve, solve_unconstrained
 
 
 def _brute(unary, pairs):
@@ -244,8 +244,25 @@ def test_two_memory_phases_min_memory_and_solve_equal_brute_force(p):
 def test_the_optimizer_step_phase_can_bind_alone():
     # choice 0: little saved at the end of forward but a big optimizer step; choice 1 the reverse
     p = Problem(cost=[[1, 5]], mem=[[10, 60]], step_mem=[[100, 60]], budget=80)
-    assert p.phase_peaks([0]) == (10, 100) and p.evaluate([0]) == (1, 100)
+    assert p.phase_peaks([0]) == (10, 0, 100) and p.evaluate([0]) == (1, 100)
     sol = solve(p)
     assert sol.choice == [1] and sol.peak_bytes == 60
     # without the step phase, choice 0 fits and wins
     assert solve(Problem(cost=[[1, 5]], mem=[[10, 60]], budget=80)).choice == [0]
+
+
+def test_the_backward_phase_binds_through_a_memory_edge():
+    # two groups; the pair (0, 0) holds 50 more bytes in the last layer's backward (a weight
+    # stored sharded and read whole, gathered again), every other pair nothing
+    mem_edge = Edge(0, 1, (0, 1), (0, 1), {(0, 0): 50})
+    p = Problem(cost=[[1, 5], [1, 5]], mem=[[10, 10], [10, 10]], bwd_mem=[[5, 0], [5, 0]], mem_edges=[mem_edge])
+    assert p.phase_peaks([0, 0]) == (20, 80, 0) and p.phase_peaks([1, 0]) == (20, 25, 0)
+    assert solve(p).choice == [0, 0]  # no budget: the cheapest
+    p.budget = 79
+    sol = solve(p)  # the end of forward fits either way; the backward phase rules (0, 0) out
+    assert sol.choice in ([0, 1], [1, 0]) and sol.objective_ns == 6 and sol.peak_bytes == 25
+    assert min_memory(p) == 20
+    p.budget = 19
+    with pytest.raises(InfeasibleBudget) as err:
+        solve(p)
+    assert err.value.min_budget == 20

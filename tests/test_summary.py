@@ -38,15 +38,17 @@ def _parts_add_up(bd, plan):
                                             + bd["exposed_ring_s"], rel=1e-9, abs=1e-12)
     assert bd["hidden_s"] == pytest.approx(bd["hidden_param_sync_s"] + bd["hidden_ring_s"], rel=1e-9, abs=1e-12)
     assert min(bd[k] for k in bd) >= 0
-    # two phases: the end of forward (state + activations + transient) and the optimizer step (state +
-    # its scratch); the peak is the larger (bytes rounded per group)
+    # three phases: the end of forward (state + activations + transient), the last layer's backward
+    # (that and more) and the optimizer step (state + its scratch); the peak is the largest (bytes
+    # rounded per group)
     # (the end of forward holds no gradients: zero_grad(set_to_none=True) freed them)
     state = bd["weight_bytes"] + bd["grad_bytes"] + bd["optimizer_bytes"]
     assert bd["forward_grad_bytes"] == 0
     assert state - bd["grad_bytes"] + bd["activation_bytes"] + bd["transient_bytes"] == pytest.approx(
         bd["forward_peak_bytes"], abs=64)
     assert state + bd["step_scratch_bytes"] == pytest.approx(bd["step_peak_bytes"], abs=64)
-    assert bd["peak_bytes"] == max(bd["forward_peak_bytes"], bd["step_peak_bytes"])
+    assert bd["backward_peak_bytes"] >= bd["forward_peak_bytes"]
+    assert bd["peak_bytes"] == max(bd["forward_peak_bytes"], bd["backward_peak_bytes"], bd["step_peak_bytes"])
     # foreach AdamW's scratch: one fp32 temporary per element of optimizer state the device holds
     # (8 B of state per element in fp32-adam, 12 B in mixed-adam: fp32 master, m, v)
     state_b = (8, 12) if plan.solved is None else (bytes_per_param(plan.solved.b.memory.layout)[2],)

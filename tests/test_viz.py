@@ -103,7 +103,7 @@ def test_memory_timeline_is_the_memory_model(plans, family):
     assert _close(persistent, bd["weight_bytes"] + bd["optimizer_bytes"]) and tl["persistent"]["grads"] == 0
     assert persistent + max(tl["activations"] + tl["transient"]) <= plan.peak_memory_bytes * (1 + 1e-9)
     assert _close(persistent + bd["activation_bytes"] + bd["transient_bytes"], bd["forward_peak_bytes"])
-    assert plan.peak_memory_bytes == max(bd["forward_peak_bytes"], bd["step_peak_bytes"])
+    assert plan.peak_memory_bytes == max(bd["forward_peak_bytes"], bd["backward_peak_bytes"], bd["step_peak_bytes"])
 
 
 def test_memory_figure_panels_and_parts(plans, tmp_path):

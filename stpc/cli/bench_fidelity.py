@@ -480,8 +480,10 @@ def contributors(r: dict) -> dict:
             "forward_added_measured": w["forward_end_bytes"] - (w["start_bytes"] - w["grad_bytes"]),
             "peak_phase": peak_phase, "phase_max": phase_max,
             "step_peak_predicted": pp.get("step_peak_bytes", 0.0), "forward_peak_predicted": pp.get("forward_peak_bytes", 0.0),
-            "peak_phase_predicted": ("optimizer" if pp.get("step_peak_bytes", 0.0) > pp.get("forward_peak_bytes", 0.0)
-                                     else "forward"),
+            "backward_peak_predicted": pp.get("backward_peak_bytes", 0.0),
+            "peak_phase_predicted": max((("forward", pp.get("forward_peak_bytes", 0.0)),
+                                         ("backward", pp.get("backward_peak_bytes", 0.0)),
+                                         ("optimizer", pp.get("step_peak_bytes", 0.0))), key=lambda t: t[1])[0],
             "compute_predicted_s": pp.get("compute_s", 0.0) - pp.get("optimizer_step_s", 0.0),
             "optimizer_step_predicted_s": pp.get("optimizer_step_s", 0.0),
             "exposed_predicted_s": pp.get("exposed_s", 0.0),
@@ -590,22 +592,25 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
               "measured state (the highest rank), its activations + largest transient against what forward added "
               "on top of the state (measured live level at the end of forward, less the state), its optimizer-step "
               "peak (state + AdamW's foreach scratch) against the highest live level during the step, and the phase in "
-              "which the measured peak fell (highest live level in forward / backward / optimizer step). Time: the "
+              "which the modelled peak falls (end of forward / last layer's backward / optimizer step) against the "
+              "one the measured peak fell in (highest live level in forward / backward / optimizer step). Time: the "
               "model's compute (roofline of every op's local work, forward + backward), its optimizer step and "
               "exposed communication "
               "against the profiled step's self CPU time (the mean over ranks; the profiler slows a step a little) "
               "in GEMM and attention kernels, in every other op, in collectives and their waits, and in the ring / "
               "PrimePar ops' own bodies (their P2P waits), and the measured optimizer step.", "",
               "| plan | state MiB model / measured | activations + transient MiB model / forward added, "
-              "measured | optimizer step MiB model / measured | measured peak phase (fwd / bwd / opt MiB) | compute s model | GEMM + attention s | other ops s | "
+              "measured | optimizer step MiB model / measured | peak phase, model (fwd / bwd / opt MiB) | measured peak phase (fwd / bwd / opt MiB) | compute s model | GEMM + attention s | other ops s | "
               "exposed comm s model | collectives s | ring ops s | optimizer step s model / measured |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         c = contributors(r)
         pm = c["phase_max"]
         lines.append(f"| {r['plan']} | {_mib(c['state_predicted'])} / {_mib(c['state_measured'])} | "
                      f"{_mib(c['act_transient_predicted'])} / {_mib(c['forward_added_measured'])} | "
-                     f"{_mib(c['step_peak_predicted'])} / {_mib(pm['optimizer'])} | {c['peak_phase']} "
+                     f"{_mib(c['step_peak_predicted'])} / {_mib(pm['optimizer'])} | {c['peak_phase_predicted']} "
+                     f"({_mib(c['forward_peak_predicted'])} / {_mib(c['backward_peak_predicted'])} / "
+                     f"{_mib(c['step_peak_predicted'])}) | {c['peak_phase']} "
                      f"({_mib(pm['forward'])} / {_mib(pm['backward'])} / {_mib(pm['optimizer'])}) | "
                      f"{c['compute_predicted_s']:.3f} | {c['gemm_measured_s']:.3f} | {c['other_measured_s']:.3f} | "
                      f"{c['exposed_predicted_s']:.3f} | {c['comm_measured_s']:.3f} | {c['ring_measured_s']:.3f} | "

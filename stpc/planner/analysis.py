@@ -175,6 +175,8 @@ class GraphFacts:
     group_items: list = field(default_factory=list)  # group -> the Item that opened it
     shared: list = field(default_factory=list)       # SharedRead: decision inputs paid once per placement
     unshared_reads: int = 0        # producer nodes read by several decisions but charged per consumer
+    last_layer: set = field(default_factory=set)  # decision Items of the last layer (``backward_start``)
+    head: set = field(default_factory=set)        # decision Items after the last layer (``backward_start``)
 
     @classmethod
     def of(cls, tg: TracedGraph) -> "GraphFacts":
@@ -186,6 +188,7 @@ class GraphFacts:
         f._reads: dict = defaultdict(list)  # operand node -> [(decision Item, operand index)]
         f._items(graph)
         f._share_reads()
+        f.last_layer, f.head = backward_start(graph, f.items)
         for t in saved_bases(graph, rg, params, f._operands):
             it = f.node_item.get(t)
             if it is not None and it.kind != "param" and isinstance(t.meta["val"], torch.Tensor):
@@ -314,4 +317,29 @@ def analyse(tg: TracedGraph) -> GraphFacts:
     return tg.facts
 
 
-__all__ = ["analyse", "GraphFacts", "Item", "SharedRead", "node_signature", "tie_layers", "layer_of", "requires_grad", "constants", "saved_bases"]
+def backward_start(graph: fx.Graph, items: list[Item]) -> tuple[set, set]:
+    """(the last layer's decision Items, the head's) — the ops backward runs first, while
+    everything forward saved is still alive: the head (after the last repeated layer in
+    graph order: final norm, output projection, loss), then the last layer (an Item tied
+    across the layers stands for its copy there). Their gradients and the parameters
+    gathered again for them make the memory model's backward phase. A graph without
+    indexed layers is one layer: all its decision Items, no head."""
+    pos, last_layer, last_pos = {}, None, -1
+    for k, n in enumerate(graph.nodes):
+        pos[n] = k
+        layer = layer_of(n)
+        if layer is not None and (last_layer is None or layer >= last_layer):
+            last_layer, last_pos = layer, k
+    last, head = set(), set()
+    for it in items:
+        if it.kind != "decision":
+            continue
+        layer = layer_of(it.node)
+        if last_layer is None or (layer is not None and (it.count > 1 or layer == last_layer)):
+            last.add(it)
+        elif layer is None and pos[it.node] > last_pos:
+            head.add(it)
+    return last, head
+
+__all__ = ["analyse", "GraphFacts", "Item", "SharedRead", "node_signature", "tie_layers", "layer_of", "backward_start", "requires_grad", "constants", "saved_bases"]
+

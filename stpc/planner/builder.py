@@ -10,12 +10,14 @@ Size control (none of it gives up exactness for the graph as modelled):
   * nodes that do the same work on every mesh share one work item
     (``stpc.planner.analysis``): a mesh shape costs each item once, times its count.
 
-Memory per device is ``cost_models.MemoryModel``'s, the larger of two phases: at the end
-of forward, weights + optimizer state (under their placements; gradients only where the
-trainer keeps them through forward) + activations saved for backward (and the blocks a
-P(2^k x 2^k) op keeps for its backward, ``costs.stash_bytes``) + the largest
-transient working set of any node; in the optimizer step, weights + gradients +
-optimizer state + the optimizer's scratch (``MemoryModel.step_scratch``).
+Memory per device is ``cost_models.MemoryModel``'s, the largest of three phases: at the
+end of forward, weights + optimizer state (under their placements; gradients only where
+the trainer keeps them through forward) + activations saved for backward (and the blocks
+a P(2^k x 2^k) op keeps for its backward, ``costs.stash_bytes``) + the largest transient
+working set of any node; in the last layer's backward, that + the gradients of the head's
+parameters and of the last layer's weights (``_Group.bwd_mem``) + the ZeRO-3 weights
+gathered again for it (``_regather_edges``, memory edges); in the optimizer step, weights
++ gradients + optimizer state + the optimizer's scratch (``MemoryModel.step_scratch``).
 
 Resharding is costed on the inputs of decision nodes: one solver edge per consumer,
 except where several consumers read one tensor (``GraphFacts.shared``): a
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from stpc.cost_models import CostModel, MemoryModel, optimizer_step_time
+from stpc.cost_models import CostModel, MemoryModel, bytes_per_param, optimizer_step_time
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse
@@ -61,6 +63,7 @@ class _Group:
     own_mem: list[float] = field(default_factory=list)   # one copy of the representative parameter
     step_mem: np.ndarray | None = None  # bytes alive in the optimizer step (a parameter's state + scratch)
     step_transient: list[float] | None = None  # scratch alive while its own parameter steps (max)
+    bwd_mem: np.ndarray | None = None  # the last layer's backward beyond the end of forward (one copy)
 
 
 class Builder:
@@ -97,6 +100,7 @@ class Builder:
         self._axis_tables: dict = {}            # per-axis class keys -> merged edge table
         self._by_key: dict = {}                 # derived/follower answers per signature and input
         self.budget = None
+        self._head_params: set | None = None    # parameter Items an op of the head reads
 
     # ---------------------------------------------------------------- per item
     def _open_group(self, it: Item, strategies, cost, mem, transient, step=None, own_mem=None):
@@ -105,7 +109,8 @@ class Builder:
         self.groups.append(_Group(strategies, np.array(cost, dtype=float) * it.count,
                                   np.array(mem, dtype=float) * it.count, list(transient),
                                   own_cost=list(cost), own_mem=list(mem if own_mem is None else own_mem),
-                                  step_mem=np.asarray(step_mem, dtype=float) * it.count, step_transient=list(step_tr)))
+                                  step_mem=np.asarray(step_mem, dtype=float) * it.count, step_transient=list(step_tr),
+                                  bwd_mem=np.zeros(len(cost))))
 
     def _hinted(self, node, strategies):
         keys = (node.name, node.meta.get("module", ""))
@@ -159,6 +164,16 @@ class Builder:
             cost = [0.0] * len(choices)
         self._open_group(it, choices, cost, mem, [0.0] * len(choices), step, own_mem)
         self.place[it] = choices
+        if it.kind == "param" and node in self.rg and self._read_by_head(it):
+            # the head's backward ran before the last layer's: its gradients are held, as placed
+            grad = bytes_per_param(self.memory.layout, self.memory.fp32_grad_accum)[1]
+            self.groups[it.group].bwd_mem += np.array([val.numel() * grad / math.prod(
+                n for n, t in zip(self.mesh, p) if t != REPLICATE) for p in choices])
+
+    def _read_by_head(self, it: Item) -> bool:
+        if self._head_params is None:
+            self._head_params = {src for src, dst, _ in self.facts.edge_uses if dst in self.facts.head}
+        return it in self._head_params
 
     def _exact(self, node, what: str, choices: list, want) -> list:
         want = tuple(want)
@@ -201,6 +216,20 @@ class Builder:
         self._open_group(it, strategies, cost, stash, tr)  # (the op's own saved blocks: forward memory)
         self.place[it] = place
         self.timers[it.group] = timer
+        if it in self.facts.last_layer:
+            self.groups[it.group].bwd_mem += self._weight_grad_bytes(it, strategies)
+
+    def _weight_grad_bytes(self, it: Item, strategies) -> np.ndarray:
+        """Per strategy, the gradients of the parameters the op reads, as its backward
+        computes them: at the placement it reads each one in (the memory model's backward
+        phase, for the last layer's ops)."""
+        ops = tensor_operands(it.node)
+        idx = tuple(i for i, o in enumerate(it.operands) if o is not None and o.kind == "param" and ops[i] in self.rg)
+        if not idx:
+            return np.zeros(len(strategies))
+        sizes = [ops[i].meta["val"].numel() * ops[i].meta["val"].element_size() for i in idx]
+        return self._shared_result(("wgrad", id(strategies), idx, tuple(sizes)), lambda: np.array(
+            [sum(nb / shard_factor(s.ins[i], self.mesh) for i, nb in zip(idx, sizes)) for s in strategies]))
 
     def _derived(self, it: Item):
         """A node whose live (non-constant) operands all come from one group — elementwise
@@ -294,6 +323,35 @@ class Builder:
                     acc[k] = acc.get(k, 0.0) + c * count
         return [Edge(u, v, ucls, vcls, {k: int(round(c * NS)) for k, c in t.items() if c})
                 for (u, v, ucls, vcls), t in merged.items()]
+
+    def _regather_edges(self) -> list[Edge]:
+        """The backward phase's memory edges (``Problem.mem_edges``): a parameter an op of the
+        last layer reads whole (R or P) on a mesh axis it is stored split on, and does not
+        keep gathered (ZeRO-3), is gathered again for that op's backward; on each such axis
+        the edge holds ``MemoryModel.regathered_bytes`` of its copy gathered over the axis
+        (split as stored on the others). One layer's worth, whatever the tied count.
+        Parameters read through a shared read are not charged (none are: parameters keep
+        their edges, ``analysis._share_reads``)."""
+        staging = self.cm.cluster.gather_staging
+        out = []
+        for src, dst, i in self.facts.edge_uses:
+            if src.kind != "param" or dst not in self.facts.last_layer or src.node not in self.rg:
+                continue
+            val = src.node.meta["val"]
+            nbytes = val.numel() * val.element_size()
+            place, strategies = self.place[src], self.groups[dst.group].strategies
+            producer = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))
+            consumer = self._shared_result(("vcls", id(strategies), i), lambda: self._consumer_classes(strategies, i))
+            for a, n in enumerate(self.mesh):
+                if n == 1 or a in self.hints.keep_gathered:
+                    continue
+                (ucls, ukeys), (vcls, vkeys) = producer[a], consumer[a]
+                table = {(pc, qc): int(round(self.memory.regathered_bytes(nbytes / sf, staging)))
+                         for pc, (tok, sf) in enumerate(ukeys) if tok[0] not in "RP"
+                         for qc, (q, _) in enumerate(vkeys) if q[0] in "RP"}
+                if table:
+                    out.append(Edge(src.group, dst.group, ucls, vcls, table))
+        return out
 
     def _edges_of(self, src: Item, dst: Item, i: int):
         key = (src, dst, i)
@@ -471,7 +529,8 @@ class Builder:
     # ---------------------------------------------------------------- build
     def build(self, budget: float | None, edges: bool = True) -> Problem:
         """The solver problem; with ``edges=False`` only its groups (enough for
-        ``solver.min_memory``: memory has no pairwise terms). ``add_edges`` completes it."""
+        ``solver.min_memory_bound``; ``solver.min_memory`` needs the memory edges too,
+        ``add_memory_edges``). ``add_edges`` completes it."""
         self.budget = budget
         for it in self.facts.items:
             if it.kind in ("param", "input"):
@@ -489,11 +548,18 @@ class Builder:
                        edges=self._solver_edges() if edges else [], budget=None if budget is None else int(budget),
                        shares=self._shares() if edges else [],
                        step_mem=[np.rint(g.step_mem).astype(np.int64).tolist() for g in self.groups],
-                       step_transient=[[int(round(t)) for t in g.step_transient] for g in self.groups])
+                       step_transient=[[int(round(t)) for t in g.step_transient] for g in self.groups],
+                       bwd_mem=[np.rint(g.bwd_mem).astype(np.int64).tolist() for g in self.groups],
+                       mem_edges=self._regather_edges() if edges else [])
+
+    def add_memory_edges(self, problem: Problem) -> Problem:
+        problem.mem_edges = self._regather_edges()
+        return problem
 
     def add_edges(self, problem: Problem) -> Problem:
         problem.edges = self._solver_edges()
         problem.shares = self._shares()
+        problem.mem_edges = self._regather_edges()
         return problem
 
     # ---------------------------------------------------------------- read back

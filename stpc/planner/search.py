@@ -249,7 +249,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             tried.append({**entry, "modelled_step_time_s": None, "skipped": str(e), "solve_time_s": 0.0})
             continue
         if budget_bytes is not None and min_memory_bound(problem) > problem.budget:
-            infeasible.append(need := min_memory(problem))
+            infeasible.append(need := min_memory(b.add_memory_edges(problem)))
             tried.append({**entry, "modelled_step_time_s": None, "infeasible": True,
                           "min_budget_bytes": need, "solve_time_s": time.perf_counter() - t_shape})
             continue

@@ -16,6 +16,9 @@ CP-SAT model
           (exact for 0/1 values; its LP relaxation is tight on trees)
   T       integer >= transient of the chosen choice of every group (the max)
   memory  sum mem[g,c] x[g,c] + T <= budget          (the end of forward)
+          sum (mem + bwd_mem)[g,c] x[g,c] + sum bwd[k,p,q] f[k,p,q] + T <= budget
+                                                     (the last layer's backward; f: the
+                                                     transport variables of the memory edges)
           sum step_mem[g,c] x[g,c] + S <= budget     (the optimizer step; S >= the chosen
           step_transient of every group, the max)
   w[s,K]  integer per share s and key K: a reshard one producer's consumers share,
@@ -60,6 +63,13 @@ class Problem:
     # and the optimizer's scratch are alive): per group, per choice; None: no such phase.
     step_mem: list[list[int]] | None = None        # bytes alive throughout the step (summed)
     step_transient: list[list[int]] | None = None  # scratch alive one parameter at a time (max)
+    # The third phase, the backward of the last layer: everything of the end of forward (``mem``,
+    # the largest ``transient``) plus, per group and choice, ``bwd_mem`` (the gradients that
+    # layer computes) and, per pair of choices, ``mem_edges`` (bytes, not ns: a parameter
+    # gathered again for backward, held by the pair of its placement and its reader's);
+    # None / []: no such phase.
+    bwd_mem: list[list[int]] | None = None
+    mem_edges: list[Edge] = field(default_factory=list)
 
     def __post_init__(self):
         n = [len(c) for c in self.cost]
@@ -72,14 +82,23 @@ class Problem:
     def has_step_phase(self) -> bool:
         return self.step_mem is not None or self.step_transient is not None
 
-    def phase_peaks(self, choice: list[int]) -> tuple[int, int]:
-        """(end-of-forward peak, optimizer-step peak) bytes of a full assignment."""
+    @property
+    def has_bwd_phase(self) -> bool:
+        return self.bwd_mem is not None or bool(self.mem_edges)
+
+    def phase_peaks(self, choice: list[int]) -> tuple[int, int, int]:
+        """(end-of-forward, last layer's backward, optimizer-step) peak bytes of a full
+        assignment (0 for a phase the problem does not have)."""
         fwd = sum(self.mem[g][c] for g, c in enumerate(choice))
         fwd += max((self.transient[g][c] for g, c in enumerate(choice)), default=0)
+        bwd = 0
+        if self.has_bwd_phase:
+            bwd = fwd + (sum(self.bwd_mem[g][c] for g, c in enumerate(choice)) if self.bwd_mem is not None else 0)
+            bwd += sum(e.table.get((e.ucls[choice[e.u]], e.vcls[choice[e.v]]), 0) for e in self.mem_edges)
         step = sum(self.step_mem[g][c] for g, c in enumerate(choice)) if self.step_mem is not None else 0
         if self.step_transient is not None:
             step += max((self.step_transient[g][c] for g, c in enumerate(choice)), default=0)
-        return fwd, step
+        return fwd, bwd, step
 
     def evaluate(self, choice: list[int]) -> tuple[int, int]:
         """(objective ns, peak bytes) of a full assignment: the peak of either phase."""
@@ -90,12 +109,16 @@ class Problem:
         return obj, max(self.phase_peaks(choice))
 
     def restricted(self, keep: list[list[int]], edges: list, shares: list | None = None) -> "Problem":
-        """This problem with group g limited to the choices ``keep[g]`` (new edges given)."""
+        """This problem with group g limited to the choices ``keep[g]`` (new edges given; the
+        memory edges restricted alike)."""
         def sub(rows):
             return None if rows is None else [[r[c] for c in k] for r, k in zip(rows, keep)]
+        mem_edges = [Edge(e.u, e.v, tuple(e.ucls[c] for c in keep[e.u]), tuple(e.vcls[c] for c in keep[e.v]),
+                          e.table) for e in self.mem_edges]
         return Problem(cost=sub(self.cost), mem=sub(self.mem), transient=sub(self.transient), edges=edges,
                        budget=self.budget, cap=self.cap, shares=self.shares if shares is None else shares,
-                       step_mem=sub(self.step_mem), step_transient=sub(self.step_transient))
+                       step_mem=sub(self.step_mem), step_transient=sub(self.step_transient),
+                       bwd_mem=sub(self.bwd_mem), mem_edges=mem_edges)
 
 
 @dataclass
@@ -148,36 +171,10 @@ def _build(p: Problem, minimise_memory: bool):
             obj += [costs[c] * x[g][c] for c in range(len(costs)) if costs[c]]
     n_edge_vars = 0
     for k, e in enumerate(p.edges):
-        if not any(e.table.values()):
-            continue
-        ucls, vcls = e.ucls, e.vcls
-        P = sorted(set(ucls))
-        Q = sorted(set(vcls))
-        if x[e.u] is None and x[e.v] is None:
-            const += e.table.get((ucls[0], vcls[0]), 0)
-            continue
-        if e.u == e.v:  # a self-edge (tied layers): both ends take the same choice
-            obj += [e.table.get((ucls[c], vcls[c]), 0) * x[e.u][c] for c in range(len(ucls))
-                    if e.table.get((ucls[c], vcls[c]), 0)]
-            continue
-        if x[e.u] is None:
-            obj += [e.table.get((ucls[0], vcls[c]), 0) * x[e.v][c] for c in range(len(vcls))
-                    if e.table.get((ucls[0], vcls[c]), 0)]
-            continue
-        if x[e.v] is None:
-            obj += [e.table.get((ucls[c], vcls[0]), 0) * x[e.u][c] for c in range(len(ucls))
-                    if e.table.get((ucls[c], vcls[0]), 0)]
-            continue
-        # Transport (local-polytope) linearisation: one Boolean per class pair, whose
-        # row sums are the producer's class indicators and column sums the consumer's.
-        # Its LP relaxation is tight on trees, which keeps CP-SAT's bound strong.
-        ev = {(pc, qc): m.NewBoolVar(f"e{k}_{pc}_{qc}") for pc in P for qc in Q}
-        n_edge_vars += len(ev)
-        for pc in P:
-            m.Add(sum(ev[pc, qc] for qc in Q) == sum(x[e.u][c] for c in range(len(ucls)) if ucls[c] == pc))
-        for qc in Q:
-            m.Add(sum(ev[pc, qc] for pc in P) == sum(x[e.v][c] for c in range(len(vcls)) if vcls[c] == qc))
-        obj += [w * ev[pq] for pq, w in sorted(e.table.items()) if w and pq in ev]
+        terms, c0, nv = _pair_terms(m, x, e, f"e{k}")
+        obj += terms
+        const += c0
+        n_edge_vars += nv
     for k, share in enumerate(p.shares):
         obj += sharing.add_to_cpsat(m, x, share, str(k))
     if p.cap is not None and not minimise_memory:
@@ -186,10 +183,18 @@ def _build(p: Problem, minimise_memory: bool):
         m.Minimize(sum(obj) + const)
         return m, x, n_edge_vars
     phases = [_phase_memory(m, x, p.mem, p.transient, "transient")]
+    if p.has_bwd_phase:
+        extra, c0 = [], 0
+        for k, e in enumerate(p.mem_edges):
+            terms, c, _ = _pair_terms(m, x, e, f"f{k}")
+            extra += terms
+            c0 += c
+        phases.append(_phase_memory(m, x, p.mem, p.transient, "bwd_transient", p.bwd_mem) + sum(extra) + c0)
     if p.has_step_phase:
         phases.append(_phase_memory(m, x, p.step_mem, p.step_transient, "step_transient"))
     if minimise_memory:
-        peak = m.NewIntVar(0, sum(sum(max(r) for r in rows) for rows in _memory_rows(p)), "peak")
+        top = sum(sum(max(r) for r in rows) for rows in _memory_rows(p))
+        peak = m.NewIntVar(0, top + sum(max(e.table.values(), default=0) for e in p.mem_edges), "peak")
         for ph in phases:
             m.Add(peak >= ph)
         m.Minimize(peak)
@@ -201,20 +206,49 @@ def _build(p: Problem, minimise_memory: bool):
     return m, x, n_edge_vars
 
 
+def _pair_terms(m, x, e: Edge, name: str):
+    """(linear terms, constant, new variables) of ``e.table`` at the chosen classes of its two
+    groups. Transport (local-polytope) linearisation: one Boolean per class pair, whose row
+    sums are the producer's class indicators and column sums the consumer's. Its LP
+    relaxation is tight on trees, which keeps CP-SAT's bound strong."""
+    if not any(e.table.values()):
+        return [], 0, 0
+    ucls, vcls = e.ucls, e.vcls
+    if x[e.u] is None and x[e.v] is None:
+        return [], e.table.get((ucls[0], vcls[0]), 0), 0
+    if e.u == e.v:  # a self-edge (tied layers): both ends take the same choice
+        return [e.table.get((ucls[c], vcls[c]), 0) * x[e.u][c] for c in range(len(ucls))
+                if e.table.get((ucls[c], vcls[c]), 0)], 0, 0
+    if x[e.u] is None:
+        return [e.table.get((ucls[0], vcls[c]), 0) * x[e.v][c] for c in range(len(vcls))
+                if e.table.get((ucls[0], vcls[c]), 0)], 0, 0
+    if x[e.v] is None:
+        return [e.table.get((ucls[c], vcls[0]), 0) * x[e.u][c] for c in range(len(ucls))
+                if e.table.get((ucls[c], vcls[0]), 0)], 0, 0
+    P, Q = sorted(set(ucls)), sorted(set(vcls))
+    ev = {(pc, qc): m.NewBoolVar(f"{name}_{pc}_{qc}") for pc in P for qc in Q}
+    for pc in P:
+        m.Add(sum(ev[pc, qc] for qc in Q) == sum(x[e.u][c] for c in range(len(ucls)) if ucls[c] == pc))
+    for qc in Q:
+        m.Add(sum(ev[pc, qc] for pc in P) == sum(x[e.v][c] for c in range(len(vcls)) if vcls[c] == qc))
+    return [w * ev[pq] for pq, w in sorted(e.table.items()) if w and pq in ev], 0, len(ev)
+
+
 def _memory_rows(p: Problem) -> list:
-    return [r for r in (p.mem, p.transient, p.step_mem, p.step_transient) if r is not None]
+    return [r for r in (p.mem, p.transient, p.bwd_mem, p.step_mem, p.step_transient) if r is not None]
 
 
-def _phase_memory(m, x, summed, maxed, name: str):
-    """CP-SAT expression of one memory phase's bytes: the chosen ``summed`` bytes of every
-    group plus the largest chosen ``maxed`` bytes (an integer variable ``name`` at least each
-    group's); either list may be None (nothing of that kind in the phase)."""
+def _phase_memory(m, x, summed, maxed, name: str, also=None):
+    """CP-SAT expression of one memory phase's bytes: the chosen ``summed`` (and ``also``)
+    bytes of every group plus the largest chosen ``maxed`` bytes (an integer variable
+    ``name`` at least each group's); any list may be None (nothing of that kind in the phase)."""
     terms, const = [], 0
-    for g, mems in enumerate(summed or []):
-        if x[g] is None:
-            const += mems[0]
-        else:
-            terms += [mems[c] * x[g][c] for c in range(len(mems)) if mems[c]]
+    for rows in (summed, also):
+        for g, mems in enumerate(rows or []):
+            if x[g] is None:
+                const += mems[0]
+            else:
+                terms += [mems[c] * x[g][c] for c in range(len(mems)) if mems[c]]
     if maxed is not None:
         top = m.NewIntVar(0, max(0, max((max(t) for t in maxed), default=0)), name)
         for g, ts in enumerate(maxed):
@@ -237,7 +271,7 @@ def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int
     in_share = {g for s in p.shares for g in (s.u, *s.vs)}  # (their costs are not pairwise: kept whole)
     for _ in range(rounds):
         incident = [[] for _ in p.cost]
-        for e in p.edges:
+        for e in (*p.edges, *p.mem_edges):  # (time and memory tables alike: no worse for any neighbour)
             incident[e.u].append(e)
             if e.v != e.u:
                 incident[e.v].append(e)
@@ -389,30 +423,35 @@ def eliminated(p: Problem, choice: list[int], objective_ns: int, peak_bytes: int
 def min_memory(p: Problem, time_limit_s: float = 60.0) -> int:
     """The smallest per-device peak any assignment reaches, exactly.
 
-    Memory has no pairwise terms. With one phase: for a transient cap ``t`` every group
-    takes its least-memory choice among those with transient <= ``t``; the answer is the
-    best ``t`` among the transients that occur. With the optimizer step's phase too, the
-    peak is the larger of two sums, and CP-SAT minimises it (a model of the groups alone,
-    no edges: small)."""
-    if p.has_step_phase:
-        return _min_peak_two_phases(p, time_limit_s)
+    With the end of forward alone, memory has no pairwise terms: for a transient cap ``t``
+    every group takes its least-memory choice among those with transient <= ``t``; the
+    answer is the best ``t`` among the transients that occur. With the last layer's
+    backward or the optimizer step too, the peak is the largest of several sums, and
+    CP-SAT minimises it (a model of the groups and the memory edges alone, no time: small)."""
+    if p.has_step_phase or p.has_bwd_phase:
+        return _min_peak_phases(p, time_limit_s)
     return _min_forward_peak(p)
 
 
 def min_memory_bound(p: Problem) -> int:
-    """A lower bound of :func:`min_memory`, cheap: each phase's own minimum."""
+    """A lower bound of :func:`min_memory`, cheap: each phase's own minimum (the memory
+    edges, never negative, left out)."""
     fwd = _min_forward_peak(p)
-    if not p.has_step_phase:
-        return fwd
-    step = sum(min(r) for r in p.step_mem) if p.step_mem is not None else 0
-    if p.step_transient is not None:
-        step += max(min(t) for t in p.step_transient)
-    return max(fwd, step)
+    bounds = [fwd]
+    if p.bwd_mem is not None:
+        tr = max(min(t) for t in p.transient) if p.transient else 0
+        bounds.append(sum(min(a + b for a, b in zip(r, e)) for r, e in zip(p.mem, p.bwd_mem)) + tr)
+    if p.has_step_phase:
+        step = sum(min(r) for r in p.step_mem) if p.step_mem is not None else 0
+        if p.step_transient is not None:
+            step += max(min(t) for t in p.step_transient)
+        bounds.append(step)
+    return max(bounds)
 
 
-def _min_peak_two_phases(p: Problem, time_limit_s: float) -> int:
+def _min_peak_phases(p: Problem, time_limit_s: float) -> int:
     q = Problem(cost=[[0] * len(c) for c in p.cost], mem=p.mem, transient=p.transient,
-                step_mem=p.step_mem, step_transient=p.step_transient)
+                step_mem=p.step_mem, step_transient=p.step_transient, bwd_mem=p.bwd_mem, mem_edges=p.mem_edges)
     m, x, _ = _build(q, minimise_memory=True)
     solver = _solver(time_limit_s)
     status = solver.Solve(m)

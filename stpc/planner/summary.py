@@ -327,7 +327,7 @@ def _breakdown(sv: Solved) -> dict:
         act += count * b.memory.saved_bytes(val.numel() * val.element_size(),
                                             shard_factor(b.place[it][ch[it.group]], mesh))
     transient = max((p.transient[g][c] for g, c in enumerate(ch)), default=0)
-    forward_peak, step_peak = p.phase_peaks(ch)
+    forward_peak, backward_peak, step_peak = p.phase_peaks(ch)
     return {"step_s": step_s, "compute_s": compute, "optimizer_step_s": optimizer_step, "exposed_s": exposed, "hidden_s": ring_hidden + param_hidden,
             "exposed_reshard_s": other_edges + gathers, "exposed_ring_s": ring_exposed,
             "exposed_param_sync_s": param_real, "overlap_slowdown_s": slowdown,
@@ -335,6 +335,7 @@ def _breakdown(sv: Solved) -> dict:
             "peak_bytes": float(sv.peak), "weight_bytes": weight, "grad_bytes": grad, "optimizer_bytes": opt,
             "activation_bytes": act, "transient_bytes": float(transient),
             "forward_peak_bytes": float(forward_peak), "step_peak_bytes": float(step_peak),
+            "backward_peak_bytes": float(backward_peak),  # (0: a problem without that phase)
             # the gradients the end of forward holds (0: zero_grad frees them, MemoryModel.grads_at_forward)
             "forward_grad_bytes": grad if b.memory.grads_at_forward else 0.0,
             "kept_weight_bytes": kept,  # (part of activation_bytes)
@@ -463,6 +464,12 @@ def _why(plan, name: str, deadline: float) -> str:
     return f"next {other[0]}: {_ms(other[1] - mine, True)} locally"
 
 
+def _peak_phase(bd: dict) -> str:
+    phases = {"end of forward": bd["forward_peak_bytes"], "last layer's backward": bd.get("backward_peak_bytes", 0.0),
+              "optimizer step": bd["step_peak_bytes"]}
+    return max(phases, key=phases.get)
+
+
 def summary(plan, cpsat_s: float = 2.0) -> str:
     """The plan in a page (see the module docstring). Where the memory budget binds, the
     alternatives are re-solved by CP-SAT for up to ``cpsat_s`` seconds in all; past that
@@ -514,10 +521,11 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
                 f"  optimizer scratch {_bytes(bd['step_scratch_bytes']):>9}  the optimizer step's temporaries",
                 f"  end of forward {_bytes(bd['forward_peak_bytes']):>12}  parameters + optimizer + activations + "
                 "transient" + (" + gradients" if bd.get("forward_grad_bytes") else " (zero_grad freed the gradients)"),
+                f"  last layer's backward {_bytes(bd.get('backward_peak_bytes', 0.0)):>5}  the end of forward + "
+                "the gradients the head and the last layer compute + ZeRO-3 weights gathered again for it",
                 f"  optimizer step {_bytes(bd['step_peak_bytes']):>12}  parameters + gradients + optimizer + "
                 "optimizer scratch (activations are freed)",
-                "  the peak is the larger phase: the " + ("optimizer step" if bd["step_peak_bytes"] >
-                                                          bd["forward_peak_bytes"] else "end of forward")]
+                "  the peak is the largest phase: the " + _peak_phase(bd)]
     lines += ["", "per distinct layer, each matmul-like op: module, node, strategy ([family@axis] operand "
                   "placements -> output placement, a token per mesh axis),",
               "next: " + ("the best plan in which it takes any other strategy (mirror images over interchangeable "

@@ -13,9 +13,9 @@ What the model holds, and so what is drawn:
   buffer), from the solved problem.
 
 The model gives no order to backward: it says only that the end of forward, where every
-saved tensor is alive, is forward's peak (the plan's peak is it or the optimizer step's,
-drawn as a line), and charges the largest transient of any op on top of
-it. The timeline therefore mirrors forward: in backward a saved tensor is released once
+saved tensor is alive, is forward's peak (the plan's peak is it, the last layer's backward
+or the optimizer step, drawn as a line), and charges the largest transient of any op on top
+of it. The timeline therefore mirrors forward: in backward a saved tensor is released once
 backward has passed its producer (an approximation; autograd frees it when the op that
 saved it is done), and each op's transient is drawn at its forward size. Its highest point
 is at most the modelled peak (drawn as a line): the model adds the largest transient to
@@ -91,7 +91,8 @@ def memory_timeline(plan, tg=None) -> dict:
 
 def memory(plan, tg=None, out=None):
     """Per-device memory over the step (left: forward ops then backward, the parts stacked;
-    right: the parts at the modelled peak, which add up to it). Returns the Figure; saves it
+    right: the parts at the end of forward, which add up to it, under the modelled peak's
+    line: above them where the last layer's backward or the optimizer step is the peak). Returns the Figure; saves it
     to ``out`` when given. See the module docstring for what is modelled and what is not."""
     tl = memory_timeline(plan, tg)
     scale, u = unit([tl["peak"]], "bytes")
@@ -117,7 +118,7 @@ def memory(plan, tg=None, out=None):
             ax.fill_between(x, base, base + trn, step="post", color=COLORS["transient"], alpha=0.6, linewidth=0,
                             label="transient (the op's working set)")
         ax.axhline(tl["peak"] / scale, color="black", linestyle="--", linewidth=1,
-                   label="modelled peak (the larger of the end of forward and the optimizer step)")
+                   label="modelled peak (the largest of the end of forward, the last layer's backward and the optimizer step)")
         ax.axvline(n, color="gray", linewidth=0.8)
         ax.annotate("end of forward", (n, tl["peak"] / scale * 1.06), xytext=(3, 0), textcoords="offset points",
                     fontsize=8, color="gray", va="center")
