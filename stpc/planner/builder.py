@@ -349,8 +349,10 @@ class Builder:
                 table = {(pc, qc): int(round(self.memory.regathered_bytes(nbytes / sf, staging)))
                          for pc, (tok, sf) in enumerate(ukeys) if tok[0] not in "RP"
                          for qc, (q, _) in enumerate(vkeys) if q[0] in "RP"}
-                if table:
-                    out.append(Edge(src.group, dst.group, ucls, vcls, table))
+                if table:  # (classes alike in every entry merged: a few pairs, not placements squared)
+                    rmap, cmap, table = _merge_classes(len(ukeys), len(vkeys), table)
+                    out.append(Edge(src.group, dst.group, tuple([rmap[c] for c in ucls]),
+                                    tuple([cmap[c] for c in vcls]), table))
         return out
 
     def _edges_of(self, src: Item, dst: Item, i: int):
