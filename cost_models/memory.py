@@ -29,8 +29,9 @@
   and AdamW's scratch beside them (foreach: one fp32 temporary per element of state).
 
 The solver encodes exactly this (``Problem.mem`` and ``Problem.transient`` per choice,
-the end of forward = sum + max; ``Problem.step_mem`` and ``Problem.step_transient``, the
-optimizer step). The closed-form estimator (``estimator.py``) takes its
+the end of forward = sum + max; ``Problem.bwd_mem`` per choice and ``Problem.mem_edges``
+per pair of choices on top of it, the last layer's backward; ``Problem.step_mem`` and
+``Problem.step_transient``, the optimizer step). The closed-form estimator (``estimator.py``) takes its
 bytes per parameter from here and is held against the planner in the tests; measured
 peaks (MemTracker) live with the benchmarks and tests that measure.
 

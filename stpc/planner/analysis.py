@@ -341,5 +341,5 @@ def backward_start(graph: fx.Graph, items: list[Item]) -> tuple[set, set]:
             head.add(it)
     return last, head
 
-__all__ = ["analyse", "GraphFacts", "Item", "SharedRead", "node_signature", "tie_layers", "layer_of", "backward_start", "requires_grad", "constants", "saved_bases"]
 
+__all__ = ["analyse", "GraphFacts", "Item", "SharedRead", "node_signature", "tie_layers", "layer_of", "backward_start", "requires_grad", "constants", "saved_bases"]

@@ -100,7 +100,7 @@ class Builder:
         self._axis_tables: dict = {}            # per-axis class keys -> merged edge table
         self._by_key: dict = {}                 # derived/follower answers per signature and input
         self.budget = None
-        self._head_params: set | None = None    # parameter Items an op of the head reads
+        self.head_params = {src for src, dst, _ in self.facts.edge_uses if dst in self.facts.head}
 
     # ---------------------------------------------------------------- per item
     def _open_group(self, it: Item, strategies, cost, mem, transient, step=None, own_mem=None):
@@ -139,10 +139,10 @@ class Builder:
                 choices = self._exact(node, f"parameter {fqn}", choices, self.hints.param_exact[fqn])
             choices = self._choice_lists.setdefault(tuple(choices), choices)  # (equal lists: one object)
             cost = [0.0] * len(choices)
+            shards = [math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE) for p in choices]
             if node.name in self.tg.tied_params:  # the same tensor as an earlier parameter: held once
                 mem = [0.0] * len(choices)
             else:
-                shards = [math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE) for p in choices]
                 mem = [self.memory.param_bytes(val.numel(), w) for w in shards]
                 if node in self.rg:  # the optimizer steps the elements this device holds the state of
                     cost = [optimizer_step_time(self.cm.device, val.numel() / w, self.memory.layout) for w in shards]
@@ -164,16 +164,10 @@ class Builder:
             cost = [0.0] * len(choices)
         self._open_group(it, choices, cost, mem, [0.0] * len(choices), step, own_mem)
         self.place[it] = choices
-        if it.kind == "param" and node in self.rg and self._read_by_head(it):
+        if it.kind == "param" and node in self.rg and it in self.head_params:
             # the head's backward ran before the last layer's: its gradients are held, as placed
             grad = bytes_per_param(self.memory.layout, self.memory.fp32_grad_accum)[1]
-            self.groups[it.group].bwd_mem += np.array([val.numel() * grad / math.prod(
-                n for n, t in zip(self.mesh, p) if t != REPLICATE) for p in choices])
-
-    def _read_by_head(self, it: Item) -> bool:
-        if self._head_params is None:
-            self._head_params = {src for src, dst, _ in self.facts.edge_uses if dst in self.facts.head}
-        return it in self._head_params
+            self.groups[it.group].bwd_mem += np.array([val.numel() * grad / w for w in shards])
 
     def _exact(self, node, what: str, choices: list, want) -> list:
         want = tuple(want)
@@ -561,8 +555,7 @@ class Builder:
     def add_edges(self, problem: Problem) -> Problem:
         problem.edges = self._solver_edges()
         problem.shares = self._shares()
-        problem.mem_edges = self._regather_edges()
-        return problem
+        return self.add_memory_edges(problem)
 
     # ---------------------------------------------------------------- read back
     def to_plan(self, choice: list[int], sol, problem: Problem, meta: dict) -> Plan:
