@@ -66,7 +66,8 @@ def _backward_extra(tg, plan, mesh, staging):
 def recompute_peak(tg, plan, layout="fp32-adam"):
     """Per-device peak from the plan's placements alone (not from solver variables): the
     largest of the end of forward, params + optimizer (a tied parameter once; zero_grad freed
-    the gradients) + saved activations + the largest node working set, the last layer's
+    the gradients) + saved activations + the largest node working set (the loss's with its
+    log-probabilities), the last layer's
     backward (``_backward_extra`` more, with the plan's cluster's gather_staging), and the
     optimizer step, params + grads + optimizer + AdamW's foreach scratch."""
     mesh = tuple(plan.mesh_shape)
@@ -102,6 +103,8 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
         t += sum(_nbytes(o.meta["val"], p, mesh) for o, p in zip(ops, np_.ins))
         if np_.kind not in ("spatial", "replicate-fallback"):
             t += 2 * _nbytes(ops[0].meta["val"], np_.ins[0], mesh)
+        if n.target is torch.ops.aten.cross_entropy_loss.default:  # its log-probabilities
+            t += _nbytes(ops[0].meta["val"], np_.ins[0], mesh)
         trans = max(trans, t)
     # the optimizer step: the same state, activations gone, foreach AdamW's scratch (one fp32
     # temporary per element of the parameters this device steps)
@@ -193,6 +196,23 @@ def test_the_optimizer_step_is_the_peak_where_activations_are_small():
     budget = (bd["forward_peak_bytes"] + bd["step_peak_bytes"]) / 2
     tight = plan_graph(tg, cm, budget=budget)
     assert recompute_peak(tg, tight) <= budget and tight.peak_memory_bytes <= budget
+
+
+def test_the_loss_working_set_holds_its_log_probabilities():
+    # aten.cross_entropy_loss computes log_softmax of the logits before the loss: while it
+    # runs, the logits and their log-probabilities are both alive (and its backward holds two
+    # logits-sized gradients beside the saved log-probabilities). Data parallel on 4: each rank
+    # holds a quarter of the rows of the logits; with a vocabulary of 2048 (64 times the
+    # width), the loss is the largest working set.
+    tg = _meta_trace("gpt-tiny", batch=8, seq=64, vocab=2048)
+    plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=data_parallel((4,)))
+    loss = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.cross_entropy_loss.default)
+    logits, targets = tensor_operands(loss)
+    np_ = plan.nodes[loss.name]
+    local = [_nbytes(o.meta["val"], p, (4,)) for o, p in zip((logits, targets), np_.ins)]
+    out = loss.meta["val"].numel() * loss.meta["val"].element_size()
+    assert local[0] == logits.meta["val"].numel() // 4 * 4  # a quarter of the rows, fp32
+    assert breakdown(plan)["transient_bytes"] == pytest.approx(2 * local[0] + local[1] + out)
 
 
 def test_a_zero3_plan_peaks_in_the_last_layers_backward():

@@ -192,18 +192,32 @@ class NodeTimer:
         raise ValueError(f"unknown strategy family {s.kind!r}")
 
 
+# Ops that materialise working copies of their first operand beyond their output: one aten
+# op whose kernel allocates intermediates of that operand's (local) size. cross_entropy_loss
+# computes log_softmax of the logits (kept for backward) before the loss; its backward then
+# holds two more logits-sized gradients (nll's and log_softmax's) beside it, which the last
+# layer's backward phase sees through this same largest transient. Measured: the p2x2
+# fidelity plan (logits gathered whole, 64 MiB a rank) peaks at its loss's backward with
+# the 64 MiB log-probabilities and both 64 MiB gradients alive.
+WORKING_COPIES = {aten.cross_entropy_loss.default: 1}
+
+
 def transient_bytes(node, strategies, mesh, memory: MemoryModel) -> list[float]:
     """Per strategy, the node's working set while it runs (``MemoryModel.transient_bytes``):
-    its local operands and output, plus the double-buffered ring blocks (blocks of its
-    first operand) of a temporal family."""
+    its local operands and output, the working copies of its first operand it allocates
+    (``WORKING_COPIES``), plus the double-buffered ring blocks (blocks of its first operand)
+    of a temporal family."""
     val = node.meta["val"]
     out = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
     ins = [o.meta["val"].numel() * o.meta["val"].element_size() for o in tensor_operands(node)]
+    copies = WORKING_COPIES.get(node.target, 0)
     sizes = []
     for s in strategies:
         local_ins = [nb / shard_factor(p, mesh) for nb, p in zip(ins, s.ins)]
         ring = 0.0 if s.kind in ("spatial", "replicate-fallback") else local_ins[0]
-        sizes.append(memory.transient_bytes(local_ins, out / shard_factor(s.out, mesh) if out else 0, ring))
+        work = copies * local_ins[0] if local_ins else 0.0
+        sizes.append(memory.transient_bytes(local_ins, (out / shard_factor(s.out, mesh) if out else 0) + work,
+                                            ring))
     return sizes
 
 
@@ -231,4 +245,4 @@ def kept_gathered_bytes(val, placement, mesh, axes) -> float:
     return val.numel() * val.element_size() / rest
 
 
-__all__ = ["kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]
+__all__ = ["WORKING_COPIES", "kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]

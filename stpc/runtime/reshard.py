@@ -192,6 +192,14 @@ def _chunk(x: Tensor, dim: int, n: int, i: int) -> Tensor:
     return x.narrow(dim, i * s, s)
 
 
+def _own(piece: Tensor) -> Tensor:
+    """A slice as a compact tensor of its own. ``.contiguous()`` is not enough: a slice along
+    the outermost dim is already contiguous, so it would stay a view, and wherever it is saved
+    for backward (attention saves q, k, v) it keeps the whole gathered tensor alive, n times
+    the slice the plan (and the memory model) holds."""
+    return piece.clone(memory_format=torch.contiguous_format)
+
+
 def _a2a_impl(x: Tensor, src_dim: int, dst_dim: int, group: str) -> Tensor:
     n = _size(group)
     parts = torch.stack(list(x.chunk(n, dim=dst_dim)), 0).contiguous()
@@ -219,7 +227,7 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx, g):
         if ctx.grad == "rs":
             return _rs(g, ctx.dim, ctx.group), None, None, None
-        return _chunk(g, ctx.dim, _size(ctx.group), _rank(ctx.group)).contiguous(), None, None, None
+        return _own(_chunk(g, ctx.dim, _size(ctx.group), _rank(ctx.group))), None, None, None
 
 
 def all_gather(x: Tensor, dim: int, group: str, grad: str = "rs") -> Tensor:
@@ -313,7 +321,7 @@ class _ShardSlice(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _chunk(x, dim, _size(group), _rank(group)).contiguous()
+        return _own(_chunk(x, dim, _size(group), _rank(group)))
 
     @staticmethod
     def backward(ctx, g):
@@ -379,14 +387,19 @@ def _grid_block(x: Tensor, kind: str, i: int, j: int, rank: int, n: int) -> Tens
     return _chunk(_chunk(x, i, q, bi), j, q, bj)
 
 
-def _grid_assemble(blocks: list[Tensor], kind: str, i: int, j: int) -> Tensor:
-    n = len(blocks)
+def _grid_assemble(stacked: Tensor, kind: str, i: int, j: int) -> Tensor:
+    """The whole tensor from ``stacked`` [n, *block] (every rank's block, by group rank), each
+    block copied straight into its place: one output allocation beside the gathered buffer
+    (concatenating rows first and then the rows would hold a third full-size copy)."""
+    n = stacked.shape[0]
     q = math.isqrt(n)
-    grid = [[None] * q for _ in range(q)]
-    for rank, b in enumerate(blocks):
-        bi, bj = _grid_index(kind, rank // q, rank % q, q)
-        grid[bi][bj] = b
-    return torch.cat([torch.cat(row, dim=j) for row in grid], dim=i)
+    shape = list(stacked.shape[1:])
+    shape[i] *= q
+    shape[j] *= q
+    out = stacked.new_empty(shape)
+    for rank in range(n):
+        _grid_block(out, kind, i, j, rank, n).copy_(stacked[rank])
+    return out
 
 
 def _grid_blocks_of(full: Tensor, kind: str, i: int, j: int, n: int) -> Tensor:
@@ -399,7 +412,7 @@ class _GridGather(torch.autograd.Function):
     def forward(ctx, x, kind, i, j, group, grad):
         ctx.args = (kind, i, j, group, grad)
         stacked = _ag(x.unsqueeze(0), 0, group)
-        return _grid_assemble(list(stacked.unbind(0)), kind, i, j)
+        return _grid_assemble(stacked, kind, i, j)
 
     @staticmethod
     def backward(ctx, g):
@@ -409,7 +422,7 @@ class _GridGather(torch.autograd.Function):
             blocks = _grid_blocks_of(g, kind, i, j, n)
             dx = _rs(blocks, 0, group).squeeze(0)
         else:
-            dx = _grid_block(g, kind, i, j, _rank(group), n).contiguous()
+            dx = _own(_grid_block(g, kind, i, j, _rank(group), n))
         return dx, None, None, None, None, None
 
 
@@ -422,13 +435,13 @@ class _GridSlice(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kind, i, j, group):
         ctx.args = (kind, i, j, group)
-        return _grid_block(x, kind, i, j, _rank(group), _size(group)).contiguous()
+        return _own(_grid_block(x, kind, i, j, _rank(group), _size(group)))
 
     @staticmethod
     def backward(ctx, g):
         kind, i, j, group = ctx.args
         stacked = _ag(g.unsqueeze(0), 0, group)
-        return _grid_assemble(list(stacked.unbind(0)), kind, i, j), None, None, None, None
+        return _grid_assemble(stacked, kind, i, j), None, None, None, None
 
 
 def grid_slice(x: Tensor, kind: str, i: int, j: int, group: str) -> Tensor:
@@ -598,7 +611,7 @@ def unshard_tensor(local: Tensor, placement, groups: list[str]) -> Tensor:
             x = _ag(x, dims[0], groups[a])
         elif kind in "BXW":
             stacked = _ag(x.unsqueeze(0), 0, groups[a])
-            x = _grid_assemble(list(stacked.unbind(0)), kind, dims[0], dims[1])
+            x = _grid_assemble(stacked, kind, dims[0], dims[1])
         elif kind == "P":
             x = _ar(x, groups[a])
     return x
