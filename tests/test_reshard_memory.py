@@ -8,6 +8,8 @@ runtime must not keep more.
 * ``grid_gather`` of every grid kind: the whole tensor, equal to the reference, built
   with one allocation of its size beside the all-gather's buffer (not a row concatenation
   and then a concatenation of the rows: a third full-size copy at the peak).
+* ZeRO-3's gradient layout for the reduce-scatter: one copy of each gradient, into the
+  flat buffer (in-process).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from stpc.runtime.launch import spawn
+from stpc.runtime.param_gather import _cut, _rank_major
 from stpc.runtime.reshard import _grid_block, grid_gather, shard_slice
 
 FULL = (8, 12, 16)   # dims 1 and 2 split by the 2 x 2 grid; dim 0 by 4 ranks
@@ -71,3 +74,18 @@ def test_a_grid_gather_holds_one_whole_copy_beside_the_collective_buffer(results
         assert equal, f"rank {rank}: grid_gather of kind {kind} assembled the wrong tensor"
         assert top <= bound, (f"rank {rank}: grid_gather of kind {kind} climbed {top} B, more than the "
                               f"gathered buffer plus one whole copy ({bound} B)")
+
+
+def test_gathered_gradients_are_laid_out_rank_major_in_one_copy():
+    # ZeRO-3's backward: the whole gradients of a coalesced gather, rank-major as the gathered
+    # buffer was, for the reduce-scatter. The layout is _cut's inverse, and building it
+    # allocates the flat buffer only (a transposed gradient, as mm's backward makes, included).
+    n, shapes, dims = 4, [(3, 5), (6, 2), (7,)], [1, 0, 0]
+    shards = [torch.randn(n, *s) for s in shapes]                    # [rank, *shard]
+    buf = torch.cat([s.reshape(n, -1) for s in shards], dim=1)       # as all-gathered
+    fulls = _cut(buf, shapes, dims, n)
+    grads = [fulls[0].t().contiguous().t(), fulls[1], None]          # a non-contiguous one, a missing one
+    flat, top = _climb(lambda: _rank_major(grads, shapes, dims, n, torch.float32, torch.device("cpu")))
+    want = torch.cat([shards[0].reshape(n, -1), shards[1].reshape(n, -1), torch.zeros(n, 7)], dim=1)
+    assert torch.equal(flat, want.reshape(-1))
+    assert top == flat.numel() * flat.element_size(), f"climbed {top} B for a {flat.numel() * 4} B buffer"

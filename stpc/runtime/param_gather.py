@@ -101,15 +101,7 @@ class _GatherWait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         n = ctx.n
-        parts = []
-        for g, shape, d in zip(grads, ctx.shapes, ctx.dims):
-            if g is None:  # a parameter no consumer differentiates: no gradient to reduce
-                parts.append(torch.zeros(n, math.prod(shape), dtype=ctx.like[0], device=ctx.like[1]))
-                continue
-            split = list(shape)
-            split[d:d + 1] = [n, shape[d]]
-            parts.append(g.reshape(split).movedim(d, 0).reshape(n, -1))  # rank-major, as gathered
-        flat = torch.cat(parts, dim=1).reshape(-1)
+        flat = _rank_major(grads, ctx.shapes, ctx.dims, n, *ctx.like)
         start, ctx.start = ctx.start, None
         if start is None:
             return flat, None, None, None
@@ -119,6 +111,27 @@ class _GatherWait(torch.autograd.Function):
         start.pending = _guarded("reduce_scatter (coalesced parameter gradients)", _c10d.reduce_scatter_tensor,
                                  ctx.group, flat, "sum", n, ctx.group)
         return torch.zeros((), dtype=flat.dtype, device=flat.device).expand(flat.shape), None, None, None
+
+
+def _rank_major(grads, shapes, dims, n: int, dtype, device) -> Tensor:
+    """The whole gradients ``grads`` (None: no gradient, zeros) laid out as the gathered buffer
+    was, rank-major ([rank, flat shards], flattened): what the reduce-scatter reads. Each is
+    copied once, straight into its place (a per-gradient reshape to rank-major and then a
+    concatenation made two whole copies: 16 MiB more than FSDP2 at the runtime bench's
+    backward peak)."""
+    buf = torch.empty(n, sum(math.prod(shape) for shape in shapes), dtype=dtype, device=device)
+    offset = 0
+    for g, shape, d in zip(grads, shapes, dims):
+        k = math.prod(shape)
+        place = buf[:, offset:offset + k].view(n, *shape)  # [rank, *shard]
+        offset += k
+        if g is None:  # a parameter no consumer differentiates: no gradient to reduce
+            place.zero_()
+            continue
+        split = list(shape)
+        split[d:d + 1] = [n, shape[d]]
+        place.copy_(g.reshape(split).movedim(d, 0))
+    return buf.view(-1)
 
 
 def _cut(buf: Tensor, shapes, dims, n: int) -> list[Tensor]:
