@@ -57,7 +57,7 @@ _FN = {
     "reduce_scatter": runtime.reduce_scatter, "all_to_all": runtime.all_to_all,
     "shard_slice": runtime.shard_slice, "to_partial": runtime.to_partial,
     "grad_all_reduce": runtime.grad_all_reduce, "grid_gather": runtime.grid_gather,
-    "grid_slice": runtime.grid_slice, "grid_skew": runtime.grid_skew,
+    "grid_slice": runtime.grid_slice, "grid_skew": runtime.grid_skew, "redistribute": runtime.redistribute,
 }
 _SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 
@@ -82,7 +82,8 @@ def reshard_steps(src, dst, mesh, consumer_split=None, needs_grad=True) -> list[
     DTensor), so an axis can only be gathered or re-split while no inner axis
     splits a dim it touches: such inner axes are gathered first and split
     again afterwards. Phase A (innermost axis first) removes splits and
-    partial sums or exchanges them directly (all-to-all, the PrimePar skew,
+    partial sums or exchanges them directly (all-to-all, the PrimePar skew, a
+    redistribution by slice overlap between any two other split layouts,
     reduce-scatter) when no other changing axis touches the same dims;
     phase B (outermost first) slices or makes Partial. Backward duals
     (``grad=``) follow ``stpc.planner.costs``: a Replicate result whose consumer splits
@@ -129,6 +130,9 @@ def reshard_steps(src, dst, mesh, consumer_split=None, needs_grad=True) -> list[
                 cur[a] = q
             elif direct(a) and {tk, qk} == {"B", "X"} and parse(t)[1] == parse(q)[1]:
                 steps.append(("grid_skew", a, {"inverse": tk == "X"}, q))
+                cur[a] = q
+            elif direct(a) and qk in "SBXW":  # split to split: only the slices' overlaps move
+                steps.append(("redistribute", a, {"src": t, "dst": q}, q))
                 cur[a] = q
             else:
                 grad = "rs" if (q == REPLICATE and partial_grad) else "slice"

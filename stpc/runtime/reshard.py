@@ -30,6 +30,9 @@ below, Megatron's "f"). Per mesh axis:
   grid_skew          B -> X (P2P, PrimePar)       X -> B (P2P)
   grid_relayout      one grid layout to another   the reverse permutation (P2P)
                      (a permutation, P2P)
+  redistribute       a split layout (S or grid)   the reverse exchange
+                     to another: all-to-all of
+                     the slices' overlaps
 
 Plus the local rewrites of split ops (:func:`vocab_parallel_embedding`,
 :func:`cross_entropy_count`), the
@@ -55,7 +58,7 @@ from stpc.runtime.failure import comm_failure
 __all__ = [
     "all_gather", "all_reduce", "all_reduce_start", "wait", "reduce_scatter", "all_to_all", "shard_slice",
     "to_partial",
-    "grad_all_reduce", "grid_gather", "grid_slice", "grid_skew", "grid_relayout", "grid_linear",
+    "grad_all_reduce", "grid_gather", "grid_slice", "grid_skew", "grid_relayout", "grid_linear", "redistribute",
     "vocab_parallel_embedding", "cross_entropy_count", "shard_tensor", "unshard_tensor", "axis_groups", "joint_group", "resolve_group", "mesh_coords", "skew_peers",
     "relayout_peers",
     "COMM_FUNCTIONS",
@@ -529,6 +532,97 @@ def grid_relayout(x: Tensor, src: str, dst: str, group: str) -> Tensor:
     return _GridRelayout.apply(x, src, dst, group)
 
 
+# --------------------------------------------------------------------------- slice overlap
+
+
+def _held_box(tok: str, k: int, n: int, full: list[int]) -> list[tuple[int, int]]:
+    """(start, length) per dim of the block group rank ``k`` holds under the split token
+    ``tok`` (S(d), or a grid kind over (i, j)) of a tensor of shape ``full`` on this axis."""
+    kind, dims = parse(tok)
+    box = [(0, s) for s in full]
+    if kind == "S":
+        pieces = {dims[0]: (k, n)}
+    else:
+        q = math.isqrt(n)
+        bi, bj = _grid_index(kind, k // q, k % q, q)
+        pieces = {dims[0]: (bi, q), dims[1]: (bj, q)}
+    for d, (idx, parts) in pieces.items():
+        if full[d] % parts:
+            raise ValueError(f"cannot split dim {d} of a tensor of shape {tuple(full)} into {parts} equal "
+                             f"pieces ({full[d]} is not a multiple of {parts})")
+        size = full[d] // parts
+        box[d] = (idx * size, size)
+    return box
+
+
+def _whole_shape(local: torch.Size, tok: str, n: int) -> list[int]:
+    kind, dims = parse(tok)
+    full = list(local)
+    for d in dims:
+        full[d] *= n if kind == "S" else math.isqrt(n)
+    return full
+
+
+def _overlap(a, b):
+    """The box both boxes cover, or None."""
+    box = [(max(s, t), min(s + m, t + l) - max(s, t)) for (s, m), (t, l) in zip(a, b)]
+    return None if any(length <= 0 for _, length in box) else box
+
+
+def _within(box, origin) -> tuple:
+    """Index of ``box`` inside a tensor that holds the box ``origin``."""
+    return tuple(slice(s - o, s - o + length) for (s, length), (o, _) in zip(box, origin))
+
+
+def _redistribute_impl(x: Tensor, src: str, dst: str, group: str) -> Tensor:
+    n, me = _size(group), _rank(group)
+    full = _whole_shape(x.shape, src, n)
+    held, wanted = _held_box(src, me, n, full), _held_box(dst, me, n, full)
+    sends, send_sizes, recv_boxes, recv_sizes = [], [], [], []
+    for peer in range(n):
+        out = _overlap(held, _held_box(dst, peer, n, full))        # mine, that peer wants
+        inc = _overlap(_held_box(src, peer, n, full), wanted)      # that peer's, that I want
+        if out is not None:
+            sends.append(x[_within(out, held)].reshape(-1))
+        send_sizes.append(math.prod(length for _, length in out) if out is not None else 0)
+        recv_boxes.append(inc)
+        recv_sizes.append(math.prod(length for _, length in inc) if inc is not None else 0)
+    flat = torch.cat(sends) if sends else x.new_empty(0)
+    got = _c10d.wait_tensor(_c10d.all_to_all_single(flat, recv_sizes, send_sizes, group))
+    y = x.new_empty([length for _, length in wanted])
+    offset = 0
+    for box, k in zip(recv_boxes, recv_sizes):
+        if box is not None:
+            y[_within(box, wanted)].copy_(got[offset:offset + k].view([length for _, length in box]))
+            offset += k
+    return y
+
+
+def _redistribute(x: Tensor, src: str, dst: str, group: str) -> Tensor:
+    return _guarded(f"all_to_all (redistribute {src} -> {dst})", _redistribute_impl, group, x, src, dst, group)
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src, dst, group):
+        ctx.args = (src, dst, group)
+        return _redistribute(x, src, dst, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        src, dst, group = ctx.args
+        return _redistribute(g, dst, src, group), None, None, None
+
+
+def redistribute(x: Tensor, src: str, dst: str, group: str) -> Tensor:
+    """One split layout to another on one axis (``src``/``dst``: S(d) or a PrimePar grid
+    token), by slice overlap: each rank sends every other rank exactly the part of its
+    block that rank holds under ``dst`` (one all-to-all with per-peer sizes, zero where
+    two blocks do not meet), never the whole tensor. Backward is the reverse exchange:
+    each element lives on one rank under either layout, so its gradient does too."""
+    return _Redistribute.apply(x, src, dst, group)
+
+
 def grid_linear(x: Tensor, w: Tensor, group: str) -> Tensor:
     """Spatial reference of a P(2^k x 2^k) linear ``x @ w.T``: x in X(m, last), the torch
     weight [K, N] in W(0, 1); returns this rank's B(m, last) block.
@@ -580,7 +674,7 @@ def cross_entropy_count(target: Tensor, ignore_index: int, weight: Tensor | None
 
 # the functions whose nodes are communication (verify, dumps and tests key on them)
 COMM_FUNCTIONS = {all_gather, all_reduce, all_reduce_start, reduce_scatter, all_to_all, grad_all_reduce,
-                  grid_gather, grid_slice, grid_skew, grid_relayout, grid_linear, shard_slice}
+                  grid_gather, grid_slice, grid_skew, grid_relayout, grid_linear, shard_slice, redistribute}
 
 
 # --------------------------------------------------------------------------- whole tensors
