@@ -222,6 +222,7 @@ class _Lowering:
         # shapes before any value becomes local; the producer's placement is its plan's.
         self.keeps_layout: dict[fx.Node, bool] = {}
         self.src_out: dict[fx.Node, tuple | None] = {}
+        self.via_out: dict[fx.Node, tuple | None] = {}
         for n in self.graph.nodes:
             np = plan.nodes.get(n.name)
             if n.op == "call_function" and np is not None and np.role == "follower":
@@ -231,6 +232,8 @@ class _Lowering:
                 src.meta["val"] = src.meta.get("global_val", local)  # placeholders are local already
                 self.keeps_layout[n] = sp is not None and follow(n, tuple(sp.out), self.mesh) == tuple(np.out)
                 self.src_out[n] = tuple(sp.out) if sp is not None else None
+                if np.ins:  # the input placement it reads where it cannot keep its source's
+                    self.via_out[n] = follow(n, tuple(np.ins[0]), self.mesh)
                 src.meta["val"] = local
 
     # ------------------------------------------------------------------ edges
@@ -315,10 +318,15 @@ class _Lowering:
             (src,) = tensor_operands(node)
             p = self.placement(src)
             if not self.keeps_layout[node] or p != self.src_out[node]:
-                if any(t != REPLICATE for t in out):
+                # it reads its input resharded: to the placement the plan lists (one it can
+                # keep, e.g. a batch split through a view merging batch and sequence), or to
+                # Replicate
+                via = tuple(np.ins[0]) if np.ins else out
+                if (self.via_out.get(node) if np.ins else via) != out or \
+                        (not np.ins and any(t != REPLICATE for t in out)):
                     raise fail(node, f"its input is {fmt(p)} and the plan wants {fmt(out)}",
                                "the plan does not belong to this graph; re-plan")
-                _replace_operands(node, [self.reshard(src, out, (False,) * len(out), node)])
+                _replace_operands(node, [self.reshard(src, via, (False,) * len(out), node)])
             self.local_args(node, out)
             set_local(node, out, self.mesh, self.mode, self.device)
             self.check(node)

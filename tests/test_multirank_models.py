@@ -112,6 +112,20 @@ def test_every_family_matches_single_device(world, matrix):
     _check(spawn(run_cases, world, cases, timeout_s=590), cases)
 
 
+def test_a_view_reads_its_input_resharded_to_a_layout_it_can_keep():
+    # P(2x2) logits [B, S, V] are split over (S, V) in a grid; the loss's reshape to [B*S, V]
+    # cannot keep that split (it merges B with a split S). With a vocabulary large enough
+    # for the bytes to matter, the planner reshards the logits to a batch split, which the
+    # reshape keeps, instead of gathering them whole: the loss runs on a quarter of the rows.
+    overrides = {"bias": False, "vocab": 4096}
+    plan = make_plan("gpt-tiny", "4", "p2x2", B, S, **overrides)
+    via = {k: v.ins for k, v in plan.nodes.items() if v.role == "follower" and v.ins}
+    assert list(via.values()) == [[["S0"]]], via
+    cases = [dict(id="gpt-tiny-v4096/p2x2/4", model="gpt-tiny", overrides=overrides, plan=plan.to_json(),
+                  batch=B, seq=S, steps=3, opt="adamw")]
+    _check(spawn(run_cases, 4, cases, timeout_s=600), cases)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_backends_match_single_device(backend):
     """The same program through torch.compile: functional collectives, the ring custom ops and

@@ -26,6 +26,7 @@ merges the identical reshards at run time.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import time
@@ -37,7 +38,7 @@ import torch
 
 from stpc.cost_models import CostModel, MemoryModel, bytes_per_param, optimizer_step_time
 from stpc.frontend.trace import TracedGraph
-from stpc.placement import REPLICATE, shard_factor
+from stpc.placement import REPLICATE, parse, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse
 from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, kept_gathered_bytes,
                                reshard_cost, stash_bytes, transient_bytes)
@@ -83,6 +84,7 @@ class Builder:
         self.groups: list[_Group] = []
         self.place: dict[Item, list] = {}       # item -> output placement per group choice
         self.extra: dict[Item, np.ndarray] = {}  # follower/derived item -> seconds per group choice
+        self.follow_via: dict[Item, list] = {}   # follower item -> the input placement it reads, per choice
         self.derived: dict[Item, list[Strategy]] = {}  # derived item -> strategy per group choice
         self.fallback: Counter = Counter()
         self._edge_cache: dict = {}             # (producer, consumer, operand) -> per-axis edges
@@ -279,21 +281,51 @@ class Builder:
             for p in source:
                 if p in by_input:
                     continue
-                q = rule(p, self.mesh)
-                cost = 0.0
-                if q is None:  # cannot keep the layout through this op: gather to Replicate first
-                    cost += reshard_cost(self.cm, p, rep_p, sval.numel() * sval.element_size(),
-                                         (False,) * len(self.mesh), rg)
-                    q = rep_p
+                q, via, cost = rule(p, self.mesh), p, 0.0
+                if q is None:  # cannot keep the layout through this op: reshard its input first
+                    via, cost = self._nearest_followable(p, rule, sval, rg)
+                    q = rule(via, self.mesh)
                 if not view:
                     split = shard_factor(q, self.mesh)
                     moved = (node.meta["bytes_read"] + node.meta["bytes_written"]) / split
                     cost += self.cm.compute(node.meta["flops"] / split, moved * (3 if rg else 1), dt)
-                by_input[p] = (q, cost)
-            return [by_input[p][0] for p in source], np.array([by_input[p][1] for p in source])
+                by_input[p] = (q, cost, via)
+            return ([by_input[p][0] for p in source], np.array([by_input[p][1] for p in source]),
+                    [by_input[p][2] for p in source])
 
-        self.place[it], extra = self._shared_result(("follower", it.signature, id(source)), compute)
+        self.place[it], extra, self.follow_via[it] = self._shared_result(("follower", it.signature, id(source)),
+                                                                         compute)
         self._add_extra(it, extra)
+
+    def _nearest_followable(self, p: tuple, rule, val, rg: bool) -> tuple[tuple, float]:
+        """(input placement, seconds to reach it from ``p``) for a follower that cannot keep
+        ``p``: on each axis whose split it cannot keep, Replicate or a split of another dim
+        (a view merging a batch dim with a split sequence dim keeps a batch split), whichever
+        placement it can keep is cheapest to reach (Replicate on a tie: every consumer
+        can slice it for free)."""
+        nd = len(self.mesh)
+        rep = (REPLICATE,) * nd
+        culprits = [a for a in range(nd) if p[a][0] in "SBXW" and self.mesh[a] > 1 and
+                    rule(tuple(t if b == a else REPLICATE for b, t in enumerate(p)), self.mesh) is None]
+        if not culprits:
+            culprits = [a for a in range(nd) if p[a] != REPLICATE]
+        options = [REPLICATE] + [f"S{d}" for d in range(val.dim())]
+        nbytes = val.numel() * val.element_size()
+        best, best_cost = rep, reshard_cost(self.cm, p, rep, nbytes, (False,) * nd, rg)
+        for picks in itertools.product(options, repeat=len(culprits)):
+            cand = list(p)
+            for a, t in zip(culprits, picks):
+                cand[a] = t
+            cand = tuple(cand)
+            if cand == rep or cand == p or rule(cand, self.mesh) is None:
+                continue
+            if any(val.shape[d] % self.mesh[a] for a, t in enumerate(cand) if t[0] == "S"
+                   for d in parse(t)[1]):
+                continue
+            c = reshard_cost(self.cm, p, cand, nbytes, (False,) * nd, rg)
+            if c < best_cost:
+                best, best_cost = cand, c
+        return best, best_cost
 
     def _add_extra(self, it: Item, extra: np.ndarray):
         self.extra[it] = extra
@@ -598,7 +630,11 @@ class Builder:
             s = grp.strategies[c]
             return ("decision", op, s.kind, s.out, s.ins, s.axis, grp.own_cost[c], edge_s.get(it, 0.0),
                     float(grp.own_mem[c]))   # (the blocks the op keeps for backward: costs.stash_bytes)
-        return "follower", op, "spatial", self.place[it][c], (), -1, float(self.extra[it][c]), 0.0, 0.0
+        # the input placement it reads where it cannot keep its source's, other than Replicate
+        # (no input listed: it keeps its source's, or reads it gathered)
+        via = self.follow_via[it][c]
+        ins = (via,) if via != self.place[it.operands[0]][c] and any(t != REPLICATE for t in via) else ()
+        return "follower", op, "spatial", self.place[it][c], ins, -1, float(self.extra[it][c]), 0.0, 0.0
 
     def _edge_seconds(self, choice) -> dict:
         """Per consumer item: modelled seconds of its input edges (one copy's worth); a
