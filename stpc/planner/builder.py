@@ -2,7 +2,8 @@
 
 Size control (none of it gives up exactness for the graph as modelled):
   * followers (views, unary elementwise ops) get no variables: their placement
-    is a function of their producer's choice (``strategies.follow``);
+    is a function of their producer's choice (``strategies.follow``; where they cannot
+    keep it, of the nearest placement they can keep, ``_nearest_followable``);
   * constants (nodes that depend on no input, e.g. RoPE tables) are computed
     locally, replicated, and sliced for free;
   * identical transformer layers are tied: the nodes of layer i > 0 reuse the
