@@ -275,7 +275,6 @@ class Builder:
             rg = node in self.rg
             dt = dtype_name(val.dtype)
             view = is_view_like(node)
-            rep_p = tuple(REPLICATE for _ in self.mesh)
             rule = follow_rule(node)
             # many group choices share an output placement, many items a signature: one answer each
             by_input = self._by_key.setdefault(("follower", it.signature), {})
@@ -320,13 +319,21 @@ class Builder:
             cand = tuple(cand)
             if cand == rep or cand == p or rule(cand, self.mesh) is None:
                 continue
-            if any(val.shape[d] % self.mesh[a] for a, t in enumerate(cand) if t[0] == "S"
-                   for d in parse(t)[1]):
+            if not self._divides(val.shape, cand):
                 continue
             c = reshard_cost(self.cm, p, cand, nbytes, (False,) * nd, rg)
             if c < best_cost:
                 best, best_cost = cand, c
         return best, best_cost
+
+    def _divides(self, shape, placement) -> bool:
+        """Every split dim of ``shape`` divides evenly by all the axes that split it."""
+        parts = [1] * len(shape)
+        for tok, n in zip(placement, self.mesh):
+            kind, dims = parse(tok)
+            for d in dims if kind in "SBXW" else ():
+                parts[d] *= n if kind == "S" else math.isqrt(n)
+        return all(size % k == 0 for size, k in zip(shape, parts))
 
     def _add_extra(self, it: Item, extra: np.ndarray):
         self.extra[it] = extra
