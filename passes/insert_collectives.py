@@ -321,9 +321,11 @@ class _Lowering:
                 # it reads its input resharded: to the placement the plan lists (one it can
                 # keep, e.g. a batch split through a view merging batch and sequence), or to
                 # Replicate
-                via = tuple(np.ins[0]) if np.ins else out
-                if (self.via_out.get(node) if np.ins else via) != out or \
-                        (not np.ins and any(t != REPLICATE for t in out)):
+                if np.ins:
+                    via, keeps = tuple(np.ins[0]), self.via_out[node] == tuple(out)
+                else:
+                    via, keeps = out, all(t == REPLICATE for t in out)
+                if not keeps:
                     raise fail(node, f"its input is {fmt(p)} and the plan wants {fmt(out)}",
                                "the plan does not belong to this graph; re-plan")
                 _replace_operands(node, [self.reshard(src, via, (False,) * len(out), node)])

@@ -4,8 +4,9 @@ gloo ranks (a 2 x 2 grid for the PrimePar tokens).
 Every ordered pair of split tokens over a [8, 12, 16] tensor (S on each dim, B / X / W over
 two dims): the result is exactly this rank's block of the whole tensor under the target
 layout (``shard_tensor``), the gradient exactly its block under the source layout, and each
-rank receives only what it lacks: the bytes that cross the wire are the target block less
-what the rank already holds (never the whole tensor, as gathering then slicing moved).
+rank receives only what it lacks: the per-peer sizes the all-to-all is given are the
+target block less what the rank already holds (never the whole tensor, as gathering then
+slicing moved).
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import math
 import pytest
 import torch
 
+import stpc.runtime.reshard as reshard
 from stpc.runtime.launch import spawn
-from stpc.runtime.reshard import _held_box, _overlap, redistribute, shard_tensor
+from stpc.runtime.reshard import redistribute, shard_tensor
 
 FULL = (8, 12, 16)
 TOKENS = ["S0", "S1", "S2", "B1.2", "X1.2", "W1.2", "B0.2", "X0.1"]
@@ -37,6 +39,24 @@ def _worker(rank, world):
         y.backward(shard_tensor(grad, (dst,), (world,), (rank,)))
         res[src, dst] = (torch.equal(y.detach(), shard_tensor(full, (dst,), (world,), (rank,))),
                          torch.equal(x.grad, shard_tensor(grad, (src,), (world,), (rank,))))
+    # what the all-to-all is asked to move: B1.2 -> S1, the per-peer sizes it receives
+    seen = []
+
+    class Recording:  # the functional collectives, recording the all-to-all's split sizes
+        def __getattr__(self, name):
+            return getattr(functional, name)
+
+        def all_to_all_single(self, x, out_sizes, in_sizes, group):
+            seen.append(list(out_sizes))
+            return functional.all_to_all_single(x, out_sizes, in_sizes, group)
+
+    functional = reshard._c10d
+    reshard._c10d = Recording()
+    try:
+        redistribute(shard_tensor(full, ("B1.2",), (world,), (rank,)), "B1.2", "S1", name)
+    finally:
+        reshard._c10d = functional
+    res["b_to_s_received"] = seen
     return res
 
 
@@ -53,16 +73,14 @@ def test_redistribute_lands_every_block_and_its_gradient(results, src, dst):
         assert grad_ok, f"rank {rank}: the gradient of {src} -> {dst} is not the {src} block of the gradient"
 
 
-def test_each_rank_receives_only_what_it_lacks():
-    # B1.2 -> S1 on a 2x2 grid: rank k wants rows quarter k of dim 1, all of dim 2; it holds
-    # half of that already (its grid block covers half of dim 2 of those rows): it receives
-    # the other half from one peer, 1/8 of the tensor, where a gather moved 3/4 of it.
-    n, full = 4, list(FULL)
-    total = math.prod(full)
-    for k in range(n):
-        want = _held_box("S1", k, n, full)
-        have = _overlap(_held_box("B1.2", k, n, full), want)
-        got = sum(math.prod(length for _, length in box) for p in range(n) if p != k
-                  for box in [_overlap(_held_box("B1.2", p, n, full), want)] if box is not None)
-        assert got + math.prod(length for _, length in have) == total // n
-        assert got == total // 8
+def test_each_rank_receives_only_what_it_lacks(results):
+    # B1.2 -> S1 on a 2x2 grid: rank k wants rows quarter k of dim 1, all of dim 2; its grid
+    # block already covers half of that (half of dim 2 of those rows), which it passes to
+    # itself; the other half, 1/8 of the tensor, comes from the one peer that holds it (a
+    # gather then a slice moved 3/4 of the tensor to every rank).
+    total = math.prod(FULL)
+    for rank, r in enumerate(results):
+        (sizes,) = r["b_to_s_received"]
+        from_peers = [k for p, k in enumerate(sizes) if p != rank]
+        assert sizes[rank] == total // 8, f"rank {rank}: kept {sizes[rank]} of its own elements"
+        assert sorted(from_peers) == [0, 0, total // 8], f"rank {rank}: received {sizes}"

@@ -39,7 +39,7 @@ import torch
 
 from stpc.cost_models import CostModel, MemoryModel, bytes_per_param, optimizer_step_time
 from stpc.frontend.trace import TracedGraph
-from stpc.placement import REPLICATE, parse, shard_factor
+from stpc.placement import REPLICATE, fits, shard, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse
 from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, kept_gathered_bytes,
                                reshard_cost, stash_bytes, transient_bytes)
@@ -309,7 +309,7 @@ class Builder:
                     rule(tuple(t if b == a else REPLICATE for b, t in enumerate(p)), self.mesh) is None]
         if not culprits:
             culprits = [a for a in range(nd) if p[a] != REPLICATE]
-        options = [REPLICATE] + [f"S{d}" for d in range(val.dim())]
+        options = [REPLICATE] + [shard(d) for d in range(val.dim())]
         nbytes = val.numel() * val.element_size()
         best, best_cost = rep, reshard_cost(self.cm, p, rep, nbytes, (False,) * nd, rg)
         for picks in itertools.product(options, repeat=len(culprits)):
@@ -317,23 +317,12 @@ class Builder:
             for a, t in zip(culprits, picks):
                 cand[a] = t
             cand = tuple(cand)
-            if cand == rep or cand == p or rule(cand, self.mesh) is None:
-                continue
-            if not self._divides(val.shape, cand):
+            if cand in (rep, p) or not fits(tuple(val.shape), cand, self.mesh) or rule(cand, self.mesh) is None:
                 continue
             c = reshard_cost(self.cm, p, cand, nbytes, (False,) * nd, rg)
             if c < best_cost:
                 best, best_cost = cand, c
         return best, best_cost
-
-    def _divides(self, shape, placement) -> bool:
-        """Every split dim of ``shape`` divides evenly by all the axes that split it."""
-        parts = [1] * len(shape)
-        for tok, n in zip(placement, self.mesh):
-            kind, dims = parse(tok)
-            for d in dims if kind in "SBXW" else ():
-                parts[d] *= n if kind == "S" else math.isqrt(n)
-        return all(size % k == 0 for size, k in zip(shape, parts))
 
     def _add_extra(self, it: Item, extra: np.ndarray):
         self.extra[it] = extra

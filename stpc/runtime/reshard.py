@@ -185,13 +185,18 @@ def _ar(x: Tensor, group: str) -> Tensor:
     return _guarded("all_reduce", _ar_impl, group, x, group)
 
 
-def _chunk(x: Tensor, dim: int, n: int, i: int) -> Tensor:
-    """Piece ``i`` of ``n`` equal pieces of ``x`` along ``dim``; an uneven split is an error,
+def _piece(shape, dim: int, n: int) -> int:
+    """The size of one of ``n`` equal pieces of dim ``dim``; an uneven split is an error,
     never a floor division that silently drops the remainder."""
-    if x.shape[dim] % n:
-        raise ValueError(f"cannot split dim {dim} of a tensor of shape {tuple(x.shape)} into {n} equal "
-                         f"pieces ({x.shape[dim]} is not a multiple of {n})")
-    s = x.shape[dim] // n
+    if shape[dim] % n:
+        raise ValueError(f"cannot split dim {dim} of a tensor of shape {tuple(shape)} into {n} equal "
+                         f"pieces ({shape[dim]} is not a multiple of {n})")
+    return shape[dim] // n
+
+
+def _chunk(x: Tensor, dim: int, n: int, i: int) -> Tensor:
+    """Piece ``i`` of ``n`` equal pieces of ``x`` along ``dim`` (a view)."""
+    s = _piece(x.shape, dim, n)
     return x.narrow(dim, i * s, s)
 
 
@@ -547,10 +552,7 @@ def _held_box(tok: str, k: int, n: int, full: list[int]) -> list[tuple[int, int]
         bi, bj = _grid_index(kind, k // q, k % q, q)
         pieces = {dims[0]: (bi, q), dims[1]: (bj, q)}
     for d, (idx, parts) in pieces.items():
-        if full[d] % parts:
-            raise ValueError(f"cannot split dim {d} of a tensor of shape {tuple(full)} into {parts} equal "
-                             f"pieces ({full[d]} is not a multiple of {parts})")
-        size = full[d] // parts
+        size = _piece(full, d, parts)
         box[d] = (idx * size, size)
     return box
 
@@ -569,6 +571,11 @@ def _overlap(a, b):
     return None if any(length <= 0 for _, length in box) else box
 
 
+def _numel(box) -> int:
+    """Elements in ``box`` (0 for no box)."""
+    return math.prod(length for _, length in box) if box is not None else 0
+
+
 def _within(box, origin) -> tuple:
     """Index of ``box`` inside a tensor that holds the box ``origin``."""
     return tuple(slice(s - o, s - o + length) for (s, length), (o, _) in zip(box, origin))
@@ -578,15 +585,14 @@ def _redistribute_impl(x: Tensor, src: str, dst: str, group: str) -> Tensor:
     n, me = _size(group), _rank(group)
     full = _whole_shape(x.shape, src, n)
     held, wanted = _held_box(src, me, n, full), _held_box(dst, me, n, full)
-    sends, send_sizes, recv_boxes, recv_sizes = [], [], [], []
+    sends, send_sizes, recv_boxes = [], [], []
     for peer in range(n):
         out = _overlap(held, _held_box(dst, peer, n, full))        # mine, that peer wants
-        inc = _overlap(_held_box(src, peer, n, full), wanted)      # that peer's, that I want
         if out is not None:
             sends.append(x[_within(out, held)].reshape(-1))
-        send_sizes.append(math.prod(length for _, length in out) if out is not None else 0)
-        recv_boxes.append(inc)
-        recv_sizes.append(math.prod(length for _, length in inc) if inc is not None else 0)
+        send_sizes.append(_numel(out))
+        recv_boxes.append(_overlap(_held_box(src, peer, n, full), wanted))  # that peer's, that I want
+    recv_sizes = [_numel(box) for box in recv_boxes]
     flat = torch.cat(sends) if sends else x.new_empty(0)
     got = _c10d.wait_tensor(_c10d.all_to_all_single(flat, recv_sizes, send_sizes, group))
     y = x.new_empty([length for _, length in wanted])
