@@ -157,9 +157,10 @@ class CostModel:
         return self._axis(axis)[1]
 
     # ------------------------------------------------------------------ compute
-    def compute(self, flops: float, bytes_moved: float, dtype="fp32") -> float:
-        """Roofline seconds: max(flops / achievable FLOP/s, bytes / memory bandwidth)."""
-        return roofline(self.device, flops, bytes_moved, dtype)
+    def compute(self, flops: float, bytes_moved: float, dtype="fp32", op: str = "") -> float:
+        """Roofline seconds: max(flops / achievable FLOP/s, bytes / memory bandwidth), times
+        the measured slowdown of ``op`` (an aten op name) where the device has one."""
+        return roofline(self.device, flops, bytes_moved, dtype, op)
 
     def gemm(self, flops: float, bytes_moved: float, dtype="fp32") -> float:
         """Seconds of one GEMM of ``flops`` FLOPs: :meth:`compute` at its size's efficiency

@@ -6,7 +6,8 @@ bytes between device memory and the cores takes
     t = max(flops / (peak_flops[dtype] * efficiency), bytes_moved / mem_bw)   [seconds]
 
 i.e. it is bound by whichever of compute and memory traffic is slower (the two
-overlap on real hardware). A GEMM (:func:`gemm_time`) also pays its size's place on the
+overlap on real hardware), times the op's measured slowdown where the device has one
+(``DeviceSpec.op_slowdown``: what ``calibrate`` found the op takes over this bound). A GEMM (:func:`gemm_time`) also pays its size's place on the
 device's efficiency curve: ``flops / rate + gemm_ramp_s``. Plain float math: the planner
 calls this per strategy.
 """
@@ -17,10 +18,11 @@ from dataclasses import dataclass
 from .devices import DeviceSpec, canonical_dtype
 
 
-def roofline(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32") -> float:
-    """Seconds for one kernel doing ``flops`` FLOPs and ``bytes_moved`` bytes of traffic."""
+def roofline(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32", op: str = "") -> float:
+    """Seconds for one kernel doing ``flops`` FLOPs and ``bytes_moved`` bytes of traffic;
+    ``op`` (an aten op name) applies that op's measured slowdown, if the device has one."""
     rate = device.peak_flops[canonical_dtype(dtype)] * device.efficiency
-    return max(flops / rate, bytes_moved / device.mem_bw)
+    return max(flops / rate, bytes_moved / device.mem_bw) * device.op_slowdown.get(op, 1.0)
 
 
 def gemm_time(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32") -> float:

@@ -62,6 +62,11 @@ class DeviceSpec:
                  efficiency curve over GEMM size; module docstring)
     gemm_ramps:  dtype name -> its own ramp, where measured (a calibration profile fits one
                  per dtype); other dtypes use ``gemm_ramp_s``
+    op_slowdown: aten op name (``str(node.target)``, e.g. ``"aten.gelu.default"``) -> its
+                 measured time over its roofline time, where measured (``calibrate`` times
+                 each op the built-in models use, forward + backward, on its own machine:
+                 a CPU runs erf, exp and attention's softmax far below its memory
+                 bandwidth); other ops take their roofline time (factor 1)
     """
 
     name: str
@@ -71,6 +76,7 @@ class DeviceSpec:
     efficiency: float = GEMM_EFFICIENCY
     gemm_ramp_s: float = 0.0
     gemm_ramps: dict = field(default_factory=dict, hash=False)
+    op_slowdown: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         missing = {"fp32", "tf32", "bf16", "fp16"} - set(self.peak_flops)
@@ -81,6 +87,9 @@ class DeviceSpec:
         if self.gemm_ramp_s < 0 or any(v < 0 for v in self.gemm_ramps.values()):
             raise ValueError(f"DeviceSpec {self.name!r}: gemm_ramp_s and gemm_ramps must be >= 0, got "
                              f"{self.gemm_ramp_s} and {self.gemm_ramps}")
+        if any(not v > 0 for v in self.op_slowdown.values()):
+            raise ValueError(f"DeviceSpec {self.name!r}: op_slowdown factors must be positive, got "
+                             f"{self.op_slowdown}")
         if self.mem_bw <= 0 or self.mem_bytes <= 0:
             raise ValueError(f"DeviceSpec {self.name!r}: mem_bw and mem_bytes must be positive")
 

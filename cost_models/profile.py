@@ -8,7 +8,8 @@ Profile JSON (version 1)::
     {"version": 1, "name": str, "backend": "gloo"|"nccl", "ranks": int,
      "device": {"name", "peak_flops": {fp32,tf32,bf16,fp16: FLOP/s}, "mem_bw": B/s,
                 "mem_bytes": B, "efficiency": 1.0, "gemm_ramp_s": s,      # ramps: optional
-                "gemm_ramps": {dtype: s}},
+                "gemm_ramps": {dtype: s},
+                "op_slowdown": {aten op: measured / roofline}},       # optional
      "matmul": [{"m","n","k","dtype","seconds","flops_per_s"}, ...],
      "link": {"alpha_s": s, "bw_bytes_per_s": B/s},          # joint fit, all collectives
      "collectives": {kind: {"alpha_s", "bw_bytes_per_s", "rel_rms",
@@ -19,6 +20,11 @@ Profile JSON (version 1)::
 ``peak_flops`` is each dtype's large-GEMM rate and ``gemm_ramps`` its ramp (``gemm_ramp_s``:
 fp32's), both from :func:`fit_gemm_curve` over the timed ``matmul`` rows (profiles written
 before the ramp was fitted lack them: no ramp, and the best row's rate).
+
+``op_slowdown`` (``DeviceSpec.op_slowdown``; profiles written before it was measured lack
+it, and every op takes its roofline time) is, per non-GEMM aten op the built-in models use,
+its measured forward + backward time over the roofline time the planner charges it
+(``stpc.cli.calibrate_ops``).
 
 ``overlap`` (written by ``calibrate`` since it measures it; older profiles lack it and get
 the presets' figures): ``slowdown`` is how much of a transfer's time compute running beside
@@ -174,7 +180,8 @@ def load_profile(path: str) -> Cluster:
     device = DeviceSpec(d["name"], dict(d["peak_flops"]), mem_bw=float(d["mem_bw"]),
                         mem_bytes=float(d["mem_bytes"]), efficiency=float(d.get("efficiency", 1.0)),
                         gemm_ramp_s=float(d.get("gemm_ramp_s", 0.0)),
-                        gemm_ramps={k: float(v) for k, v in d.get("gemm_ramps", {}).items()})
+                        gemm_ramps={k: float(v) for k, v in d.get("gemm_ramps", {}).items()},
+                        op_slowdown={k: float(v) for k, v in d.get("op_slowdown", {}).items()})
     link = Link(float(p["link"]["alpha_s"]), float(p["link"]["bw_bytes_per_s"]))
     per_kind = {kind: Link(float(c["alpha_s"]), float(c["bw_bytes_per_s"]))
                 for kind, c in p["collectives"].items()}

@@ -34,6 +34,12 @@ def test_calibrate_two_ranks_smoke(tmp_path):
     assert (cl.overlap_slowdown, cl.ring_step_overhead_s) == (ov["slowdown"], ov["ring_step_overhead_s"])
     cm = CostModel(cl, (2,))
     assert cm.overlap_slowdown == ov["slowdown"]
+    # every probed op's measured slowdown reaches the device the planner costs with
+    from stpc.cli.calibrate_ops import PROBES
+    assert set(prof["ops"]) == {p.op for p in PROBES} == set(cl.device.op_slowdown)
+    for op, r in prof["ops"].items():
+        assert r["measured_s"] > 0 and r["roofline_s"] > 0, op
+        assert cl.device.op_slowdown[op] == pytest.approx(r["measured_s"] / r["roofline_s"]), op
     # The CostModel uses the profile's band that contains the message size.
     from stpc.cost_models.profile import coefficients
     for kind, c in prof["collectives"].items():

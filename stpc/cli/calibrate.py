@@ -12,6 +12,9 @@ planner models):
 * all-gather, reduce-scatter, all-reduce, all-to-all and ring P2P (every rank sends to
   its right neighbour) over a range of message sizes, on gloo over 127.0.0.1 on CPU or
   NCCL on GPUs. A sample's time is the slowest rank's, fastest of several timed windows;
+* forward + backward of each op the built-in models use that is not a GEMM (layer norm,
+  gelu, attention, the loss, ...), every rank at once, against the roofline time the
+  planner charges it (``stpc.cli.calibrate_ops``): the device's ``op_slowdown``;
 * how compute and communication overlap (``overlap`` in the profile): one step's GEMM
   alone, its P2P alone, and stpc's own AG-ring (``runtime.ops.ring_allgather_matmul``,
   the transfer posted before each step's GEMM and waited after it), once with blocks
@@ -47,7 +50,8 @@ import torch.distributed as dist
 
 from stpc.cli._common import TORCH_DTYPES, Failure, Parser, add_flags, verb
 from stpc.cli._progress import Status
-from stpc.cost_models import get_device
+from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_step
+from stpc.cost_models import DeviceSpec, get_device
 from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, fit_gemm_curve, save_profile
 from stpc.runtime.launch import SpawnTimeout, spawn
 from stpc.runtime.ops import ring_allgather_matmul
@@ -231,8 +235,9 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
         rates = _matmul_rates(dev)
         bw = _mem_bw(dev)
         overlap = _overlap(dev, world)
+        ops = {p.op: _sustained(probe_step(p, dev), dev, window_s=0.3) for p in PROBES}
         gathered = [None] * world
-        dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw, "overlap": overlap})
+        dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw, "overlap": overlap, "ops": ops})
         result["per_rank"] = gathered
     cases = [(kind, nbytes) for kind in task["kinds"] for nbytes in task["sizes"]]
     fns = [_collective_fn(kind, nbytes, rank, world, dev) for kind, nbytes in cases]
@@ -307,6 +312,11 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     device = {"name": f"calibrated-{dev_name}", "peak_flops": peak, "efficiency": 1.0,
               "gemm_ramp_s": curves["fp32"][1], "gemm_ramps": {dt: ramp for dt, (_, ramp) in curves.items()},
               "mem_bw": statistics.median(r["mem_bw"] for r in per_rank), "mem_bytes": mem_bytes}
+    # Ops that are not GEMMs: measured forward + backward over the roofline the planner charges.
+    ops = fit_op_slowdown({p.op: statistics.median(r["ops"][p.op] for r in per_rank) for p in PROBES},
+                          {p.op: probe_facts(p) for p in PROBES},
+                          DeviceSpec(device["name"], peak, device["mem_bw"], mem_bytes, 1.0))
+    device["op_slowdown"] = {op: r["slowdown"] for op, r in ops.items()}
 
     collectives = {}
     for kind in kinds:
@@ -317,7 +327,7 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     alpha, bw, err = fit_alpha_beta(samples, world_size)
     profile = {"version": 1, "name": f"calibrated-{socket.gethostname()}-{backend}-{world_size}",
                "backend": backend, "ranks": world_size, "torch": torch.__version__,
-               "device": device, "matmul": rows,
+               "device": device, "matmul": rows, "ops": ops,
                "link": {"alpha_s": alpha, "bw_bytes_per_s": bw, "rel_rms": err},
                "collectives": collectives, "overlap": fit_overlap([r["overlap"] for r in per_rank])}
     if out:
@@ -380,6 +390,10 @@ def main_calibrate(argv: list[str]) -> int:
     for dt, ramp in prof["device"]["gemm_ramps"].items():
         print(f"GEMM ramp ({dt}): {ramp * 1e6:.1f} us beyond the large-GEMM rate (half that rate at "
               f"{ramp * prof['device']['peak_flops'][dt] / 1e6:.1f} MFLOP)")
+    print("| op (not a GEMM) | forward + backward ms | planner's roofline ms | slowdown |")
+    print("|---|---|---|---|")
+    for op, r in prof["ops"].items():
+        print(f"| {op} | {r['measured_s'] * 1e3:.2f} | {r['roofline_s'] * 1e3:.2f} | {r['slowdown']:.2f} |")
     ov = prof["overlap"]
     print(f"overlap: compute beside a transfer slows by {ov['slowdown']:.2f} of the transfer's time; "
           f"a ring step's overhead {ov['ring_step_overhead_s'] * 1e6:.0f} us")

@@ -288,7 +288,8 @@ class Builder:
                 if not view:
                     split = shard_factor(q, self.mesh)
                     moved = (node.meta["bytes_read"] + node.meta["bytes_written"]) / split
-                    cost += self.cm.compute(node.meta["flops"] / split, moved * (3 if rg else 1), dt)
+                    cost += self.cm.compute(node.meta["flops"] / split, moved * (3 if rg else 1), dt,
+                                            str(node.target))
                 by_input[p] = (q, cost, via)
             return ([by_input[p][0] for p in source], np.array([by_input[p][1] for p in source]),
                     [by_input[p][2] for p in source])

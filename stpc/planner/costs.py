@@ -116,6 +116,7 @@ class NodeTimer:
         self.flops = node.meta.get("flops", 0)
         self.moved = node.meta.get("bytes_read", 0) + node.meta.get("bytes_written", 0)
         self.matmul = node.target in _MATMUL
+        self.op = str(node.target)
         self.grad_in = bool(operand_grad and operand_grad[0])
         self.grad_w = len(operand_grad) > 1 and operand_grad[1]
         self.needs_bwd = any(operand_grad)
@@ -137,12 +138,13 @@ class NodeTimer:
         got = self._phases.get(split)
         if got is None:
             flops, moved = self.flops / split, self.moved / split
-            fwd = (self.cm.gemm if self.matmul else self.cm.compute)(flops, moved, self.dt)
             if self.matmul:
+                fwd = self.cm.gemm(flops, moved, self.dt)
                 bwd = fwd if self.grad_in else 0.0
                 grad = fwd if self.grad_w else 0.0
             else:
-                bwd = self.cm.compute(flops, 2 * moved, self.dt) if self.needs_bwd else 0.0
+                fwd = self.cm.compute(flops, moved, self.dt, self.op)
+                bwd = self.cm.compute(flops, 2 * moved, self.dt, self.op) if self.needs_bwd else 0.0
                 grad = 0.0
             got = self._phases[split] = (fwd, bwd, grad)
         return got

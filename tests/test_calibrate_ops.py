@@ -1,0 +1,60 @@
+"""The ops that are not GEMMs: each probe is the op the planner sees, and its measured
+slowdown over the roofline reaches every place the planner charges that op."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_step, roofline_seconds
+from stpc.cost_models import CostModel, get_cluster
+from stpc.cost_models.compute import roofline
+from stpc.frontend import models
+from stpc.frontend.trace import trace
+from stpc.planner import plan_graph, preset
+
+
+@pytest.mark.parametrize("probe", PROBES, ids=lambda p: p.op)
+def test_each_probe_traces_to_its_one_op_and_runs_forward_and_backward(probe):
+    flops, moved = probe_facts(probe)
+    assert moved > 0
+    if probe.op == "aten.scaled_dot_product_attention.default":
+        b, h, s, d = 2, 8, 512, 64
+        assert flops == pytest.approx(2 * 2 * b * h * s * s * d)  # QK^T and PV, torch's formula
+    step = probe_step(probe, torch.device("cpu"))
+    step()  # forward and backward, no error
+
+
+def test_fit_op_slowdown_divides_the_measurement_by_the_roofline_the_planner_charges():
+    dev = get_cluster("cpu-local").device
+    facts = {"aten.gelu.default": (0.0, 8e6), "aten.scaled_dot_product_attention.default": (1e9, 8e6)}
+    measured = {"aten.gelu.default": 0.004, "aten.scaled_dot_product_attention.default": 0.09}
+    got = fit_op_slowdown(measured, facts, dataclasses.replace(dev, op_slowdown={"aten.gelu.default": 9.0}))
+    gelu = 8e6 / dev.mem_bw + 16e6 / dev.mem_bw  # forward over its bytes, backward over twice them
+    assert got["aten.gelu.default"]["roofline_s"] == pytest.approx(gelu)  # (the device's own factor ignored)
+    assert got["aten.gelu.default"]["slowdown"] == pytest.approx(0.004 / gelu)
+    sdpa = roofline_seconds(dev, 1e9, 8e6)
+    assert sdpa == pytest.approx(max(1e9 / dev.achievable_flops(), 8e6 / dev.mem_bw)
+                                 + max(1e9 / dev.achievable_flops(), 16e6 / dev.mem_bw))
+    assert got["aten.scaled_dot_product_attention.default"]["slowdown"] == pytest.approx(0.09 / sdpa)
+
+
+def test_a_measured_slowdown_scales_the_planned_time_of_that_op_only():
+    base = get_cluster("cpu-local")
+    slow = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, op_slowdown={"aten.gelu.default": 5.0, "aten.scaled_dot_product_attention.default": 3.0}))
+    assert roofline(slow.device, 0, 1e6, op="aten.gelu.default") == pytest.approx(5 * roofline(base.device, 0, 1e6))
+    assert CostModel(slow, (2,)).compute(0, 1e6, op="aten.mul.Tensor") == CostModel(base, (2,)).compute(0, 1e6)
+    with torch.device("meta"):
+        m = models.build("gpt-tiny")
+    tg = trace(m, models.example_inputs(models.get_config("gpt-tiny"), 4, 16))
+    times = {}
+    for name, cl in (("base", base), ("slow", slow)):  # one plan (the dp preset), costed on both
+        p = plan_graph(tg, CostModel(cl, (2,)), hints=preset("dp", (2,)))
+        times[name] = {n: (np_.op, np_.time_s) for n, np_ in p.nodes.items()}
+    for node, (op, t) in times["base"].items():
+        t_slow = times["slow"][node][1]
+        factor = {"gelu.default": 5.0, "scaled_dot_product_attention.default": 3.0}.get(op, 1.0)
+        assert t_slow == pytest.approx(factor * t, rel=1e-9, abs=1e-15), (node, op)
+    assert any(op == "gelu.default" and t > 0 for op, t in times["base"].values())  # a follower, charged
