@@ -3,12 +3,16 @@ tiny end-to-end run on real gloo ranks (every engine built, stepped and measured
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from stpc.cli import main
 from stpc.cli.bench import write_section
-from stpc.cli.bench_runtime import evaluate, pairs
+from stpc.cli.bench_runtime import evaluate, memory_timeline, pairs
 
 
 def test_write_section_replaces_only_its_own_section(tmp_path):
@@ -59,3 +63,78 @@ def test_a_tiny_run_end_to_end(tmp_path):
     text = open(md).read()
     assert "<!-- bench:runtime -->" in text and "| data parallel |" in text and "agree" in text
     assert len(got["rows"]) == 5
+
+
+# ----------------------------------------------------------------------------- peak measurement
+
+
+def _profiled(body):
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        body()
+    return prof
+
+
+def test_a_block_freed_on_another_thread_counts_until_its_op_ends_not_to_the_steps_end():
+    """The profiler records no free on a thread without its state (gloo's worker): the
+    timeline frees such a block at the end of the op that allocated it, keeps one that is
+    alive after the step, and frees one whose address is handed out again there."""
+    mib = 1 << 20
+    holder, kept = [], []
+    release, released = threading.Event(), threading.Event()
+
+    def worker():  # a thread started before the profiler, like gloo's
+        release.wait()
+        holder.clear()  # the last reference dies here
+        released.set()
+
+    t = threading.Thread(target=worker)
+    t.start()
+
+    def step():
+        with record_function("collective"):
+            holder.append(torch.empty(4 * mib // 4))  # 4 MiB held only by the worker
+        release.set()
+        released.wait()
+        with record_function("later"):
+            x = torch.empty(mib // 4)                 # 1 MiB, freed on this thread
+            del x
+        kept.append(torch.empty(2 * mib // 4))        # 2 MiB alive after the step (a gradient)
+
+    prof = _profiled(step)
+    t.join()
+    naive = level = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        level += e.nbytes()
+        naive = max(naive, level)
+    assert naive == 4 * mib + 2 * mib  # the running sum holds the 4 MiB to the end, beside the kept 2
+    timeline, unseen = memory_timeline(prof, {kept[0].untyped_storage().data_ptr()})
+    assert unseen == 4 * mib
+    level = peak = 0
+    for _, nbytes in timeline:
+        level += nbytes
+        peak = max(peak, level)
+    assert peak == 4 * mib  # the 4 MiB block gone when "collective" ended, before "later"
+    assert level == 2 * mib  # what is left: the kept block
+    # not kept: then it too was freed where nobody saw (at its own allocation's end)
+    assert memory_timeline(prof, set())[1] == 6 * mib
+
+
+def test_an_address_handed_out_again_closes_the_block_that_had_it():
+    class Node:  # the profiler's event-tree node, as memory_timeline reads it
+        def __init__(self, name, t0, t1, alloc=None, children=()):
+            self.name, self.start_time_ns, self.end_time_ns, self.children = name, t0, t1, list(children)
+            self.typed = ((_EventType.Allocation, type("F", (), {"ptr": alloc[0], "alloc_size": alloc[1]})())
+                          if alloc else (_EventType.TorchOp, None))
+
+    class Prof:
+        def __init__(self, roots):
+            self.profiler = type("P", (), {"kineto_results": type("K", (), {
+                "experimental_event_tree": staticmethod(lambda: roots)})()})()
+
+    roots = [Node("op_a", 0, 100, children=[Node("[memory]", 10, 10, alloc=(0xA, 8))]),
+             Node("op_b", 50, 60, children=[Node("[memory]", 55, 55, alloc=(0xA, 16)),
+                                            Node("[memory]", 58, 58, alloc=(0xA, -16))])]
+    timeline, unseen = memory_timeline(Prof(roots), set())
+    assert unseen == 8
+    assert timeline == [(10, 8), (55, -8), (55, 16), (58, -16)]  # closed where 0xA came back, not at 100

@@ -1,4 +1,5 @@
 """Variable elimination against exhaustive enumeration; the exact memory minimum."""
+import dataclasses
 import itertools
 
 import numpy as np
@@ -7,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stpc.planner.elimination import TooWide, eliminate
-from stpc.planner.solver import Edge, InfeasibleBudget, Problem, min_memory, solve, solve_unconstrained
+from stpc.planner.solver import Edge, InfeasibleBudget, Problem, min_memory, min_memory_bound, solve, solve_unconstrained
 
 
 def _brute(unary, pairs):
@@ -266,3 +267,20 @@ def test_the_backward_phase_binds_through_a_memory_edge():
     with pytest.raises(InfeasibleBudget) as err:
         solve(p)
     assert err.value.min_budget == 20
+
+
+def test_the_backward_phase_holds_its_own_working_sets_not_the_forwards():
+    # group 0 is the loss (a large forward working set, none in the last layer's backward),
+    # group 1 a last-layer op whose choice 0 has a large working set there
+    p = Problem(cost=[[1], [1, 5]], mem=[[10], [10, 10]], transient=[[60], [5, 5]], bwd_mem=[[0], [20, 20]],
+                bwd_transient=[[0], [50, 5]])
+    assert p.phase_peaks([0, 0]) == (80, 20 + 50 + 20, 0) and p.phase_peaks([0, 1]) == (80, 20 + 5 + 20, 0)
+    without = dataclasses.replace(p, bwd_transient=None)  # the forward's largest working set instead
+    assert without.phase_peaks([0, 0])[1] == 20 + 60 + 20
+    p.budget = 85
+    sol = solve(p)  # the backward phase rules choice 0 out, though both fit the end of forward
+    assert sol.choice == [0, 1] and sol.peak_bytes == 80
+    assert min_memory(p) == 80 and min_memory_bound(p) <= 80
+    p.budget = 79
+    with pytest.raises(InfeasibleBudget):
+        solve(p)

@@ -29,15 +29,17 @@ def problems(draw, with_budget=False):
         table = {(p, q): draw(st.integers(0, 40)) for p in range(nu) for q in range(nv)}
         edges.append(Edge(u, v, ucls, vcls, table))
     budget = draw(st.integers(0, 100)) if with_budget else None
-    bwd_mem, mem_edges = None, []
+    bwd_mem, mem_edges, bwd_tr = None, [], None
     if draw(st.booleans()):  # the last layer's backward: more per choice, and per pair of choices
         bwd_mem = [[draw(st.integers(0, 10)) for _ in range(c)] for c in k]
+        if draw(st.booleans()):  # its own working sets (else the forward's)
+            bwd_tr = [[draw(st.integers(0, 20)) for _ in range(c)] for c in k]
         for _ in range(draw(st.integers(0, 3))):
             u, v = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))
             ucls, vcls = tuple(range(k[u])), tuple(range(k[v]))
             mem_edges.append(Edge(u, v, ucls, vcls, {(p, q): draw(st.integers(0, 15)) for p in ucls for q in vcls}))
     return Problem(cost=cost, mem=mem, transient=tr, edges=edges, budget=budget, bwd_mem=bwd_mem,
-                   mem_edges=mem_edges)
+                   mem_edges=mem_edges, bwd_transient=bwd_tr)
 
 
 @pytest.mark.parametrize("method", ["auto", "cpsat"])

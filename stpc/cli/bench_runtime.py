@@ -36,6 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from stpc.cli._common import Parser, add_flags, verb, write_json
@@ -87,10 +88,9 @@ def pairs(n: int) -> list[tuple[str, dict, str | None, tuple]]:
     return out
 
 
-def _live_bytes(engine: Engine, opt) -> int:
-    """Bytes of the distinct storages alive between steps: parameters, buffers, gradients,
-    optimizer state, and DDP's gradient buckets (allocated by its C++ reducer at
-    construction; their sizes are read from DDP's own logging data)."""
+def _live_storages(engine: Engine, opt) -> dict[int, int]:
+    """The distinct storages of the parameters, buffers, gradients and optimizer state:
+    their data pointers and bytes."""
     seen: dict[int, int] = {}
 
     def add(t):
@@ -109,12 +109,65 @@ def _live_bytes(engine: Engine, opt) -> int:
     for state in opt.state.values():
         for v in state.values():
             add(v)
-    total = sum(seen.values())
+    return seen
+
+
+def _live_bytes(engine: Engine, opt) -> int:
+    """Bytes of the distinct storages alive between steps: parameters, buffers, gradients,
+    optimizer state, and DDP's gradient buckets (allocated by its C++ reducer at
+    construction; their sizes are read from DDP's own logging data)."""
+    total = sum(_live_storages(engine, opt).values())
     if hasattr(engine.model, "_get_ddp_logging_data"):
         total += sum(int(x) for x in str(engine.model._get_ddp_logging_data().get("bucket_sizes", "")).split(", ")
                      if x.strip())
     return total
 
+
+def memory_timeline(prof, alive_at_end: set[int], marker: str = "fidelity::") -> tuple[list[tuple[int, int]], int]:
+    """Every allocation (+bytes) and free (-bytes) of a profiled step, in time order, and
+    the bytes of the blocks whose free the profiler did not see.
+
+    The profiler records an allocator event only on a thread that has its state: a block
+    whose last reference dies on a collective's worker thread (gloo's, which holds a
+    collective's tensors until it is done with the work, and on an oversubscribed CPU may
+    be descheduled past the main thread's wait) is freed with no event, and a running sum
+    would hold it to the step's end: 16 or 32 MiB more on one rank in one step, never the
+    same one twice. A block with no free is therefore taken as freed at the end of the
+    top-level op that allocated it (``marker`` names phase spans that are not ops), or
+    where the allocator hands its address out again if that comes first, unless its
+    storage is alive after the step (``alive_at_end``: a gradient, optimizer state)."""
+    allocs = []  # (time, ptr, bytes, end of its top-level op)
+
+    def walk(node, top_end):
+        kind, fields = node.typed
+        if kind == _EventType.Allocation:
+            allocs.append((node.start_time_ns, fields.ptr, fields.alloc_size, top_end or node.start_time_ns))
+            return
+        if top_end is None and not node.name.startswith(marker):
+            top_end = node.end_time_ns
+        for c in node.children:
+            walk(c, top_end)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, None)
+    allocs.sort(key=lambda a: a[0])
+    out, open_blocks, unseen = [], {}, 0
+    for t, ptr, size, top_end in allocs:
+        if size > 0 and ptr in open_blocks:  # its address handed out again: the old block was freed
+            old, old_end = open_blocks.pop(ptr)
+            out.append((min(old_end, t), -old))
+            unseen += old
+        if size > 0:
+            open_blocks[ptr] = (size, top_end)
+        else:
+            open_blocks.pop(ptr, None)
+        out.append((t, size))
+    for ptr, (size, top_end) in open_blocks.items():
+        if ptr not in alive_at_end:
+            out.append((top_end, -size))
+            unseen += size
+    out.sort(key=lambda e: e[0])
+    return out, unseen
 
 
 def interleaved(n: int, warmup: int, steps: int, desc: str, show: bool):
@@ -138,17 +191,17 @@ def _step(engine: Engine, opt) -> torch.Tensor:
 
 def _peak_of_step(engine: Engine, opt) -> int:
     """Live bytes at the step's start (after ``zero_grad``) plus the highest the allocator
-    climbed during the step. (The profiler reports no free of a block allocated before it
-    started: the gradients are dropped before it starts, or they would count twice.)"""
+    climbed during the step (``memory_timeline``). (The profiler reports no free of a block
+    allocated before it started: the gradients are dropped before it starts, or they would
+    count twice.)"""
     opt.zero_grad(set_to_none=True)
     base = _live_bytes(engine, opt)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         engine.forward_backward()
         opt.step()
     level = peak = 0
-    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns()):
-        level += e.nbytes()
+    for _, nbytes in memory_timeline(prof, set(_live_storages(engine, opt)))[0]:
+        level += nbytes
         peak = max(peak, level)
     return base + peak
 

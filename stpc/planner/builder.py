@@ -15,9 +15,11 @@ Memory per device is ``cost_models.MemoryModel``'s, the largest of three phases:
 end of forward, weights + optimizer state (under their placements; gradients only where
 the trainer keeps them through forward) + activations saved for backward (and the blocks
 a P(2^k x 2^k) op keeps for its backward, ``costs.stash_bytes``) + the largest transient
-working set of any node; in the last layer's backward, that + the gradients of the head's
-parameters and of the last layer's weights (``_Group.bwd_mem``) + the ZeRO-3 weights
-gathered again for it (``_regather_edges``, memory edges); in the optimizer step, weights
+working set of any node; in the last layer's backward, the same saved activations and
+state + the largest working set of that layer's own ops (the loss's and the head's ended
+before it began; ``_Group.bwd_transient``) + the gradients of the head's parameters and of
+the last layer's weights (``_Group.bwd_mem``) + the ZeRO-3 weights gathered again for it
+(``_regather_edges``, memory edges); in the optimizer step, weights
 + gradients + optimizer state + the optimizer's scratch (``MemoryModel.step_scratch``).
 
 Resharding is costed on the inputs of decision nodes: one solver edge per consumer,
@@ -66,6 +68,7 @@ class _Group:
     step_mem: np.ndarray | None = None  # bytes alive in the optimizer step (a parameter's state + scratch)
     step_transient: list[float] | None = None  # scratch alive while its own parameter steps (max)
     bwd_mem: np.ndarray | None = None  # the last layer's backward beyond the end of forward (one copy)
+    bwd_transient: list[float] | None = None  # its working set in that phase (a last-layer op's; else 0)
 
 
 class Builder:
@@ -215,6 +218,7 @@ class Builder:
         self.timers[it.group] = timer
         if it in self.facts.last_layer:
             self.groups[it.group].bwd_mem += self._weight_grad_bytes(it, strategies)
+            self.groups[it.group].bwd_transient = list(tr)
 
     def _weight_grad_bytes(self, it: Item, strategies) -> np.ndarray:
         """Per strategy, the gradients of the parameters the op reads, as its backward
@@ -576,7 +580,9 @@ class Builder:
                        step_mem=[np.rint(g.step_mem).astype(np.int64).tolist() for g in self.groups],
                        step_transient=[[int(round(t)) for t in g.step_transient] for g in self.groups],
                        bwd_mem=[np.rint(g.bwd_mem).astype(np.int64).tolist() for g in self.groups],
-                       mem_edges=self._regather_edges() if edges else [])
+                       mem_edges=self._regather_edges() if edges else [],
+                       bwd_transient=[[int(round(t)) for t in (g.bwd_transient or [0.0] * len(g.transient))]
+                                      for g in self.groups])
 
     def add_memory_edges(self, problem: Problem) -> Problem:
         problem.mem_edges = self._regather_edges()

@@ -16,9 +16,11 @@ CP-SAT model
           (exact for 0/1 values; its LP relaxation is tight on trees)
   T       integer >= transient of the chosen choice of every group (the max)
   memory  sum mem[g,c] x[g,c] + T <= budget          (the end of forward)
-          sum (mem + bwd_mem)[g,c] x[g,c] + sum bwd[k,p,q] f[k,p,q] + T <= budget
+          sum (mem + bwd_mem)[g,c] x[g,c] + sum bwd[k,p,q] f[k,p,q] + B <= budget
                                                      (the last layer's backward; f: the
-                                                     transport variables of the memory edges)
+                                                     transport variables of the memory edges;
+                                                     B >= the chosen bwd_transient of every
+                                                     group, the max)
           sum step_mem[g,c] x[g,c] + S <= budget     (the optimizer step; S >= the chosen
           step_transient of every group, the max)
   w[s,K]  integer per share s and key K: a reshard one producer's consumers share,
@@ -63,13 +65,15 @@ class Problem:
     # and the optimizer's scratch are alive): per group, per choice; None: no such phase.
     step_mem: list[list[int]] | None = None        # bytes alive throughout the step (summed)
     step_transient: list[list[int]] | None = None  # scratch alive one parameter at a time (max)
-    # The third phase, the backward of the last layer: everything of the end of forward (``mem``,
-    # the largest ``transient``) plus, per group and choice, ``bwd_mem`` (the gradients that
-    # layer computes) and, per pair of choices, ``mem_edges`` (bytes, not ns: a parameter
-    # gathered again for backward, held by the pair of its placement and its reader's);
-    # None / []: no such phase.
+    # The third phase, the backward of the last layer: the saved activations and state of the
+    # end of forward (``mem``), the largest ``bwd_transient`` (that layer's own working sets:
+    # the loss's and the head's ended before it began; None: the largest ``transient``), plus,
+    # per group and choice, ``bwd_mem`` (the gradients that layer computes) and, per pair of
+    # choices, ``mem_edges`` (bytes, not ns: a parameter gathered again for backward, held by
+    # the pair of its placement and its reader's); None / []: no such phase.
     bwd_mem: list[list[int]] | None = None
     mem_edges: list[Edge] = field(default_factory=list)
+    bwd_transient: list[list[int]] | None = None
 
     def __post_init__(self):
         n = [len(c) for c in self.cost]
@@ -77,6 +81,12 @@ class Problem:
             self.mem = [[0] * k for k in n]
         if self.transient is None:
             self.transient = [[0] * k for k in n]
+
+    @property
+    def backward_transient(self) -> list[list[int]]:
+        """The working sets of the last layer's backward phase (``bwd_transient``, else the
+        forward's)."""
+        return self.transient if self.bwd_transient is None else self.bwd_transient
 
     @property
     def has_step_phase(self) -> bool:
@@ -89,11 +99,12 @@ class Problem:
     def phase_peaks(self, choice: list[int]) -> tuple[int, int, int]:
         """(end-of-forward, last layer's backward, optimizer-step) peak bytes of a full
         assignment (0 for a phase the problem does not have)."""
-        fwd = sum(self.mem[g][c] for g, c in enumerate(choice))
-        fwd += max((self.transient[g][c] for g, c in enumerate(choice)), default=0)
+        held = sum(self.mem[g][c] for g, c in enumerate(choice))
+        fwd = held + max((self.transient[g][c] for g, c in enumerate(choice)), default=0)
         bwd = 0
         if self.has_bwd_phase:
-            bwd = fwd + (sum(self.bwd_mem[g][c] for g, c in enumerate(choice)) if self.bwd_mem is not None else 0)
+            bwd = held + max((self.backward_transient[g][c] for g, c in enumerate(choice)), default=0)
+            bwd += sum(self.bwd_mem[g][c] for g, c in enumerate(choice)) if self.bwd_mem is not None else 0
             bwd += sum(e.table.get((e.ucls[choice[e.u]], e.vcls[choice[e.v]]), 0) for e in self.mem_edges)
         step = sum(self.step_mem[g][c] for g, c in enumerate(choice)) if self.step_mem is not None else 0
         if self.step_transient is not None:
@@ -118,7 +129,7 @@ class Problem:
         return Problem(cost=sub(self.cost), mem=sub(self.mem), transient=sub(self.transient), edges=edges,
                        budget=self.budget, cap=self.cap, shares=self.shares if shares is None else shares,
                        step_mem=sub(self.step_mem), step_transient=sub(self.step_transient),
-                       bwd_mem=sub(self.bwd_mem), mem_edges=mem_edges)
+                       bwd_mem=sub(self.bwd_mem), mem_edges=mem_edges, bwd_transient=sub(self.bwd_transient))
 
 
 @dataclass
@@ -189,7 +200,7 @@ def _build(p: Problem, minimise_memory: bool):
             terms, c, _ = _pair_terms(m, x, e, f"f{k}")
             extra += terms
             c0 += c
-        phases.append(_phase_memory(m, x, p.mem, p.transient, "bwd_transient", p.bwd_mem) + sum(extra) + c0)
+        phases.append(_phase_memory(m, x, p.mem, p.backward_transient, "bwd_transient", p.bwd_mem) + sum(extra) + c0)
     if p.has_step_phase:
         phases.append(_phase_memory(m, x, p.step_mem, p.step_transient, "step_transient"))
     if minimise_memory:
@@ -235,7 +246,7 @@ def _pair_terms(m, x, e: Edge, name: str):
 
 
 def _memory_rows(p: Problem) -> list:
-    return [r for r in (p.mem, p.transient, p.bwd_mem, p.step_mem, p.step_transient) if r is not None]
+    return [r for r in (p.mem, p.transient, p.bwd_mem, p.bwd_transient, p.step_mem, p.step_transient) if r is not None]
 
 
 def _phase_memory(m, x, summed, maxed, name: str, also=None):
@@ -439,7 +450,7 @@ def min_memory_bound(p: Problem) -> int:
     fwd = _min_forward_peak(p)
     bounds = [fwd]
     if p.bwd_mem is not None:
-        tr = max(min(t) for t in p.transient) if p.transient else 0
+        tr = max(min(t) for t in p.backward_transient) if p.backward_transient else 0
         bounds.append(sum(min(a + b for a, b in zip(r, e)) for r, e in zip(p.mem, p.bwd_mem)) + tr)
     if p.has_step_phase:
         step = sum(min(r) for r in p.step_mem) if p.step_mem is not None else 0
@@ -451,7 +462,8 @@ def min_memory_bound(p: Problem) -> int:
 
 def _min_peak_phases(p: Problem, time_limit_s: float) -> int:
     q = Problem(cost=[[0] * len(c) for c in p.cost], mem=p.mem, transient=p.transient,
-                step_mem=p.step_mem, step_transient=p.step_transient, bwd_mem=p.bwd_mem, mem_edges=p.mem_edges)
+                step_mem=p.step_mem, step_transient=p.step_transient, bwd_mem=p.bwd_mem, mem_edges=p.mem_edges,
+                bwd_transient=p.bwd_transient)
     m, x, _ = _build(q, minimise_memory=True)
     solver = _solver(time_limit_s)
     status = solver.Solve(m)

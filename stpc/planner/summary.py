@@ -327,6 +327,7 @@ def _breakdown(sv: Solved) -> dict:
         act += count * b.memory.saved_bytes(val.numel() * val.element_size(),
                                             shard_factor(b.place[it][ch[it.group]], mesh))
     transient = max((p.transient[g][c] for g, c in enumerate(ch)), default=0)
+    bwd_transient = max((p.backward_transient[g][c] for g, c in enumerate(ch)), default=0)
     forward_peak, backward_peak, step_peak = p.phase_peaks(ch)
     return {"step_s": step_s, "compute_s": compute, "optimizer_step_s": optimizer_step, "exposed_s": exposed, "hidden_s": ring_hidden + param_hidden,
             "exposed_reshard_s": other_edges + gathers, "exposed_ring_s": ring_exposed,
@@ -334,6 +335,7 @@ def _breakdown(sv: Solved) -> dict:
             "hidden_ring_s": ring_hidden, "hidden_param_sync_s": param_hidden,
             "peak_bytes": float(sv.peak), "weight_bytes": weight, "grad_bytes": grad, "optimizer_bytes": opt,
             "activation_bytes": act, "transient_bytes": float(transient),
+            "backward_transient_bytes": float(bwd_transient) if p.has_bwd_phase else 0.0,
             "forward_peak_bytes": float(forward_peak), "step_peak_bytes": float(step_peak),
             "backward_peak_bytes": float(backward_peak),  # (0: a problem without that phase)
             # the gradients the end of forward holds (0: zero_grad frees them, MemoryModel.grads_at_forward)
@@ -521,8 +523,9 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
                 f"  optimizer scratch {_bytes(bd['step_scratch_bytes']):>9}  the optimizer step's temporaries",
                 f"  end of forward {_bytes(bd['forward_peak_bytes']):>12}  parameters + optimizer + activations + "
                 "transient" + (" + gradients" if bd.get("forward_grad_bytes") else " (zero_grad freed the gradients)"),
-                f"  last layer's backward {_bytes(bd.get('backward_peak_bytes', 0.0)):>5}  the end of forward + "
-                "the gradients the head and the last layer compute + ZeRO-3 weights gathered again for it",
+                f"  last layer's backward {_bytes(bd.get('backward_peak_bytes', 0.0)):>5}  the end of forward with "
+                "that layer's largest working set for the transient + the gradients the head and the last layer "
+                "compute + ZeRO-3 weights gathered again for it",
                 f"  optimizer step {_bytes(bd['step_peak_bytes']):>12}  parameters + gradients + optimizer + "
                 "optimizer scratch (activations are freed)",
                 "  the peak is the largest phase: the " + _peak_phase(bd)]
