@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from stpc.runtime.launch import spawn
-from stpc.runtime.param_gather import _cut, _rank_major
+from stpc.runtime.param_gather import _cut, _holding, _rank_major
 from stpc.runtime.reshard import _grid_block, grid_gather, shard_slice
 
 FULL = (8, 12, 16)   # dims 1 and 2 split by the 2 x 2 grid; dim 0 by 4 ranks
@@ -89,3 +89,23 @@ def test_gathered_gradients_are_laid_out_rank_major_in_one_copy():
     want = torch.cat([shards[0].reshape(n, -1), shards[1].reshape(n, -1), torch.zeros(n, 7)], dim=1)
     assert torch.equal(flat, want.reshape(-1))
     assert top == flat.numel() * flat.element_size(), f"climbed {top} B for a {flat.numel() * 4} B buffer"
+
+
+def test_backward_keeps_a_regathered_buffer_only_while_a_parameter_is_a_view_of_it():
+    # A layer of several parameters is cut into copies of their own (a parameter's pieces are
+    # columns of the rank-major buffer); a view stays only where one dim-0 parameter is the
+    # whole buffer. Backward's re-gather keeps the buffer only while a view needs it: held
+    # beside the copies, it was a second gathered copy of the layer for its whole backward.
+    n = 4
+    mixed = ([(8,), (16, 5)], [0, 1])
+    only_views = ([(16, 5)], [0])
+    for (shapes, dims), expect_views in ((mixed, False), (only_views, True)):
+        shards = [torch.randn(n, *s) for s in shapes]
+        buf = torch.cat([s.reshape(n, -1) for s in shards], dim=1)
+        fulls = _cut(buf, shapes, dims, n)
+        for f, shard, d in zip(fulls, shards, dims):  # each parameter whole, as the ranks' pieces joined
+            assert torch.equal(f, torch.cat(list(shard), dim=d))
+        base = buf.untyped_storage().data_ptr()
+        views = [f.untyped_storage().data_ptr() == base for f in fulls]
+        assert (any(views)) is expect_views, (dims, views)
+        assert (_holding(buf, fulls) is buf) is expect_views  # what backward's re-gather keeps of it
