@@ -7,7 +7,8 @@ runs one layout both ways:
 pair                stpc                                    torch (``stpc.cli.bench_engines``)
 ==================  ======================================  =========================================
 data parallel       the ``dp`` preset on mesh (N,)          ``DistributedDataParallel``
-tensor parallel     ``megatron`` at dp 1 x tp N (TP+SP)     ``parallelize_module`` TP+SP, loss_parallel
+tensor parallel     ``megatron`` at dp 1 x tp N (SP if      ``parallelize_module`` TP+SP, loss_parallel
+                    the model finds it faster)
 fsdp                ``fsdp-tp`` at dp N x tp 1 (ZeRO-3)     FSDP2 ``fully_shard`` per block
 fsdp + tp           ``fsdp-tp`` at dp N/2 x tp 2            FSDP2 over dp, TP+SP over tp (TorchTitan)
 solved              stpc's own plan (its search, N devices) the fastest of the torch engines
