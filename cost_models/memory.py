@@ -5,7 +5,8 @@
 
     peak = max(end of forward, last layer's backward, optimizer step)
     end of forward  = weights + optimizer state + saved activations + the largest transient
-    last layer's backward = the end of forward + the gradients the head and the last layer
+    last layer's backward = the end of forward, with that layer's own largest working set
+                      for the transient, + the gradients the head and the last layer
                       compute + ZeRO-3 parameters gathered again for it (``regathered_bytes``)
     optimizer step  = weights + gradients + optimizer state + the optimizer's scratch
 

@@ -136,7 +136,12 @@ def memory_timeline(prof, alive_at_end: set[int], marker: str = "fidelity::") ->
     same one twice. A block with no free is therefore taken as freed at the end of the
     top-level op that allocated it (``marker`` names phase spans that are not ops), or
     where the allocator hands its address out again if that comes first, unless its
-    storage is alive after the step (``alive_at_end``: a gradient, optimizer state)."""
+    storage is alive after the step (``alive_at_end``: a gradient, optimizer state).
+    For a collective waited in the op that issued it (a reshard's all-to-all, a gather)
+    that is where gloo lets it go. For one issued in one op and waited in a later one (a
+    ZeRO-3 layer's gradient reduce-scatter, the next layer's prefetched gather), its input
+    lives until that wait and is counted freed too early: a lower bound there, and only
+    the address's reuse an upper one."""
     allocs = []  # (time, ptr, bytes, end of its top-level op)
 
     def walk(node, top_end):

@@ -12,9 +12,9 @@ planner models):
 * all-gather, reduce-scatter, all-reduce, all-to-all and ring P2P (every rank sends to
   its right neighbour) over a range of message sizes, on gloo over 127.0.0.1 on CPU or
   NCCL on GPUs. A sample's time is the slowest rank's, fastest of several timed windows;
-* forward + backward of each op the built-in models use that is not a GEMM (layer norm,
-  gelu, attention, the loss, ...), every rank at once, against the roofline time the
-  planner charges it (``stpc.cli.calibrate_ops``): the device's ``op_slowdown``;
+* on CPU ranks, forward + backward of each op the built-in models use that is not a GEMM
+  (layer norm, gelu, attention, the loss, ...), every rank at once, against the roofline
+  time the planner charges it (``stpc.cli.calibrate_ops``): the device's ``op_slowdown``;
 * how compute and communication overlap (``overlap`` in the profile): one step's GEMM
   alone, its P2P alone, and stpc's own AG-ring (``runtime.ops.ring_allgather_matmul``,
   the transfer posted before each step's GEMM and waited after it), once with blocks
@@ -235,7 +235,8 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
         rates = _matmul_rates(dev)
         bw = _mem_bw(dev)
         overlap = _overlap(dev, world)
-        ops = {p.op: _sustained(probe_step(p, dev), dev, window_s=0.3) for p in PROBES}
+        # (on a GPU a probe this size times its launch, not its kernel: CPU profiles only)
+        ops = {p.op: _sustained(probe_step(p, dev), dev, window_s=0.3) for p in PROBES} if dev.type == "cpu" else {}
         gathered = [None] * world
         dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw, "overlap": overlap, "ops": ops})
         result["per_rank"] = gathered
@@ -286,6 +287,7 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     if len(sizes) < 2:
         raise ValueError("need at least two message sizes to fit alpha and beta")
     backend = backend or _default_backend(world_size)
+    facts = {p.op: probe_facts(p) for p in PROBES}  # (first: a probe torch traces otherwise fails at once)
     task = {"backend": backend, "kinds": list(kinds), "sizes": [int(s) for s in sizes],
             "iters": iters, "matmul": True}
     res = run_spawned(world_size, task, timeout_s)
@@ -313,9 +315,8 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
               "gemm_ramp_s": curves["fp32"][1], "gemm_ramps": {dt: ramp for dt, (_, ramp) in curves.items()},
               "mem_bw": statistics.median(r["mem_bw"] for r in per_rank), "mem_bytes": mem_bytes}
     # Ops that are not GEMMs: measured forward + backward over the roofline the planner charges.
-    ops = fit_op_slowdown({p.op: statistics.median(r["ops"][p.op] for r in per_rank) for p in PROBES},
-                          {p.op: probe_facts(p) for p in PROBES},
-                          DeviceSpec(device["name"], peak, device["mem_bw"], mem_bytes, 1.0))
+    ops = fit_op_slowdown({op: statistics.median(r["ops"][op] for r in per_rank) for op in per_rank[0]["ops"]},
+                          facts, DeviceSpec(device["name"], peak, device["mem_bw"], mem_bytes, 1.0))
     device["op_slowdown"] = {op: r["slowdown"] for op, r in ops.items()}
 
     collectives = {}

@@ -13,7 +13,11 @@ step runs them) and divides by the roofline time the planner charges the same ca
 the FLOPs and bytes taken from the same trace (``stpc.frontend.trace``) the planner plans
 on. A probe's size is one activation of the fidelity bench's GPT (d_model 1024, seq 512)
 split two ways, ``[2, 512, 1024]``: one size per op, not a curve over sizes (a named
-simplification; the GEMMs have their curve in ``DeviceSpec.gemm_ramps``).
+simplification; the GEMMs have their curve in ``DeviceSpec.gemm_ramps``). Also named
+simplifications: the factor, fitted on forward + backward, applies to an op's forward
+alone where it has no backward (an add's 0.2x comes from a backward that passes its
+gradient through), and the fp32 factor to every dtype. Measured on CPU profiles only: on
+a GPU a probe this size times its kernel launch, not the kernel.
 """
 from __future__ import annotations
 
@@ -120,5 +124,6 @@ def fit_op_slowdown(measured_s: dict[str, float], facts: dict[str, tuple[float, 
     out = {}
     for op, sec in measured_s.items():
         model = roofline_seconds(plain, *facts[op])
-        out[op] = {"measured_s": sec, "roofline_s": model, "slowdown": sec / model}
+        if model > 0 and sec > 0:  # (an op that moves nothing has no roofline to scale)
+            out[op] = {"measured_s": sec, "roofline_s": model, "slowdown": sec / model}
     return out

@@ -196,11 +196,13 @@ class NodeTimer:
 
 # Ops that materialise working copies of their first operand beyond their output: one aten
 # op whose kernel allocates intermediates of that operand's (local) size. cross_entropy_loss
-# computes log_softmax of the logits (kept for backward) before the loss; its backward then
-# holds two more logits-sized gradients (nll's and log_softmax's) beside it, which the last
-# layer's backward phase sees through this same largest transient. Measured: the p2x2
-# fidelity plan (logits gathered whole, 64 MiB a rank) peaks at its loss's backward with
-# the 64 MiB log-probabilities and both 64 MiB gradients alive.
+# computes log_softmax of the logits (kept for backward) before the loss. Its backward then
+# holds two more logits-sized gradients (nll's and log_softmax's) beside the
+# log-probabilities, one logits copy more than this counts: no phase of the memory model
+# stands at the loss's backward (the end of forward counts the logits and the
+# log-probabilities; the last layer's backward, which came after, that layer's own working
+# sets: ``Problem.bwd_transient``). A named gap; measured, the fidelity bench's plans peak
+# elsewhere (p2x2, logits split 4 ways: in forward, 493.9 MiB, modelled 497.8).
 WORKING_COPIES = {aten.cross_entropy_loss.default: 1}
 
 
