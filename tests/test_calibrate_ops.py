@@ -12,6 +12,7 @@ from stpc.cost_models import CostModel, get_cluster
 from stpc.cost_models.compute import roofline
 from stpc.frontend import models
 from stpc.frontend.trace import trace
+from stpc.planner.costs import NodeTimer
 from stpc.planner import plan_graph, preset
 
 
@@ -58,3 +59,17 @@ def test_a_measured_slowdown_scales_the_planned_time_of_that_op_only():
         factor = {"gelu.default": 5.0, "scaled_dot_product_attention.default": 3.0}.get(op, 1.0)
         assert t_slow == pytest.approx(factor * t, rel=1e-9, abs=1e-15), (node, op)
     assert any(op == "gelu.default" and t > 0 for op, t in times["base"].values())  # a follower, charged
+
+
+@pytest.mark.parametrize("probe", [p for p in PROBES if p.op in ("aten.gelu.default", "aten.layer_norm.default",
+                                                                 "aten.scaled_dot_product_attention.default")],
+                         ids=lambda p: p.op)
+def test_the_roofline_a_probe_is_divided_by_is_what_the_planner_charges_its_node(probe):
+    # roofline_seconds restates NodeTimer's phases of an op that is not a GEMM (forward over
+    # its bytes, backward over twice them): held to the planner's own timer on the traced node
+    meta = torch.device("meta")
+    tg = trace(probe.module().to(meta), probe.inputs(meta))
+    node = next(n for n in tg.gm.graph.nodes if n.op == "call_function" and str(n.target) == probe.op)
+    cl = get_cluster("cpu-local")
+    fwd, bwd, grad = NodeTimer(node, CostModel(cl, (1,)), [True] * len(node.all_input_nodes)).phases(1)
+    assert fwd + bwd + grad == pytest.approx(roofline_seconds(cl.device, *probe_facts(probe)), rel=1e-12)

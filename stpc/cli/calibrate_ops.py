@@ -21,6 +21,7 @@ a GPU a probe this size times its kernel launch, not the kernel.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -120,7 +121,7 @@ def fit_op_slowdown(measured_s: dict[str, float], facts: dict[str, tuple[float, 
                     device: DeviceSpec) -> dict[str, dict]:
     """Per op: its measured forward + backward seconds, the roofline seconds the planner
     charges them on ``device`` (whose own ``op_slowdown`` is ignored) and their ratio."""
-    plain = DeviceSpec(device.name, device.peak_flops, device.mem_bw, device.mem_bytes, device.efficiency)
+    plain = dataclasses.replace(device, op_slowdown={})
     out = {}
     for op, sec in measured_s.items():
         model = roofline_seconds(plain, *facts[op])
