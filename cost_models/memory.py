@@ -5,9 +5,10 @@
 
     peak = max(end of forward, last layer's backward, optimizer step)
     end of forward  = weights + optimizer state + saved activations + the largest transient
-    last layer's backward = the end of forward, with that layer's own largest working set
-                      for the transient, + the gradients the head and the last layer
-                      compute + ZeRO-3 parameters gathered again for it (``regathered_bytes``)
+    last layer's backward = the end of forward less the activations only the head saved,
+                      with that layer's own largest working set for the transient, + the
+                      gradients the head and the last layer compute + ZeRO-3 parameters
+                      gathered again for it (``regathered_bytes``)
     optimizer step  = weights + gradients + optimizer state + the optimizer's scratch
 
 * persistent: each parameter's weight and optimizer state under its placement, its
@@ -21,7 +22,10 @@
   (:meth:`MemoryModel.transient_bytes`).
 
 * last layer's backward: backward starts where forward ended, every saved activation
-  still alive, and the first ops it differentiates (the head, then the last layer) add
+  still alive (the loss's backward working set is the end of forward's transient:
+  ``planner.costs.WORKING_COPIES``). The head's backward (final norm, output projection,
+  loss) runs first and frees what only its ops saved (``GraphFacts.head_saved``); then
+  the first ops of the last layer's backward add
   their weights' gradients as computed (at the placement the op reads the weight in) and,
   for a ZeRO-3 parameter, its whole copy gathered again (``regathered_bytes``). Measured
   (fidelity bench, fsdp-tp on 4 gloo ranks) this is where a ZeRO-3 plan peaks; the

@@ -14,6 +14,7 @@ from stpc.cost_models import CostModel, Link, bytes_per_param, get_cluster
 from stpc.placement import local_shape
 from stpc.planner import Hints, InfeasibleBudget, Plan, mesh_shapes, plan_graph
 from stpc.planner.hints import data_parallel, megatron
+from stpc.planner.analysis import after_last_layer, analyse, layer_of, saved_savers
 from stpc.planner.costs import NodeTimer
 from stpc.planner.summary import breakdown
 from stpc.planner.strategies import SAVES_INPUTS, SAVES_OUTPUT, enumerate_strategies, tensor_operands
@@ -66,9 +67,10 @@ def _backward_extra(tg, plan, mesh, staging):
 def recompute_peak(tg, plan, layout="fp32-adam"):
     """Per-device peak from the plan's placements alone (not from solver variables): the
     largest of the end of forward, params + optimizer (a tied parameter once; zero_grad freed
-    the gradients) + saved activations + the largest node working set (the loss's with its
-    log-probabilities), the last layer's backward (its own ops' largest working set instead
-    of any op's, and ``_backward_extra`` more, with the plan's cluster's gather_staging), and the
+    the gradients) + saved activations + the largest node working set (the loss's with two
+    logits copies), the last layer's backward (its own ops' largest working set instead
+    of any op's, without the activations only the head's ops save, and ``_backward_extra``
+    more, with the plan's cluster's gather_staging), and the
     optimizer step, params + grads + optimizer + AdamW's foreach scratch."""
     mesh = tuple(plan.mesh_shape)
     bpp = sum(bytes_per_param(layout))
@@ -76,26 +78,38 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
     static = sum(_nbytes(nodes[k].meta["val"], v.out, mesh) // nodes[k].meta["val"].element_size() * bpp
                  for k, v in plan.nodes.items() if v.role == "param" and k not in tg.tied_params)
     params = set(tg.param_fqns)
-    rg, saved = set(), set()
+    rg, saved = set(), {}  # saved tensor -> the ops that save it
     for n in tg.graph.nodes:
         if n.name in params or any(a in rg for a in n.all_input_nodes):
             rg.add(n)
     for n in tg.graph.nodes:
         if n.op == "call_function" and n in rg:
             if n.target in SAVES_INPUTS:
-                saved.update(o for o in tensor_operands(n) if o.name not in params)
+                for o in tensor_operands(n):
+                    if o.name not in params:
+                        saved.setdefault(o, set()).add(n)
             if n.target in SAVES_OUTPUT:
-                saved.add(n)
-    bases = set()
-    for t in saved:
+                saved.setdefault(n, set()).add(n)
+    bases = {}
+    for t, by in saved.items():
         while t.op == "call_function" and t.target.is_view and tensor_operands(t):
             t = tensor_operands(t)[0]
-        bases.add(t)
-    act = sum(_nbytes(t.meta["val"], plan.nodes[t.name].out, mesh) for t in bases
-              if plan.nodes[t.name].role not in ("const", "param"))
+        bases.setdefault(t, set()).update(by)
     layer = {n.name: int(m.group(1)) if (m := re.search(r"\.(\d+)(\.|$)", n.meta.get("module") or "")) else None
              for n in tg.graph.nodes}
     last = max((v for v in layer.values() if v is not None), default=None)
+    order = [n.name for n in tg.graph.nodes]
+    last_pos = max((k for k, nm in enumerate(order) if layer[nm] == last), default=len(order)) if last is not None \
+        else len(order)
+    head = {nm for nm in order[last_pos + 1:] if layer[nm] is None}  # after the last layer: freed first
+    act = head_act = 0
+    for t, by in bases.items():
+        if plan.nodes[t.name].role in ("const", "param"):
+            continue
+        b = _nbytes(t.meta["val"], plan.nodes[t.name].out, mesh)
+        act += b
+        if all(o.name in head for o in by):
+            head_act += b
     trans = trans_last = 0  # the largest working set of any op; of the last layer's (all, without layers)
     for name, np_ in plan.nodes.items():
         if np_.role != "decision":
@@ -106,8 +120,8 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
         t += sum(_nbytes(o.meta["val"], p, mesh) for o, p in zip(ops, np_.ins))
         if np_.kind not in ("spatial", "replicate-fallback"):
             t += 2 * _nbytes(ops[0].meta["val"], np_.ins[0], mesh)
-        if n.target is torch.ops.aten.cross_entropy_loss.default:  # its log-probabilities
-            t += _nbytes(ops[0].meta["val"], np_.ins[0], mesh)
+        if n.target is torch.ops.aten.cross_entropy_loss.default:  # two logits copies (its backward's)
+            t += 2 * _nbytes(ops[0].meta["val"], np_.ins[0], mesh)
         trans = max(trans, t)
         if layer[name] == last:
             trans_last = max(trans_last, t)
@@ -118,7 +132,7 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
     # (the end of forward holds no gradients: 4 B of the 16 per element)
     forward = static * (bpp - 4) // bpp + act + trans
     staging = get_cluster(plan.cluster).gather_staging
-    backward = forward - trans + trans_last + _backward_extra(tg, plan, mesh, staging)
+    backward = forward - trans + trans_last - head_act + _backward_extra(tg, plan, mesh, staging)
     return max(forward, backward, static + scratch)
 
 
@@ -204,11 +218,11 @@ def test_the_optimizer_step_is_the_peak_where_activations_are_small():
     assert recompute_peak(tg, tight) <= budget and tight.peak_memory_bytes <= budget
 
 
-def test_the_loss_working_set_holds_its_log_probabilities():
-    # aten.cross_entropy_loss computes log_softmax of the logits before the loss: while it
-    # runs, the logits and their log-probabilities are both alive (and its backward holds two
-    # logits-sized gradients beside the saved log-probabilities). Data parallel on 4: each rank
-    # holds a quarter of the rows of the logits; with a vocabulary of 2048 (64 times the
+def test_the_loss_working_set_holds_its_backwards_logits_copies():
+    # The loss ends forward and starts backward with every saved activation alive: its
+    # working set there is its backward's, the logits and two logits-sized copies (the
+    # gradient beside the log-probabilities; costs.WORKING_COPIES). Data parallel on 4: each
+    # rank holds a quarter of the rows of the logits; with a vocabulary of 2048 (64 times the
     # width), the loss is the largest working set.
     tg = _meta_trace("gpt-tiny", batch=8, seq=64, vocab=2048)
     plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=data_parallel((4,)))
@@ -218,7 +232,30 @@ def test_the_loss_working_set_holds_its_log_probabilities():
     local = [_nbytes(o.meta["val"], p, (4,)) for o, p in zip((logits, targets), np_.ins)]
     out = loss.meta["val"].numel() * loss.meta["val"].element_size()
     assert local[0] == logits.meta["val"].numel() // 4 * 4  # a quarter of the rows, fp32
-    assert breakdown(plan)["transient_bytes"] == pytest.approx(2 * local[0] + local[1] + out)
+    assert breakdown(plan)["transient_bytes"] == pytest.approx(3 * local[0] + local[1] + out)
+
+
+def test_activations_only_the_head_saves_are_gone_in_the_last_layers_backward():
+    # The head's backward (final norm, output projection, loss) runs before the last layer's
+    # and frees what only its ops saved: the last layer's backward phase holds the end of
+    # forward's activations less those. Data parallel on 4, gpt-tiny with a wide vocabulary.
+    tg = _meta_trace("gpt-tiny", batch=8, seq=64, vocab=2048)
+    facts = analyse(tg)
+    head = after_last_layer(tg.graph)
+    assert head and all(layer_of(n) is None for n in head)
+    only_head = [t for t, by in saved_savers(tg.graph, facts.rg, facts.params).items() if by <= head]
+    names = {t.name for t in only_head}
+    # the logits (saved by the loss) and the last layer's residual output (saved by ln_f)
+    assert any(facts.node_item[t] in facts.head for t in only_head)
+    assert any(layer_of(t) is not None for t in only_head), names
+    plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=data_parallel((4,)))
+    freed = sum(_nbytes(t.meta["val"], plan.nodes[t.name].out, (4,)) for t in only_head)
+    assert freed > 0
+    b = breakdown(plan)
+    held = b["weight_bytes"] + b["optimizer_bytes"] + b["activation_bytes"]
+    problem_rows = b["backward_peak_bytes"] - b["backward_transient_bytes"]
+    extra = _backward_extra(tg, plan, (4,), get_cluster("cpu-local").gather_staging)
+    assert problem_rows == pytest.approx(held - freed + extra, rel=1e-9)
 
 
 def test_a_zero3_plan_peaks_in_the_last_layers_backward():

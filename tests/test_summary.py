@@ -47,10 +47,11 @@ def _parts_add_up(bd, plan):
     assert state - bd["grad_bytes"] + bd["activation_bytes"] + bd["transient_bytes"] == pytest.approx(
         bd["forward_peak_bytes"], abs=64)
     assert state + bd["step_scratch_bytes"] == pytest.approx(bd["step_peak_bytes"], abs=64)
-    # (the last layer's backward: the end of forward with that layer's largest working set in place
-    # of any op's, and more)
+    # (the last layer's backward: the end of forward less what only the head saved, with that
+    # layer's largest working set in place of any op's, and more)
+    assert 0 <= bd["head_activation_bytes"] <= bd["activation_bytes"]
     assert bd["backward_peak_bytes"] >= (bd["forward_peak_bytes"] - bd["transient_bytes"]
-                                         + bd["backward_transient_bytes"])
+                                         - bd["head_activation_bytes"] + bd["backward_transient_bytes"]) - 64
     assert bd["backward_transient_bytes"] <= bd["transient_bytes"]
     assert bd["peak_bytes"] == max(bd["forward_peak_bytes"], bd["backward_peak_bytes"], bd["step_peak_bytes"])
     # foreach AdamW's scratch: one fp32 temporary per element of optimizer state the device holds

@@ -96,26 +96,36 @@ def constants(graph: fx.Graph) -> set[fx.Node]:
     return const
 
 
-def saved_bases(graph: fx.Graph, rg: set, params: set[str], operands: dict | None = None) -> list[fx.Node]:
-    """Tensors kept for backward, as the nodes that own their storage (views resolved).
-    ``operands``: ``tensor_operands`` of every call_function node, if already known."""
+def saved_savers(graph: fx.Graph, rg: set, params: set[str], operands: dict | None = None) -> dict:
+    """Tensors kept for backward, as the nodes that own their storage (views resolved), in
+    graph order, each with the set of ops that save it (whose backward reads it: once the
+    last of them has run backward, the tensor is freed). ``operands``: ``tensor_operands``
+    of every call_function node, if already known."""
     ops = operands if operands is not None else {
         n: tensor_operands(n) for n in graph.nodes if n.op == "call_function"}
-    saved = set()
+    savers: dict = defaultdict(set)
     for n in graph.nodes:
         if n.op != "call_function" or n not in rg:
             continue
         if n.target in SAVES_INPUTS:
-            saved.update(o for o in ops[n] if o.name not in params)
+            for o in ops[n]:
+                if o.name not in params:
+                    savers[o].add(n)
         if n.target in SAVES_OUTPUT:
-            saved.add(n)
-    bases = {}
-    for t in saved:
+            savers[n].add(n)
+    bases: dict = defaultdict(set)
+    for t, by in savers.items():
         while t.op == "call_function" and is_view_like(t) and ops[t]:
             t = ops[t][0]
-        bases[t] = None
+        bases[t] |= by
     order = {n: i for i, n in enumerate(graph.nodes)}
-    return sorted(bases, key=order.__getitem__)
+    return {t: bases[t] for t in sorted(bases, key=order.__getitem__)}
+
+
+def saved_bases(graph: fx.Graph, rg: set, params: set[str], operands: dict | None = None) -> list[fx.Node]:
+    """Tensors kept for backward, as the nodes that own their storage (views resolved), in
+    graph order (``saved_savers``' keys)."""
+    return list(saved_savers(graph, rg, params, operands))
 
 
 def node_signature(node: fx.Node) -> tuple:
@@ -171,6 +181,7 @@ class GraphFacts:
     node_item: dict                # node -> its Item (every placeholder/op in a group)
     edge_uses: Counter             # (producer Item, decision Item, operand index) -> count, one per consumer
     saved_uses: Counter            # Item owning a tensor kept for backward -> count
+    head_saved: Counter = field(default_factory=Counter)  # of those, saved by head ops only -> count
     num_groups: int = 0
     group_items: list = field(default_factory=list)  # group -> the Item that opened it
     shared: list = field(default_factory=list)       # SharedRead: decision inputs paid once per placement
@@ -189,10 +200,13 @@ class GraphFacts:
         f._items(graph)
         f._share_reads()
         f.last_layer, f.head = backward_start(graph, f.items)
-        for t in saved_bases(graph, rg, params, f._operands):
+        head_nodes = after_last_layer(graph)
+        for t, by in saved_savers(graph, rg, params, f._operands).items():
             it = f.node_item.get(t)
             if it is not None and it.kind != "param" and isinstance(t.meta["val"], torch.Tensor):
                 f.saved_uses[it] += 1
+                if by <= head_nodes:  # freed by the head's backward, before the last layer's began
+                    f.head_saved[it] += 1
         return f
 
     def _rep(self, node):
@@ -317,6 +331,21 @@ def analyse(tg: TracedGraph) -> GraphFacts:
     return tg.facts
 
 
+def after_last_layer(graph: fx.Graph) -> set:
+    """The nodes of the head: after the last repeated layer's last node in graph order, and
+    in no layer (final norm, output projection, loss). Empty for a graph without indexed
+    layers."""
+    last_pos, order = -1, list(graph.nodes)
+    last_layer = None
+    for k, n in enumerate(order):
+        layer = layer_of(n)
+        if layer is not None and (last_layer is None or layer >= last_layer):
+            last_layer, last_pos = layer, k
+    if last_layer is None:
+        return set()
+    return {n for n in order[last_pos + 1:] if layer_of(n) is None}
+
+
 def backward_start(graph: fx.Graph, items: list[Item]) -> tuple[set, set]:
     """(the last layer's decision Items, the head's) — the ops backward runs first, while
     everything forward saved is still alive: the head (after the last repeated layer in
@@ -342,4 +371,4 @@ def backward_start(graph: fx.Graph, items: list[Item]) -> tuple[set, set]:
     return last, head
 
 
-__all__ = ["analyse", "GraphFacts", "Item", "SharedRead", "node_signature", "tie_layers", "layer_of", "backward_start", "requires_grad", "constants", "saved_bases"]
+__all__ = ["analyse", "GraphFacts", "Item", "SharedRead", "node_signature", "tie_layers", "layer_of", "backward_start", "requires_grad", "constants", "saved_bases", "saved_savers", "after_last_layer"]

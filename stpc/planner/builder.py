@@ -15,9 +15,11 @@ Memory per device is ``cost_models.MemoryModel``'s, the largest of three phases:
 end of forward, weights + optimizer state (under their placements; gradients only where
 the trainer keeps them through forward) + activations saved for backward (and the blocks
 a P(2^k x 2^k) op keeps for its backward, ``costs.stash_bytes``) + the largest transient
-working set of any node; in the last layer's backward, the same saved activations and
-state + the largest working set of that layer's own ops (the loss's and the head's ended
-before it began; ``_Group.bwd_transient``) + the gradients of the head's parameters and of
+working set of any node (the loss's is its backward's, ``costs.WORKING_COPIES``); in the
+last layer's backward, the same saved activations less those only the head's ops saved
+(its backward, which ran first, freed them: ``GraphFacts.head_saved``, taken off
+``_Group.bwd_mem``) and state + the largest working set of that layer's own ops (the loss's
+and the head's ended before it began; ``_Group.bwd_transient``) + the gradients of the head's parameters and of
 the last layer's weights (``_Group.bwd_mem``) + the ZeRO-3 weights gathered again for it
 (``_regather_edges``, memory edges); in the optimizer step, weights
 + gradients + optimizer state + the optimizer's scratch (``MemoryModel.step_scratch``).
@@ -548,13 +550,17 @@ class Builder:
         return [_classes([(p[a], sp[a]) for p, sp in rows]) for a in range(len(self.mesh))]
 
     def _saved_memory(self):
-        """Activations kept for backward, charged to the group of the tensor's owner."""
+        """Activations kept for backward, charged to the group of the tensor's owner; those
+        only the head's ops keep are freed by the head's backward, before the last layer's
+        began (taken off that phase, ``_Group.bwd_mem``)."""
         for it, count in self.facts.saved_uses.items():
             val = it.node.meta["val"]
             place, nbytes = self.place[it], val.numel() * val.element_size()
             local = self._shared_result(("local", id(place), nbytes), lambda: np.array(
                 [self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)) for p in place]))
             self.groups[it.group].mem += count * local
+            if self.facts.head_saved[it]:
+                self.groups[it.group].bwd_mem -= self.facts.head_saved[it] * local
 
     # ---------------------------------------------------------------- build
     def build(self, budget: float | None, edges: bool = True) -> Problem:

@@ -195,15 +195,18 @@ class NodeTimer:
 
 
 # Ops that materialise working copies of their first operand beyond their output: one aten
-# op whose kernel allocates intermediates of that operand's (local) size. cross_entropy_loss
-# computes log_softmax of the logits (kept for backward) before the loss. Its backward then
-# holds two more logits-sized gradients (nll's and log_softmax's) beside the
-# log-probabilities, one logits copy more than this counts: no phase of the memory model
-# stands at the loss's backward (the end of forward counts the logits and the
-# log-probabilities; the last layer's backward, which came after, that layer's own working
-# sets: ``Problem.bwd_transient``). A named gap; measured, the fidelity bench's plans peak
-# elsewhere (p2x2, logits split 4 ways: in forward, 493.9 MiB, modelled 497.8).
-WORKING_COPIES = {aten.cross_entropy_loss.default: 1}
+# op whose kernel allocates intermediates of that operand's (local) size. The loss is the
+# last op of forward and the first of backward, with every saved activation alive for both,
+# so its working set at the end of forward is the larger of the two. Forward,
+# cross_entropy_loss computes log_softmax of the logits (kept for backward): one copy.
+# Backward holds the logits' gradient beside the log-probabilities (nll's, then
+# log_softmax's), and the head's backward passes that gradient back through the reshard
+# that fed the loss: two copies. Read off the allocations alive at the measured peak of
+# the fidelity bench's megatron plan (4 gloo ranks, vocab-parallel logits of 16 MiB per
+# rank): the log_softmax gradient and the all-to-all's backward buffers, 64 MiB, beside
+# the saved activations less the freed log-probabilities (16 MiB): 48 MiB beyond the saved
+# activations, what the loss's logits operand and its two copies count here.
+WORKING_COPIES = {aten.cross_entropy_loss.default: 2}
 
 
 def transient_bytes(node, strategies, mesh, memory: MemoryModel) -> list[float]:

@@ -322,10 +322,12 @@ def _breakdown(sv: Solved) -> dict:
     for g, it in enumerate(facts.group_items):  # ... and the blocks a P(2^k x 2^k) op keeps
         if it.kind == "decision":
             act += b.groups[g].own_mem[ch[g]] * it.count
+    head_act = 0.0  # (of those, the ones only the head's ops saved: gone in the last layer's backward)
     for it, count in facts.saved_uses.items():
         val = it.node.meta["val"]
-        act += count * b.memory.saved_bytes(val.numel() * val.element_size(),
-                                            shard_factor(b.place[it][ch[it.group]], mesh))
+        local = b.memory.saved_bytes(val.numel() * val.element_size(), shard_factor(b.place[it][ch[it.group]], mesh))
+        act += count * local
+        head_act += facts.head_saved[it] * local
     transient = max((p.transient[g][c] for g, c in enumerate(ch)), default=0)
     bwd_transient = max((p.backward_transient[g][c] for g, c in enumerate(ch)), default=0)
     forward_peak, backward_peak, step_peak = p.phase_peaks(ch)
@@ -334,7 +336,7 @@ def _breakdown(sv: Solved) -> dict:
             "exposed_param_sync_s": param_real, "overlap_slowdown_s": slowdown,
             "hidden_ring_s": ring_hidden, "hidden_param_sync_s": param_hidden,
             "peak_bytes": float(sv.peak), "weight_bytes": weight, "grad_bytes": grad, "optimizer_bytes": opt,
-            "activation_bytes": act, "transient_bytes": float(transient),
+            "activation_bytes": act, "head_activation_bytes": head_act, "transient_bytes": float(transient),
             "backward_transient_bytes": float(bwd_transient) if p.has_bwd_phase else 0.0,
             "forward_peak_bytes": float(forward_peak), "step_peak_bytes": float(step_peak),
             "backward_peak_bytes": float(backward_peak),  # (0: a problem without that phase)
