@@ -134,7 +134,7 @@ def family_hints(family: str):
     """Hints that force one family of plans (None: the solver's own choice)."""
     from stpc.planner import Hints
 
-    if family in ("megatron", "megatron-zero"):  # Megatron's TP+SP, TP on the last axis (``make_plan``'s layout)
+    if family in ("megatron", "megatron-zero", "megatron-sp"):  # Megatron's TP+SP, TP on the last axis (``make_plan``'s layout)
         return family
     if family in ("solved", "solved-h100", "solved-v100", "solved-budget"):
         return None
@@ -176,6 +176,9 @@ def make_plan(model: str, mesh, family: str, batch: int, seq: int, **overrides):
     if family == "megatron":  # this layout, not the best of Megatron's space (``baselines``): TP+SP is the family
         from stpc.planner.hints import megatron
         hints = megatron(mesh)
+    if family == "megatron-sp":  # the same, the glue between the linears sequence-split always
+        from stpc.planner.hints import megatron
+        hints = megatron(mesh, sequence_parallel=True)
     if family == "megatron-zero":  # DP on the first axis with the distributed optimizer (ZeRO-2), TP on the second
         from stpc.planner.hints import megatron
         hints = megatron(mesh, 0, 1 if len(mesh) > 1 else None, distributed_optimizer=True)

@@ -11,8 +11,8 @@ import torch
 from stpc import models, trace
 from stpc.cost_models import CostModel, get_cluster
 from stpc.planner import HintUnsatisfiable, Hints, InfeasibleBudget, mesh_shapes, plan_graph, search
-from stpc.planner.baselines import Layout, describe_layout
-from stpc.planner.hints import fsdp_tp, megatron
+from stpc.planner.baselines import Layout, describe_layout, layout_hints
+from stpc.planner.hints import fsdp_tp, megatron, sequence_parallel_nodes
 from stpc.planner.summary import breakdown
 
 CLUSTER = get_cluster("primepar-v100")  # 4 devices a node: which axis crosses nodes matters
@@ -234,3 +234,33 @@ def test_megatron_llama2_7b_on_32_v100_is_the_best_dp_by_tp_layout():
               for mesh, dp, tp, z, rec in megatron_space(32)]
     plan, each = _check_best(tg, "megatron", points, 32, budget=CLUSTER.device.mem_bytes, layout="mixed-adam")
     assert plan.stats["layout"]["tp"] < 32
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_sequence_parallel_splits_every_norm_and_residual_add_on_the_sequence(model):
+    # Megatron's --sequence-parallel / TorchTitan's SequenceParallel: between the linears the
+    # activations of the model's width stay split on the sequence over the TP axis; by
+    # default the solver picks that layout per op (on cpu-local it keeps some replicated).
+    tg = _meta_trace(model, n_layers=2)
+    glue = sequence_parallel_nodes(tg.graph)
+    norms_adds = {n.name for n in tg.graph.nodes if n.op == "call_function" and n.name in glue
+                  and str(n.target).split(".")[1] in ("add", "layer_norm", "mul")}
+    assert norms_adds and not any(str(n.target).split(".")[1] in ("linear", "embedding", "scaled_dot_product_attention")
+                                  for n in tg.graph.nodes if n.name in glue)
+    cm = CostModel(get_cluster("cpu-local"), (2, 2))
+    free = plan_graph(tg, cm, hints=megatron((2, 2)))
+    sp = plan_graph(tg, cm, hints=megatron((2, 2), sequence_parallel=True))
+    decisions = {k: v for k, v in sp.nodes.items() if v.role == "decision"}
+    assert all(decisions[k].out[1] == "S1" for k in norms_adds if k in decisions)
+    assert any(free.nodes[k].out[1] != "S1" for k in norms_adds if k in decisions)  # (the switch changes the plan)
+    assert sp.peak_memory_bytes < free.peak_memory_bytes
+    lay = Layout(2, 2, "dp-outer", 0, sp=True)
+    assert lay.as_dict()["sp"] is True and "sp" not in Layout(2, 2).as_dict()
+    assert describe_layout(lay.as_dict()).endswith("sequence parallel")
+    assert layout_hints("fsdp-tp", lay).sequence_parallel == 1
+
+
+def test_sequence_parallel_on_a_sequence_the_axis_does_not_divide_names_the_node_and_the_fix():
+    tg = _meta_trace("gpt-tiny", seq=6, n_layers=1)
+    with pytest.raises(HintUnsatisfiable, match=r"node (add|layer_norm)\w* .*sequence length that divides by 4"):
+        plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=megatron((4,), sequence_parallel=True))

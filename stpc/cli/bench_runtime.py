@@ -1,16 +1,17 @@
 """``python -m stpc bench runtime``: stpc's programs against torch's own engines, side by side.
 
 The same model, data, optimizer (AdamW, foreach) and ranks for every engine; each pair
-runs one layout both ways:
+runs one layout both ways (where torch runs sequence parallelism, stpc runs it too,
+``Layout.sp``: its presets otherwise leave that layout to the solver, op by op, and the
+pair would compare two layouts):
 
 ==================  ======================================  =========================================
 pair                stpc                                    torch (``stpc.cli.bench_engines``)
 ==================  ======================================  =========================================
 data parallel       the ``dp`` preset on mesh (N,)          ``DistributedDataParallel``
-tensor parallel     ``megatron`` at dp 1 x tp N (SP if      ``parallelize_module`` TP+SP, loss_parallel
-                    the model finds it faster)
+tensor parallel     ``megatron`` at dp 1 x tp N, SP        ``parallelize_module`` TP+SP, loss_parallel
 fsdp                ``fsdp-tp`` at dp N x tp 1 (ZeRO-3)     FSDP2 ``fully_shard`` per block
-fsdp + tp           ``fsdp-tp`` at dp N/2 x tp 2            FSDP2 over dp, TP+SP over tp (TorchTitan)
+fsdp + tp           ``fsdp-tp`` at dp N/2 x tp 2, SP        FSDP2 over dp, TP+SP over tp (TorchTitan)
 solved              stpc's own plan (its search, N devices) the fastest of the torch engines
 ==================  ======================================  =========================================
 
@@ -81,10 +82,11 @@ def _stpc_engine(label: str, spec: dict, model, idx, tgt, n: int, cluster=None) 
 def pairs(n: int) -> list[tuple[str, dict, str | None, tuple]]:
     """(pair, stpc spec, torch engine, torch mesh) of the benchmark on ``n`` ranks."""
     out = [("data parallel", {"hints": "dp", "mesh": (n,)}, "ddp", (n,)),
-           ("tensor parallel", {"layout": ("megatron", Layout(1, n, "-"))}, "tp", (n,)),
+           ("tensor parallel", {"layout": ("megatron", Layout(1, n, "-", sp=True))}, "tp", (n,)),
            ("fsdp", {"layout": ("fsdp-tp", Layout(n, 1, "-", 3))}, "fsdp", (n,))]
     if n % 2 == 0 and n > 2:
-        out.append(("fsdp + tp", {"layout": ("fsdp-tp", Layout(n // 2, 2, "dp-outer", 3))}, "fsdp-tp", (n // 2, 2)))
+        out.append(("fsdp + tp", {"layout": ("fsdp-tp", Layout(n // 2, 2, "dp-outer", 3, sp=True))}, "fsdp-tp",
+                    (n // 2, 2)))
     out.append(("solved", {}, None, ()))
     return out
 

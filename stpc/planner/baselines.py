@@ -46,6 +46,7 @@ class Layout:
     tp: int
     order: str = "dp-outer"   # "dp-outer" | "tp-outer"; "-" when one degree is 1
     zero: int = 0
+    sp: bool = False          # sequence parallelism always (else the solver's choice per op)
 
     def _outer_first(self) -> list[tuple[str, int]]:
         return [("tp", self.tp), ("dp", self.dp)] if self.order == "tp-outer" else [("dp", self.dp), ("tp", self.tp)]
@@ -60,12 +61,13 @@ class Layout:
         return (kept.index("dp") if "dp" in kept else None), (kept.index("tp") if "tp" in kept else None)
 
     def as_dict(self) -> dict:
-        return {"dp": self.dp, "tp": self.tp, "order": self.order, "zero": self.zero}
+        return {"dp": self.dp, "tp": self.tp, "order": self.order, "zero": self.zero, **({"sp": True} if self.sp else {})}
 
     def describe(self) -> str:
         where = {"dp-outer": ", dp-outer (TP on the inner axis)", "tp-outer": ", tp-outer (DP on the inner axis)"}
         zero = {0: "", 1: ", distributed optimizer (run as ZeRO-2)", 3: ", ZeRO-3 (FSDP)"}[self.zero]
-        return f"dp {self.dp} x tp {self.tp}{where.get(self.order, '')}{zero}"
+        sp = ", sequence parallel" if self.sp else ""
+        return f"dp {self.dp} x tp {self.tp}{where.get(self.order, '')}{zero}{sp}"
 
 
 def layouts(name: str, n: int, mesh_shape: tuple[int, ...] | None = None) -> list[Layout]:
@@ -89,8 +91,8 @@ def layouts(name: str, n: int, mesh_shape: tuple[int, ...] | None = None) -> lis
 def layout_hints(name: str, layout: Layout) -> Hints:
     dp, tp = layout.axes()
     if name == "megatron":
-        return megatron(layout.mesh_shape, dp, tp, distributed_optimizer=layout.zero == 1)
-    return fsdp_tp(layout.mesh_shape, dp, tp)
+        return megatron(layout.mesh_shape, dp, tp, distributed_optimizer=layout.zero == 1, sequence_parallel=layout.sp)
+    return fsdp_tp(layout.mesh_shape, dp, tp, sequence_parallel=layout.sp)
 
 
 def describe_layout(layout: dict | None) -> str:

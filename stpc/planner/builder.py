@@ -47,7 +47,7 @@ from stpc.placement import REPLICATE, fits, shard, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse
 from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, kept_gathered_bytes,
                                reshard_cost, stash_bytes, transient_bytes)
-from stpc.planner.hints import HintUnsatisfiable, Hints
+from stpc.planner.hints import HintUnsatisfiable, Hints, sequence_parallel_nodes
 from stpc.planner.plan import NodePlan, Plan
 from stpc.planner.sharing import Share
 from stpc.planner.solver import Edge, Problem, Solution, solve
@@ -109,6 +109,7 @@ class Builder:
         self._by_key: dict = {}                 # derived/follower answers per signature and input
         self.budget = None
         self.head_params = {src for src, dst, _ in self.facts.edge_uses if dst in self.facts.head}
+        self._sp_nodes = sequence_parallel_nodes(self.graph) if self.hints.sequence_parallel is not None else set()
 
     # ---------------------------------------------------------------- per item
     def _open_group(self, it: Item, strategies, cost, mem, transient, step=None, own_mem=None):
@@ -121,6 +122,15 @@ class Builder:
                                   bwd_mem=np.zeros(len(cost))))
 
     def _hinted(self, node, strategies):
+        sp = self.hints.sequence_parallel
+        if sp is not None and self.mesh[sp] > 1 and node.name in self._sp_nodes:
+            kept = [s for s in strategies if s.out[sp] == "S1"]
+            if not kept:
+                raise HintUnsatisfiable(
+                    f"sequence parallelism on mesh axis {sp} needs node {node.name} ({node.meta.get('source', '')}) "
+                    f"split on its sequence (dim 1) there, and none of its strategies on mesh {self.mesh} is; "
+                    f"fix: a sequence length that divides by {self.mesh[sp]}, or sequence_parallel=False")
+            strategies = kept
         keys = (node.name, node.meta.get("module", ""))
         for pattern, pred in self.hints.force:
             if any(re.search(pattern, k) for k in keys):

@@ -92,7 +92,8 @@ def _hints_key(hints) -> str | None:
             return None  # Python predicates: not hashable faithfully
         return json.dumps({"exact": sorted((k, list(v)) for k, v in hints.param_exact.items()),
                            "inputs": sorted((k, list(v)) for k, v in hints.input_exact.items()),
-                           "temporal": hints.temporal, "name": hints.name})
+                           "temporal": hints.temporal, "name": hints.name,
+                           "keep_gathered": list(hints.keep_gathered), "sequence_parallel": hints.sequence_parallel})
     return None
 
 

@@ -47,6 +47,12 @@ class Hints:
     memory saved for backward and no second gather; the plan records it
     (``plan.stats["keep_gathered"]``) and the compiled model runs it so. Megatron's
     distributed optimizer is planned and run this way (see :func:`megatron`).
+
+    ``sequence_parallel``: a mesh axis on which the glue between the linears (norms,
+    residual adds, the embedding's output: :func:`sequence_parallel_nodes`) keeps its
+    activations split on the sequence, Megatron's ``--sequence-parallel`` and TorchTitan's
+    ``SequenceParallel``; None leaves that layout to the solver, which picks it where the
+    cost model finds it faster.
     """
 
     force: list[tuple[str, callable]] = field(default_factory=list)
@@ -56,6 +62,7 @@ class Hints:
     temporal: bool = True
     name: str = ""
     keep_gathered: tuple[int, ...] = ()
+    sequence_parallel: int | None = None
 
 
 COLUMN = r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj|lm_head)$"
@@ -86,9 +93,12 @@ def _vocab_parallel(tp: int | None):
 
 
 def megatron(mesh_shape: tuple[int, ...], dp_axis: int | None = None, tp_axis: int | None = None,
-             distributed_optimizer: bool = False) -> Hints:
+             distributed_optimizer: bool = False, sequence_parallel: bool = False) -> Hints:
     """Megatron-LM on ``mesh_shape``: TP+SP on ``tp_axis``, data parallelism on ``dp_axis``
     (None: absent). With neither given: TP on the last axis, DP on the first of two.
+    ``sequence_parallel``: the glue between the linears sequence-split on the TP axis
+    always (``Hints.sequence_parallel``), as ``--sequence-parallel`` runs it; by default
+    the solver decides.
 
     ``distributed_optimizer``: Megatron's distributed optimizer over the DP axis. Megatron
     reduce-scatters the gradients, steps its 1/dp of the optimizer state and all-gathers the
@@ -108,7 +118,8 @@ def megatron(mesh_shape: tuple[int, ...], dp_axis: int | None = None, tp_axis: i
 
     return Hints(force=_tensor_parallel(dp, tp), param_force=[(r".", _zero_sharded(dp, tp) if zero else weight),
                                                               _vocab_parallel(tp)],
-                 temporal=False, name="megatron", keep_gathered=(dp,) if zero else ())
+                 temporal=False, name="megatron", keep_gathered=(dp,) if zero else (),
+                 sequence_parallel=tp if sequence_parallel else None)
 
 
 def _zero_sharded(dp: int, tp: int | None):
@@ -122,14 +133,39 @@ def _zero_sharded(dp: int, tp: int | None):
     return sharded
 
 
-def fsdp_tp(mesh_shape: tuple[int, ...], dp_axis: int, tp_axis: int | None = None) -> Hints:
+def fsdp_tp(mesh_shape: tuple[int, ...], dp_axis: int, tp_axis: int | None = None,
+            sequence_parallel: bool = False) -> Hints:
     """TorchTitan's FSDP (ZeRO-3) over ``dp_axis`` with TP+SP on ``tp_axis`` (None: FSDP
-    alone). A parameter no dim of which divides over the DP axis stays whole there."""
+    alone). A parameter no dim of which divides over the DP axis stays whole there.
+    ``sequence_parallel`` as in :func:`megatron`."""
     dp, tp = dp_axis, tp_axis
     sharded = _zero_sharded(dp, tp)
 
     return Hints(force=_tensor_parallel(dp, tp), param_force=[(r".", sharded), _vocab_parallel(tp)],
-                 temporal=False, name="fsdp-tp")
+                 temporal=False, name="fsdp-tp", sequence_parallel=tp if sequence_parallel else None)
+
+
+# ops that are not glue: the linears, attention and the embedding, split by TP's own rule
+# (the vocab-parallel embedding's partial output is reduce-scattered onto sequence shards
+# by the glue that reads it), and the loss
+_NOT_GLUE = ("linear", "mm", "addmm", "bmm", "matmul", "scaled_dot_product_attention", "embedding",
+             "cross_entropy_loss")
+
+
+def sequence_parallel_nodes(graph) -> set[str]:
+    """Names of the ops sequence parallelism splits on the sequence: every op whose output
+    is a [batch, sequence, width] activation of the model's width (the last dim of the
+    token embedding's output), other than a linear, attention, the embedding or the loss:
+    the residual adds and the norms. Empty for a graph without a token embedding."""
+    def act(n):
+        val = n.meta.get("val") if n.op == "call_function" else None
+        return val if val is not None and hasattr(val, "dim") and val.dim() == 3 and val.is_floating_point() else None
+
+    op = {n: getattr(n.target, "__name__", "").split(".")[0] for n in graph.nodes if n.op == "call_function"}
+    width = next((act(n).shape[-1] for n in op if op[n] == "embedding" and act(n) is not None), None)
+    if width is None:
+        return set()
+    return {n.name for n in op if act(n) is not None and act(n).shape[-1] == width and op[n] not in _NOT_GLUE}
 
 
 TOKEN_EMBEDDING = r"^(wte|embed|embed_tokens|model\.embed_tokens|transformer\.wte)$"  # module paths (zoo, HF)
