@@ -46,7 +46,7 @@ import math
 from bisect import bisect_left
 
 from .cluster import Cluster, Link
-from .compute import gemm_time, roofline
+from .compute import COPY_OP, gemm_time, roofline
 from .overlap import OVERLAP_COMPUTE_SLOWDOWN, exposed
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
@@ -161,6 +161,12 @@ class CostModel:
         """Roofline seconds: max(flops / achievable FLOP/s, bytes / memory bandwidth), times
         the measured slowdown of ``op`` (an aten op name) where the device has one."""
         return roofline(self.device, flops, bytes_moved, dtype, op)
+
+    def copy(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` into a buffer allocated for it (read and write every
+        byte), at the measured slowdown of a clone where the device has one (``calibrate``:
+        on a CPU a new buffer's pages fault in as the copy first touches them)."""
+        return roofline(self.device, 0.0, 2.0 * nbytes, "fp32", COPY_OP)
 
     def gemm(self, flops: float, bytes_moved: float, dtype="fp32") -> float:
         """Seconds of one GEMM of ``flops`` FLOPs: :meth:`compute` at its size's efficiency

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from .devices import DeviceSpec, canonical_dtype
 
 
+# The op name a device's measured slowdown of a copy into a new buffer goes under
+# (``DeviceSpec.op_slowdown``; ``CostModel.copy``, measured by ``calibrate``).
+COPY_OP = "aten.clone.default"
+
+
 def roofline(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32", op: str = "") -> float:
     """Seconds for one kernel doing ``flops`` FLOPs and ``bytes_moved`` bytes of traffic;
     ``op`` (an aten op name) applies that op's measured slowdown, if the device has one."""

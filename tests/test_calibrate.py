@@ -36,7 +36,10 @@ def test_calibrate_two_ranks_smoke(tmp_path):
     assert cm.overlap_slowdown == ov["slowdown"]
     # every probed op's measured slowdown reaches the device the planner costs with
     from stpc.cli.calibrate_ops import PROBES
-    assert set(prof["ops"]) == {p.op for p in PROBES} == set(cl.device.op_slowdown)
+    from stpc.cost_models.compute import COPY_OP
+    # (and a copy into a new buffer, which the runtime's parameter copies are charged as)
+    assert set(prof["ops"]) == {p.op for p in PROBES} | {COPY_OP} == set(cl.device.op_slowdown)
+    assert cm.copy(1e6) == pytest.approx(2e6 / cl.device.mem_bw * cl.device.op_slowdown[COPY_OP])
     for op, r in prof["ops"].items():
         assert r["measured_s"] > 0 and r["roofline_s"] > 0, op
         assert cl.device.op_slowdown[op] == pytest.approx(r["measured_s"] / r["roofline_s"]), op

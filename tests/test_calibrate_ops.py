@@ -9,11 +9,12 @@ import torch
 
 from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_step, roofline_seconds
 from stpc.cost_models import CostModel, get_cluster
-from stpc.cost_models.compute import roofline
+from stpc.cost_models.compute import COPY_OP, roofline
 from stpc.frontend import models
 from stpc.frontend.trace import trace
-from stpc.planner.costs import NodeTimer
+from stpc.planner.costs import NodeTimer, param_copy_phases
 from stpc.planner import plan_graph, preset
+from stpc.planner.hints import fsdp_tp
 
 
 @pytest.mark.parametrize("probe", PROBES, ids=lambda p: p.op)
@@ -73,3 +74,31 @@ def test_the_roofline_a_probe_is_divided_by_is_what_the_planner_charges_its_node
     cl = get_cluster("cpu-local")
     fwd, bwd, grad = NodeTimer(node, CostModel(cl, (1,)), [True] * len(node.all_input_nodes)).phases(1)
     assert fwd + bwd + grad == pytest.approx(roofline_seconds(cl.device, *probe_facts(probe)), rel=1e-12)
+
+
+def test_the_runtimes_parameter_copies_are_charged_on_the_ranks_own_thread():
+    # A ZeRO weight (stored S0, read R): the gathered buffer cut into the parameter in forward
+    # and again for backward's re-gather, and the gradient laid out rank-major: three copies
+    # of the gathered bytes; kept gathered (ZeRO-2), two. A replicated weight whose gradient
+    # is summed: one, into its bucket. Nothing else, and nothing on an axis of size 1.
+    base = get_cluster("cpu-local")
+    slow = dataclasses.replace(base, device=dataclasses.replace(base.device, op_slowdown={COPY_OP: 3.0}))
+    n = 8e6
+    for cl in (base, slow):
+        cm = CostModel(cl, (4, 1))
+        one = cm.copy(n)
+        assert one == pytest.approx(2 * n / cl.device.mem_bw * cl.device.op_slowdown.get(COPY_OP, 1.0))
+        assert param_copy_phases(cm, 0, "S0", "R", n, True, True, regather=True) == pytest.approx((one, 2 * one))
+        assert param_copy_phases(cm, 0, "S0", "R", n, True, True, regather=False) == pytest.approx((one, one))
+        assert param_copy_phases(cm, 0, "S0", "R", n, True, False, regather=True) == (one, 0.0)
+        assert param_copy_phases(cm, 0, "R", "R", n, True, True) == (0.0, one)
+        assert param_copy_phases(cm, 0, "R", "R", n, False, True) == (0.0, 0.0)
+        assert param_copy_phases(cm, 0, "S0", "S0", n, True, True) == (0.0, 0.0)
+        assert param_copy_phases(cm, 1, "S0", "R", n, True, True, regather=True) == (0.0, 0.0)
+    # the planner adds them, not overlapped, to a ZeRO plan's parameter edges
+    with torch.device("meta"):
+        m = models.build("gpt-tiny")
+    tg = trace(m, models.example_inputs(models.get_config("gpt-tiny"), 4, 16))
+    steps = {name: plan_graph(tg, CostModel(cl, (2,)), hints=fsdp_tp((2,), 0)).modelled_step_time_s
+             for name, cl in (("base", base), ("slow", slow))}
+    assert steps["slow"] > steps["base"]

@@ -315,7 +315,8 @@ def test_weight_gradient_reduction_overlaps_the_backward_compute(mesh):
     """Data parallel: the weight's gradient all-reduce (one per axis) runs beside the
     linear's backward compute (here dW alone: its input needs no gradient), which the
     axes share equally; what it adds is ``CostModel.overlapped`` of the two, not the whole
-    all-reduce."""
+    all-reduce, and the gradient's copy into its bucket (``costs.param_copy_phases``: on
+    the rank's own thread, not overlapped)."""
     with torch.device("meta"):
         m = BigLinear()
     tg = trace(m, (torch.empty(64, 1024, device="meta"),))
@@ -327,9 +328,9 @@ def test_weight_gradient_reduction_overlaps_the_backward_compute(mesh):
     fwd = cm.gemm(2 * 64 * 1024 * 1024 / 4, (64 * 1024 * 2 + 1024 * 1024) * 4 / 4, "fp32")   # (a GEMM: its ramp)
     nbytes = 1024 * 1024 * 4
     # the all-reduce on each axis: of the gradient as split by the other axes (none here)
-    per_axis = [cm.overlapped(cm.all_reduce(nbytes, a), fwd / len(mesh)) for a in range(len(mesh))]
+    per_axis = [cm.overlapped(cm.all_reduce(nbytes, a), fwd / len(mesh)) + cm.copy(nbytes) for a in range(len(mesh))]
     assert plan.nodes[lin].comm_s == pytest.approx(sum(per_axis), rel=1e-9)
-    whole = sum(cm.all_reduce(nbytes, a) for a in range(len(mesh)))
+    whole = sum(cm.all_reduce(nbytes, a) + cm.copy(nbytes) for a in range(len(mesh)))
     assert plan.nodes[lin].comm_s < whole
     blind = plan_graph(tg, CostModel(get_cluster("primepar-v100"), mesh, overlap_slowdown=1.0), hints=dp)
     assert blind.nodes[lin].comm_s == pytest.approx(whole, rel=1e-9)

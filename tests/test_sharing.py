@@ -18,7 +18,7 @@ from stpc import trace  # noqa: E402
 from stpc.cost_models import CostModel, get_cluster  # noqa: E402
 from stpc.planner import Hints, plan_graph  # noqa: E402
 from stpc.placement import shard_factor  # noqa: E402
-from stpc.planner.costs import axis_reshard_phases, reshard_cost  # noqa: E402
+from stpc.planner.costs import axis_reshard_phases, param_copy_phases, reshard_cost  # noqa: E402
 from stpc.planner.sharing import Share, partitions  # noqa: E402
 from stpc.planner.solver import Edge, Problem, solve, solve_unconstrained  # noqa: E402
 from stpc.planner.strategies import Strategy, tensor_operands  # noqa: E402
@@ -189,10 +189,12 @@ def _recomputed(tg, cm, plan, once=True):
             v = o.meta["val"]
             src, nbytes = tuple(nodes[o.name].out), v.numel() * v.element_size()
             if o.op == "placeholder" and o.name in tg.param_fqns:  # a weight: its sync as the runtime runs it
-                total += sum(sum(axis_reshard_phases(cm, a, src[a], ins[a], nbytes / shard_factor(src, cm.mesh_shape,
-                                                                                               skip_axis=a),
-                                                     split[a], o in facts.rg, regather=True))
-                             for a in range(len(src)) if src[a] != ins[a] or (ins[a] == "R" and split[a]))
+                for a in range(len(src)):  # (and the runtime's copies around it)
+                    if src[a] != ins[a] or (ins[a] == "R" and split[a]):
+                        args = (cm, a, src[a], ins[a], nbytes / shard_factor(src, cm.mesh_shape, skip_axis=a),
+                                split[a], o in facts.rg)
+                        total += sum(axis_reshard_phases(*args, regather=True))
+                        total += sum(param_copy_phases(*args, regather=True))
             else:
                 total += reshard_cost(cm, src, tuple(ins), nbytes, split, o in facts.rg)
     return total

@@ -15,6 +15,8 @@ planner models):
 * on CPU ranks, forward + backward of each op the built-in models use that is not a GEMM
   (layer norm, gelu, attention, the loss, ...), every rank at once, against the roofline
   time the planner charges it (``stpc.cli.calibrate_ops``): the device's ``op_slowdown``;
+  and a copy into a new buffer (a clone, ``COPY_BYTES``) against the warm copy's rate:
+  ``op_slowdown["aten.clone.default"]``, what the runtime's copies cost (``CostModel.copy``);
 * how compute and communication overlap (``overlap`` in the profile): one step's GEMM
   alone, its P2P alone, and stpc's own AG-ring (``runtime.ops.ring_allgather_matmul``,
   the transfer posted before each step's GEMM and waited after it), once with blocks
@@ -52,6 +54,7 @@ from stpc.cli._common import TORCH_DTYPES, Failure, Parser, add_flags, verb
 from stpc.cli._progress import Status
 from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_step
 from stpc.cost_models import DeviceSpec, get_device
+from stpc.cost_models.compute import COPY_OP
 from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, fit_gemm_curve, save_profile
 from stpc.runtime.launch import SpawnTimeout, spawn
 from stpc.runtime.ops import ring_allgather_matmul
@@ -177,6 +180,19 @@ def _mem_bw(dev, nbytes: int = 64 << 20, window_s: float = 0.4) -> float:
     return 2.0 * nbytes / _sustained(lambda: y.copy_(x), dev, window_s)  # a copy reads and writes every byte
 
 
+# The copy the runtime makes of a ZeRO-3 layer's weights and gradients (``CostModel.copy``):
+# into a buffer allocated for it, each time. Its size: one such layer of the fidelity bench.
+COPY_BYTES = 24 << 20
+
+
+def _fresh_copy(dev, nbytes: int = COPY_BYTES, window_s: float = 0.3) -> float:
+    """Seconds per copy of ``nbytes`` into a newly allocated buffer (a clone), every rank at
+    once: beyond :func:`_mem_bw`'s copy into a warm buffer, what a fresh allocation costs
+    (on a CPU, the kernel's first-touch page faults)."""
+    x = torch.ones(nbytes // 4, device=dev)
+    return _sustained(lambda: x.clone(), dev, window_s)
+
+
 # The AG-ring blocks the overlap is measured with: (rows per rank, n, k) of a step's GEMM.
 # Long: a gpt-50m linear's step on 4 ranks (2048 tokens / 4 x 1024 -> 1024). Tiny: latency only.
 OVERLAP_LONG = (512, 1024, 1024)
@@ -237,6 +253,8 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
         overlap = _overlap(dev, world)
         # (on a GPU a probe this size times its launch, not its kernel: CPU profiles only)
         ops = {p.op: _sustained(probe_step(p, dev), dev, window_s=0.3) for p in PROBES} if dev.type == "cpu" else {}
+        if dev.type == "cpu":  # (on a GPU the caching allocator hands out warm blocks)
+            ops[COPY_OP] = _fresh_copy(dev)
         gathered = [None] * world
         dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw, "overlap": overlap, "ops": ops})
         result["per_rank"] = gathered
@@ -315,8 +333,12 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
               "gemm_ramp_s": curves["fp32"][1], "gemm_ramps": {dt: ramp for dt, (_, ramp) in curves.items()},
               "mem_bw": statistics.median(r["mem_bw"] for r in per_rank), "mem_bytes": mem_bytes}
     # Ops that are not GEMMs: measured forward + backward over the roofline the planner charges.
-    ops = fit_op_slowdown({op: statistics.median(r["ops"][op] for r in per_rank) for op in per_rank[0]["ops"]},
-                          facts, DeviceSpec(device["name"], peak, device["mem_bw"], mem_bytes, 1.0))
+    measured = {op: statistics.median(r["ops"][op] for r in per_rank) for op in per_rank[0]["ops"]}
+    copy_s = measured.pop(COPY_OP, None)
+    ops = fit_op_slowdown(measured, facts, DeviceSpec(device["name"], peak, device["mem_bw"], mem_bytes, 1.0))
+    if copy_s:  # the runtime's copies into new buffers against the warm copy's rate
+        roof = 2.0 * COPY_BYTES / device["mem_bw"]
+        ops[COPY_OP] = {"measured_s": copy_s, "roofline_s": roof, "slowdown": copy_s / roof}
     device["op_slowdown"] = {op: r["slowdown"] for op, r in ops.items()}
 
     collectives = {}

@@ -46,7 +46,7 @@ from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, fits, shard, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse
 from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, kept_gathered_bytes,
-                               reshard_cost, stash_bytes, transient_bytes)
+                               param_copy_phases, reshard_cost, stash_bytes, transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints, sequence_parallel_nodes
 from stpc.planner.plan import NodePlan, Plan
 from stpc.planner.sharing import Share
@@ -488,17 +488,21 @@ class Builder:
             if merged is None:
                 need, col = _classes([(q, split) for q, split, _ in vkeys])  # the reshards, without windows
                 phases = np.zeros((2, len(ukeys), len(col)))
+                copies = np.zeros((len(ukeys), len(col)))  # (on the rank's own thread: not overlapped)
+                regather = a not in self.hints.keep_gathered
                 for pc, (tok, sf) in enumerate(ukeys):
                     for qc, (q, split) in enumerate(col):
-                        k = (sig, tok, q, nbytes / sf, split, rg)
+                        k = (sig, tok, q, nbytes / sf, split, rg, regather)
                         c = self._reshard_phases.get(k)
                         if c is None:
-                            c = self._reshard_phases[k] = axis_reshard_phases(
-                                self.cm, a, tok, q, nbytes / sf, split, rg, regather=a not in self.hints.keep_gathered)
-                        phases[:, pc, qc] = c
+                            c = self._reshard_phases[k] = (
+                                axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=regather),
+                                sum(param_copy_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=regather)))
+                        phases[:, pc, qc], copies[pc, qc] = c
                 fwd, bwd = phases[:, :, list(need)]
                 wins = np.array([w for _, _, w in vkeys]).reshape(-1, 2)
-                cost = self.cm.overlapped(fwd, wins[:, 0]) + self.cm.overlapped(bwd, wins[:, 1])
+                cost = (self.cm.overlapped(fwd, wins[:, 0]) + self.cm.overlapped(bwd, wins[:, 1])
+                        + copies[:, list(need)])
                 nz = np.nonzero(cost)
                 table = dict(zip(zip(nz[0].tolist(), nz[1].tolist()), cost[nz].tolist()))
                 merged = self._axis_tables[key] = _merge_classes(len(ukeys), len(vkeys), table)

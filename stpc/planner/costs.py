@@ -76,6 +76,27 @@ def axis_reshard_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float,
     return a2a, (a2a if needs_grad else 0.0)
 
 
+def param_copy_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
+                      needs_grad: bool, regather: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of the copies the runtime makes around a parameter's
+    collectives on one axis, on the rank's own thread (no overlap; ``CostModel.copy``).
+    A weight stored split and read whole (ZeRO): the gathered buffer cut into the whole
+    parameter (``runtime.param_gather._cut``), in forward and again for backward's
+    re-gather, and its gradient laid out rank-major for the reduce-scatter
+    (``_rank_major``). A replicated weight whose gradient is summed (data parallelism): the
+    gradient copied into its bucket (``runtime.grad_reducer``). (A group of one parameter
+    split on its first dim is cut as a view, no copy: charged alike, a named simplification.)"""
+    if cm.mesh_shape[axis] == 1:
+        return 0.0, 0.0
+    pk, qk = p[0], q[0]
+    if p == q == REPLICATE:
+        return 0.0, (cm.copy(nbytes) if consumer_split and needs_grad else 0.0)
+    if pk not in "RP" and qk in "RP":
+        cut = cm.copy(nbytes)
+        return cut, ((cut if regather else 0.0) + cut if needs_grad else 0.0)
+    return 0.0, 0.0
+
+
 def axis_reshard(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
                  needs_grad: bool) -> float:
     """Seconds to turn token ``p`` into ``q`` on one axis, forward plus backward dual."""
@@ -252,4 +273,4 @@ def kept_gathered_bytes(val, placement, mesh, axes) -> float:
     return val.numel() * val.element_size() / rest
 
 
-__all__ = ["WORKING_COPIES", "kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]
+__all__ = ["WORKING_COPIES", "param_copy_phases", "kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]

@@ -258,7 +258,8 @@ def _breakdown(sv: Solved) -> dict:
     * exposed: the rest of the step time: reshards on edges and shares, gathers of
       followers that cannot keep a layout, ring transfers longer than the compute of their
       step, parameter synchronisation beyond its op's compute (with the compute slowdown
-      under overlap, ``cost_models.overlap``);
+      under overlap, ``cost_models.overlap``, and the runtime's copies around it,
+      ``costs.param_copy_phases``);
     * hidden: transfers that run beside compute and do not add to the step: ring transfers
       under their step's GEMM (a ring costs sum max(compute, transfer)), parameter
       synchronisation under its op's compute (``min(comm, window)`` per phase and axis).
