@@ -222,9 +222,21 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
     return Program(plan, gm, fn, feed, tg.in_spec, tg.out_spec, out_placements, out_shapes, snapshots,
                    deferred=deferred, bucket_bytes=int((opts.bucket_mb or 0) * 2**20),
                    calls=list(tg.meta.get("module_calls", [])), backend=opts.backend,
-                   # ZeRO-3 regathers in backward; a ZeRO-2 plan keeps what forward gathered
-                   regathers=(opts.backend is None and not plan.stats.get("keep_gathered")
-                              and any(n.target is runtime.gather_wait for n in gm.graph.nodes)))
+                   # ZeRO-3 regathers in backward; on a ZeRO-2 axis what forward gathered is kept
+                   regathers=_regathered_groups(gm, plan, groups) if opts.backend is None else frozenset())
+
+
+def _regathered_groups(gm: fx.GraphModule, plan: Plan, groups: list[str]) -> frozenset:
+    """The process groups whose coalesced parameter gathers backward makes again: every one
+    a ``gather_wait`` runs on, less those of the mesh axes the plan keeps gathered weights
+    over (``plan.stats["keep_gathered"]``: a list of axes; ``True``, written by older
+    versions, is every axis)."""
+    kept = plan.stats.get("keep_gathered") or []
+    if kept is True:
+        kept = range(len(plan.mesh_shape))
+    kept_groups = {groups[a] for a in kept}
+    return frozenset(n.args[3] for n in gm.graph.nodes
+                     if n.target is runtime.gather_wait and n.args[3] not in kept_groups)
 
 
 def _report(plan: Plan, tg, opts: _Options) -> None:

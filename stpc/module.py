@@ -73,7 +73,8 @@ class Program:
     reducer: object = None          # the runtime.GradReducer of ``deferred`` (made at the first run)
     calls: list = field(default_factory=list)     # the traced submodule calls (frontend.module_calls)
     backend: str | None = None      # torch.compile backend of ``fn`` (None: eager)
-    regathers: bool = False         # eager, with coalesced parameter gathers: run in a RegatherSaved
+    regathers: frozenset = frozenset()  # eager: the groups whose coalesced parameter gathers backward
+                                        # makes again (a RegatherSaved); the others' are kept
     variants: dict = field(default_factory=dict)  # hooked submodule FQNs -> (fn, HookTaps): the program
                                                   # tapped so their forward hooks fire
 
@@ -183,7 +184,7 @@ class Compiled:
         if taps is not None:
             taps.begin(module)
         # eager programs do not keep whole gathered parameters for backward (FSDP2's default)
-        regather = RegatherSaved() if prog.regathers and torch.is_grad_enabled() else contextlib.nullcontext()
+        regather = RegatherSaved(prog.regathers) if prog.regathers and torch.is_grad_enabled() else contextlib.nullcontext()
         try:
             with regather:
                 out = fn(*self._feed(module, prog, flat))

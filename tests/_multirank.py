@@ -145,6 +145,16 @@ def family_hints(family: str):
     if family == "ag_rs":  # the classic pairing: column projections AG-ring, row projections RS-ring
         return Hints(force=[(r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj)$", lambda s: s.kind == "ag_ring"),
                             (r"(o_proj|fc2|down_proj)$", lambda s: s.kind == "rs_ring")], name="ag_rs")
+    if family == "zero-kept0":  # q/k/v weights stored split over axis 0, the other linears' over
+        # axis 1, all read whole; kept gathered for backward over axis 0 (ZeRO-2 there), gathered
+        # again over axis 1 (ZeRO-3 there)
+        return Hints(force=[(r"^linear", lambda s: s.kind == "spatial" and all(t == "R" for t in s.ins[1])
+                             and all(t == "S0" for t in s.ins[0]))],
+                     param_force=[(r"(q_proj|k_proj|v_proj)\.weight$", lambda p: p[0][0] == "S" and p[1] == "R"),
+                                  (r"(o_proj|fc1|fc2|gate_proj|up_proj|down_proj)\.weight$",
+                                   lambda p: p[0] == "R" and p[1][0] == "S"),
+                                  (r".", lambda p: all(t == "R" for t in p))],
+                     temporal=False, keep_gathered=(0,), name="zero-kept0")
     if family == "zero":  # data parallel (batch split on every axis), every weight stored sharded and
         # gathered whole for its linear: ZeRO-3 (all-gather forward, reduce-scatter backward)
         return Hints(force=[(r"^linear", lambda s: s.kind == "spatial" and all(t == "R" for t in s.ins[1])

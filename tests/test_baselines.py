@@ -155,9 +155,11 @@ def test_fsdp_tp_never_nests_one_dim_with_dp_outer():
 def test_spatial_is_the_best_spatial_plan_of_every_mesh_shape():
     tg = _meta_trace("llama-tiny")
     # every mesh shape, its sharded weights regathered in backward (ZeRO-3) or kept (ZeRO-2)
+    # over no axis, each axis alone, or every axis
+    variants = {1: [(), (0,)], 2: [(), (0,), (1,), (0, 1)], 3: [(), (0,), (1,), (2,), (0, 1, 2)]}
     points = [(s, Hints(temporal=False, keep_gathered=kept), {"mesh": "x".join(map(str, s)), "temporal": False,
-                                                              **({"kept": True} if kept else {})})
-              for s in mesh_shapes(8) for kept in ((), tuple(range(len(s))))]
+                                                              **({"kept": list(kept)} if kept else {})})
+              for s in mesh_shapes(8) for kept in variants[len(s)]]
     plan, _ = _check_best(tg, "spatial", points, 8)
     assert set(plan.strategy_counts()) == {"spatial"}
 
@@ -264,3 +266,24 @@ def test_sequence_parallel_on_a_sequence_the_axis_does_not_divide_names_the_node
     tg = _meta_trace("gpt-tiny", seq=6, n_layers=1)
     with pytest.raises(HintUnsatisfiable, match=r"node (add|layer_norm)\w* .*sequence length that divides by 4"):
         plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=megatron((4,), sequence_parallel=True))
+
+
+def test_stpc_own_space_holds_megatrons_distributed_optimizer_on_a_2d_mesh():
+    """bloom-176b (2 layers) on 8 V100s, fp16: Megatron's best layout keeps its gathered
+    weights over the DP axis only (distributed optimizer, run as ZeRO-2) while TP splits
+    weights on the other. Keeping over every axis charges each TP-split weight a whole
+    kept copy and fits no budget; stpc's own points keep over each axis alone too, so its
+    plan is at least as fast as Megatron's, and says over which axis it keeps."""
+    from stpc.cli._common import meta_trace
+
+    tg, _, _ = meta_trace("bloom-176b", None, None, "fp16", layers=2)
+    cl = get_cluster("primepar-v100")
+    kw = dict(budget_bytes=cl.default_budget_bytes, dtype="fp16", optimizer_layout="mixed-adam")
+    meg = search(tg, "2x4", cl, hints="megatron", **kw)
+    assert meg.stats["layout"]["zero"] == 1
+    with pytest.raises(InfeasibleBudget):
+        search(tg, "2x4", cl, hints=Hints(keep_gathered=(0, 1)), **kw)
+    own = search(tg, "2x4", cl, **kw)
+    assert own.modelled_step_time_s <= meg.modelled_step_time_s * (1 + 1e-9)
+    assert own.stats["layout"]["kept"] == [0] and own.stats["keep_gathered"] == [0]
+    assert describe_layout(own.stats["layout"]).endswith("kept for backward (ZeRO-2) over mesh axis 0")

@@ -77,7 +77,7 @@ PROOF_2 = [(m, f, "2") for m in ("gpt-tiny", "llama-tiny") for f in ("solved", "
 # every other family, a few steps each (SGD and AdamW alternating)
 MATRIX_4 = [(m, f, mesh) for m in ("gpt-tiny", "llama-tiny")
             for f, meshes in [("megatron", ("4", "2x2")), ("megatron-sp", ("4", "2x2")), ("ag_ring", ("4", "2x2")), ("rs_ring", ("4", "2x2")),
-                              ("dp", ("4", "2x2")), ("zero", ("4", "2x2")), ("megatron-zero", ("2x2",)),
+                              ("dp", ("4", "2x2")), ("zero", ("4", "2x2")), ("zero-kept0", ("2x2",)), ("megatron-zero", ("2x2",)),
                               ("solved-budget", ("4", "2x2")),
                               ("solved-h100", ("4", "2x2"))]
             for mesh in meshes]

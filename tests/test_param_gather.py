@@ -170,3 +170,30 @@ def test_a_zero2_plan_gathers_once_per_step_and_a_zero3_plan_again_in_backward()
         assert r["zero2"]["backward"].count("all_gather_into_tensor") == 0, r
         assert r["zero3"]["backward"].count("all_gather_into_tensor") == r["zero3"]["forward"].count(
             "all_gather_into_tensor"), r
+
+
+def test_a_plan_kept_over_one_axis_gathers_again_only_over_the_others():
+    """On a 2x2 mesh, each layer's q/k/v weights stored split over axis 0 and its other
+    linears' over axis 1, every weight read whole: kept gathered over axis 0 only
+    (``Hints.keep_gathered=(0,)``, as stpc's own points may choose), backward gathers the
+    axis-1 groups again and not the axis-0 ones; kept over no axis, both; over both axes,
+    neither."""
+    from stpc import models, trace
+    from stpc.planner import Hints, search
+
+    with torch.device("meta"):
+        tg = trace(models.build("gpt-tiny"), models.example_inputs("gpt-tiny", 4, 16))
+    one_axis = dict(
+        force=[(r"^linear", lambda s: s.kind == "spatial" and all(t == "R" for t in s.ins[1])
+                and all(t == "S0" for t in s.ins[0]))],
+        param_force=[(r"(q_proj|k_proj|v_proj)\.weight$", lambda p: p[0][0] == "S" and p[1] == "R"),
+                     (r"(o_proj|fc1|fc2)\.weight$", lambda p: p[0] == "R" and p[1][0] == "S"),
+                     (r"(bias|ln\w*\.weight|wte\.weight|wpe\.weight|lm_head\.weight)$",
+                      lambda p: all(t == "R" for t in p))], temporal=False)
+    plans = {str(kept): search(tg, (2, 2), "cpu-local", hints=Hints(**one_axis, keep_gathered=kept)).to_json()
+             for kept in ((), (0,), (0, 1))}
+    for r in spawn(_compiled_gathers, 4, plans, timeout_s=300):
+        fwd, bwd = ({k: r[k][ph].count("all_gather_into_tensor") for k in plans} for ph in ("forward", "backward"))
+        assert fwd["()"] == fwd["(0,)"] == fwd["(0, 1)"] > 0, r
+        assert bwd["()"] == fwd["()"] and bwd["(0, 1)"] == 0, r
+        assert 0 < bwd["(0,)"] < fwd["(0,)"], r

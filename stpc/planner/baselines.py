@@ -101,22 +101,38 @@ def describe_layout(layout: dict | None) -> str:
         return ""
     if "dp" in layout:
         return Layout(**layout).describe()
+    kept = layout.get("kept")
+    over = (f" over mesh axis {kept[0]}" if isinstance(kept, list) and len(kept) == 1
+            and len(layout["mesh"].split("x")) > 1 else "")
     return (f"mesh {layout['mesh']}" + ("" if layout.get("temporal", True) else ", spatial families only")
-            + (", sharded weights gathered once and kept for backward (ZeRO-2)" if layout.get("kept") else ""))
+            + (f", sharded weights gathered once and kept for backward (ZeRO-2){over}" if kept else ""))
+
+
+def kept_variants(ndim: int) -> list[tuple[int, ...]]:
+    """The sets of mesh axes over which a point of stpc's own space keeps gathered weights
+    (``Hints.keep_gathered``): none, each axis alone, and every axis. One axis alone is what
+    Megatron's distributed optimizer keeps over (its DP axis) while TP splits weights on the
+    other: keeping over every axis charges a TP-split weight a whole kept copy
+    (``costs.kept_gathered_bytes`` goes by the placement alone)."""
+    out = [()] + [(a,) for a in range(ndim)]
+    return out + [tuple(range(ndim))] if ndim > 1 else out
 
 
 def own_points(shapes: list[tuple[int, ...]], hints: Hints, record: dict | None = None):
     """(mesh shape, hints, layout record) of stpc's own space (and ``spatial``'s): every mesh
-    shape, each with both ways to run a weight stored sharded and read whole: gathered in
+    shape, each with the ways to run a weight stored sharded and read whole: gathered in
     forward and again in backward (ZeRO-3, FSDP's default) or gathered once and kept for
-    backward (ZeRO-2, ``Hints.keep_gathered`` on every axis, ``"kept": True``). Without the
-    second, a plan the ``megatron`` baseline reaches (its distributed optimizer runs as
-    ZeRO-2) would be outside stpc's own space."""
+    backward (ZeRO-2) over the axes of each of :func:`kept_variants` (``"kept"``: those
+    axes). Without them, a plan the ``megatron`` baseline reaches (its distributed
+    optimizer runs as ZeRO-2 over its DP axis) would be outside stpc's own space."""
     out = []
     for s in shapes:
         rec = {"mesh": "x".join(map(str, s)), **(record or {})}
-        out.append((s, hints, rec))
-        out.append((s, replace(hints, keep_gathered=tuple(range(len(s)))), {**rec, "kept": True}))
+        for kept in kept_variants(len(s)):
+            if kept:
+                out.append((s, replace(hints, keep_gathered=kept), {**rec, "kept": list(kept)}))
+            else:
+                out.append((s, hints, rec))
     return out
 
 
@@ -129,4 +145,4 @@ def candidates(name: str, n: int, mesh_shape: tuple[int, ...] | None, shapes: li
     return [(lay.mesh_shape, layout_hints(name, lay), lay.as_dict()) for lay in layouts(name, n, mesh_shape)]
 
 
-__all__ = ["BASELINES", "Layout", "layouts", "layout_hints", "candidates", "own_points", "describe_layout"]
+__all__ = ["BASELINES", "Layout", "layouts", "layout_hints", "candidates", "own_points", "kept_variants", "describe_layout"]

@@ -636,7 +636,7 @@ class Builder:
         return Plan(model=self.tg.model_name, mesh_shape=list(self.mesh), cluster=self.cm.cluster.name,
                     dtype=meta.get("dtype", "fp32"), budget_bytes=meta.get("budget"), nodes=nodes,
                     modelled_step_time_s=sol.objective_ns / NS, peak_memory_bytes=float(sol.peak_bytes),
-                    stats={**meta.get("stats", {}), **({"keep_gathered": True} if self.hints.keep_gathered else {})},
+                    stats={**meta.get("stats", {}), **({"keep_gathered": sorted(self.hints.keep_gathered)} if self.hints.keep_gathered else {})},
                     alternatives=self._alternatives(choice))
 
     def _node_fields(self, it: Item, c: int, edge_s: dict) -> tuple:

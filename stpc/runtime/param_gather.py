@@ -189,9 +189,12 @@ class RegatherSaved:
     gathers the layer again at the first note it hands back (issuing the previous
     layer's gather then), cut exactly as in forward, so every saved view is rebuilt with
     the same size, strides and offset. Every rank runs the same backward in the same
-    order, so the re-gathers match across ranks."""
+    order, so the re-gathers match across ranks. ``groups``: the process groups whose
+    gathers this applies to (None: every one); a gather on another group is kept from
+    forward to backward as autograd saves it (ZeRO-2 on that mesh axis)."""
 
-    def __init__(self):
+    def __init__(self, groups=None):
+        self.groups = groups            # the process groups whose gathers backward makes again (None: all)
         self.gathered: list[_Gathered] = []
         self.by_storage: dict[int, tuple] = {}  # storage address -> (weak ref, gathered, which)
 
@@ -207,6 +210,8 @@ class RegatherSaved:
         return False
 
     def note(self, shards, group: str, shapes, dims, tensors: list[Tensor]) -> None:
+        if self.groups is not None and group not in self.groups:
+            return  # (a group kept gathered, ZeRO-2: autograd saves the whole parameters themselves)
         g = _Gathered(len(self.gathered), tuple(shards), group, list(shapes), list(dims))
         self.gathered.append(g)
         for which, t in enumerate(tensors):
