@@ -251,9 +251,11 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
         rates = _matmul_rates(dev)
         bw = _mem_bw(dev)
         overlap = _overlap(dev, world)
-        # (on a GPU a probe this size times its launch, not its kernel: CPU profiles only)
-        ops = {p.op: _sustained(probe_step(p, dev), dev, window_s=0.3) for p in PROBES} if dev.type == "cpu" else {}
-        if dev.type == "cpu":  # (on a GPU the caching allocator hands out warm blocks)
+        ops = {}
+        # CPU profiles only: on a GPU a probe this size times its launch, not its kernel, and
+        # the caching allocator hands a copy warm blocks
+        if dev.type == "cpu":
+            ops = {p.op: _sustained(probe_step(p, dev), dev, window_s=0.3) for p in PROBES}
             ops[COPY_OP] = _fresh_copy(dev)
         gathered = [None] * world
         dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw, "overlap": overlap, "ops": ops})

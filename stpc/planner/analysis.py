@@ -331,34 +331,36 @@ def analyse(tg: TracedGraph) -> GraphFacts:
     return tg.facts
 
 
+def _last_layer(graph: fx.Graph) -> tuple[int | None, int]:
+    """(the last repeated layer's index, the graph position of its last node); (None, -1)
+    for a graph without indexed layers."""
+    last_layer, last_pos = None, -1
+    for k, n in enumerate(graph.nodes):
+        layer = layer_of(n)
+        if layer is not None and (last_layer is None or layer >= last_layer):
+            last_layer, last_pos = layer, k
+    return last_layer, last_pos
+
+
 def after_last_layer(graph: fx.Graph) -> set:
     """The nodes of the head: after the last repeated layer's last node in graph order, and
     in no layer (final norm, output projection, loss). Empty for a graph without indexed
     layers."""
-    last_pos, order = -1, list(graph.nodes)
-    last_layer = None
-    for k, n in enumerate(order):
-        layer = layer_of(n)
-        if layer is not None and (last_layer is None or layer >= last_layer):
-            last_layer, last_pos = layer, k
+    last_layer, last_pos = _last_layer(graph)
     if last_layer is None:
         return set()
-    return {n for n in order[last_pos + 1:] if layer_of(n) is None}
+    return {n for n in list(graph.nodes)[last_pos + 1:] if layer_of(n) is None}
 
 
 def backward_start(graph: fx.Graph, items: list[Item]) -> tuple[set, set]:
     """(the last layer's decision Items, the head's) — the ops backward runs first, while
-    everything forward saved is still alive: the head (after the last repeated layer in
-    graph order: final norm, output projection, loss), then the last layer (an Item tied
-    across the layers stands for its copy there). Their gradients and the parameters
-    gathered again for them make the memory model's backward phase. A graph without
-    indexed layers is one layer: all its decision Items, no head."""
-    pos, last_layer, last_pos = {}, None, -1
-    for k, n in enumerate(graph.nodes):
-        pos[n] = k
-        layer = layer_of(n)
-        if layer is not None and (last_layer is None or layer >= last_layer):
-            last_layer, last_pos = layer, k
+    everything forward saved is still alive: the head (:func:`after_last_layer`: final
+    norm, output projection, loss), then the last layer (an Item tied across the layers
+    stands for its copy there). Their gradients and the parameters gathered again for
+    them make the memory model's backward phase. A graph without indexed layers is one
+    layer: all its decision Items, no head."""
+    last_layer, _ = _last_layer(graph)
+    head_nodes = after_last_layer(graph)
     last, head = set(), set()
     for it in items:
         if it.kind != "decision":
@@ -366,7 +368,7 @@ def backward_start(graph: fx.Graph, items: list[Item]) -> tuple[set, set]:
         layer = layer_of(it.node)
         if last_layer is None or (layer is not None and (it.count > 1 or layer == last_layer)):
             last.add(it)
-        elif layer is None and pos[it.node] > last_pos:
+        elif it.node in head_nodes:
             head.add(it)
     return last, head
 

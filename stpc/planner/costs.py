@@ -93,7 +93,9 @@ def param_copy_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float, c
         return 0.0, (cm.copy(nbytes) if consumer_split and needs_grad else 0.0)
     if pk not in "RP" and qk in "RP":
         cut = cm.copy(nbytes)
-        return cut, ((cut if regather else 0.0) + cut if needs_grad else 0.0)
+        if not needs_grad:
+            return cut, 0.0
+        return cut, (2 if regather else 1) * cut  # (cut again for the re-gather; the gradient laid out)
     return 0.0, 0.0
 
 

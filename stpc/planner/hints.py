@@ -48,9 +48,9 @@ class Hints:
     (``plan.stats["keep_gathered"]``) and the compiled model runs it so. Megatron's
     distributed optimizer is planned and run this way (see :func:`megatron`).
 
-    ``sequence_parallel``: a mesh axis on which the glue between the linears (norms,
-    residual adds, the embedding's output: :func:`sequence_parallel_nodes`) keeps its
-    activations split on the sequence, Megatron's ``--sequence-parallel`` and TorchTitan's
+    ``sequence_parallel``: a mesh axis on which the glue between the linears (norms and
+    residual adds: :func:`sequence_parallel_nodes`) keeps its activations split on the
+    sequence, Megatron's ``--sequence-parallel`` and TorchTitan's
     ``SequenceParallel``; None leaves that layout to the solver, which picks it where the
     cost model finds it faster.
     """
