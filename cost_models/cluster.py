@@ -24,11 +24,17 @@ fully to the other three, two links each: 50 GB/s per direction to one peer, aga
 150 GB/s for a collective (NVIDIA Tesla V100 whitepaper's link figures; the two-links-per-
 pair wiring of a fully connected 4-GPU board, a named assumption).
 
-Two overlap figures: ``overlap_slowdown``, how much slower compute runs beside a transfer
-(``cost_models.overlap``; None: the published GPU figure there), and
-``ring_step_overhead_s``, what one step of a ring schedule costs beyond its GEMM and its
-P2P (launching the step's kernels and waiting on its transfer). A calibration profile
-measures both on its machine; the presets name theirs below.
+Overlap and synchronisation figures: ``overlap_slowdown``, how much slower compute runs
+beside an asynchronous collective (a parameter's: gradient buckets, ZeRO gathers;
+``cost_models.overlap``; None: the published GPU figure there); ``ring_overlap_slowdown``,
+the same beside a ring step's P2P, which every rank waits on at each step (None: the
+same figure); ``ring_step_overhead_s``, what one step of a ring schedule costs beyond its
+GEMM and its P2P (launching the step's kernels and waiting on its transfer); and
+``collective_sync_s``, what a blocking collective on the critical path (an activation's
+reshard) costs beyond its isolated time because the ranks reach it at different moments
+(0 on the presets: their alpha is the collective's whole latency, no straggler is
+modelled, a named assumption). A calibration profile measures all four on its machine;
+the presets name theirs below.
 """
 from __future__ import annotations
 
@@ -94,6 +100,8 @@ class Cluster:
     collective_bands: dict = field(default_factory=dict, hash=False, compare=False)
     overlap_slowdown: float | None = None
     ring_step_overhead_s: float = RING_STEP_OVERHEAD_S
+    ring_overlap_slowdown: float | None = None
+    collective_sync_s: float = 0.0
     usable_memory_fraction: float = USABLE_MEMORY_FRACTION
     intra_peer: Link | None = None   # one neighbour's share of the intra-node links (None: all of them)
     # Extra copies of an all-gather's output the backend allocates while it is in flight:
@@ -105,8 +113,10 @@ class Cluster:
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
             raise ValueError(f"Cluster {self.name!r}: nodes and devices_per_node must be >= 1")
-        if self.ring_step_overhead_s < 0 or (self.overlap_slowdown is not None and self.overlap_slowdown < 0):
-            raise ValueError(f"Cluster {self.name!r}: overlap_slowdown and ring_step_overhead_s must be >= 0")
+        if self.ring_step_overhead_s < 0 or self.collective_sync_s < 0 or any(
+                x is not None and x < 0 for x in (self.overlap_slowdown, self.ring_overlap_slowdown)):
+            raise ValueError(f"Cluster {self.name!r}: overlap_slowdown, ring_overlap_slowdown, "
+                             f"ring_step_overhead_s and collective_sync_s must be >= 0")
         if not 0 < self.usable_memory_fraction <= 1:
             raise ValueError(f"Cluster {self.name!r}: usable_memory_fraction must be in (0, 1], "
                              f"got {self.usable_memory_fraction}")

@@ -13,6 +13,9 @@ input of a reduce-scatter / all-reduce):
     p2p(N)            = alpha + N * beta                        one neighbour transfer, on the
                                                                 links to that peer (Cluster.intra_peer)
 
+A parameter's collectives ride in coalesced messages (``coalesced``): the latency of a
+message is shared by its parameters in proportion to their bytes.
+
 Mesh convention: ranks are laid out row-major over ``mesh_shape``, the LAST axis
 innermost. Axis ``i``'s groups have stride ``s = prod(mesh_shape[i+1:])`` and size
 ``n = mesh_shape[i]``. With ``D`` devices per node, a group stays in one node iff
@@ -49,6 +52,10 @@ from .cluster import Cluster, Link
 from .compute import COPY_OP, gemm_time, roofline
 from .overlap import OVERLAP_COMPUTE_SLOWDOWN, exposed
 
+# The message a data-parallel gradient rides in: the runtime's bucket (``stpc.compile``'s
+# default ``bucket_mb``, which is DDP's default ``bucket_cap_mb`` of 25 MiB).
+GRAD_BUCKET_BYTES = 25 * 2**20
+
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 
 
@@ -73,6 +80,9 @@ class CostModel:
             overlap_slowdown = cluster.overlap_slowdown
         self.overlap_slowdown = OVERLAP_COMPUTE_SLOWDOWN if overlap_slowdown is None else float(overlap_slowdown)
         self.ring_step_overhead_s = cluster.ring_step_overhead_s
+        self.ring_overlap_slowdown = (self.overlap_slowdown if cluster.ring_overlap_slowdown is None
+                                      else float(cluster.ring_overlap_slowdown))
+        self.collective_sync_s = cluster.collective_sync_s
         self.device = cluster.device
         D = cluster.devices_per_node
         self._axes = []  # per axis: (n, crosses, n_in, n_out)
@@ -198,6 +208,17 @@ class CostModel:
         a, b = self._ab(axis, "all_reduce", nbytes)
         return 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes * b
 
+    def coalesced(self, kind: str, nbytes: float, axis: int, message_bytes: float) -> float:
+        """Seconds of ``nbytes``' part of one collective of ``kind`` ("all_gather",
+        "reduce_scatter", "all_reduce") that carries ``message_bytes`` in all: a runtime that
+        coalesces small parameter collectives (data-parallel gradient buckets, a ZeRO layer's
+        one gather) pays one latency per message, shared by its parts in proportion to their
+        bytes. A part at least as large as the message is a message of its own."""
+        fn = getattr(self, kind)
+        if message_bytes <= nbytes:
+            return fn(nbytes, axis)
+        return fn(message_bytes, axis) * (nbytes / message_bytes)
+
     def all_to_all(self, nbytes: float, axis: int) -> float:
         """Seconds for an all-to-all along ``axis`` of a tensor whose full size is ``nbytes``
         (each rank holds nbytes/n and sends (n-1)/n of it)."""
@@ -227,15 +248,22 @@ class CostModel:
         (``overlap.exposed`` with this model's slowdown; numpy arrays broadcast)."""
         return exposed(comm_s, window_s, self.overlap_slowdown)
 
+    def blocking(self, collective_s: float) -> float:
+        """Seconds a collective of ``collective_s`` adds where every rank waits on it at once
+        (an activation's reshard): its own time and the ranks' skew in reaching it
+        (``Cluster.collective_sync_s``); 0 for no collective."""
+        return collective_s + self.collective_sync_s if collective_s > 0 else 0.0
+
     def ring_step(self, compute_s: float, transfer_s: float) -> float:
         """One double-buffered ring step: the longer of its GEMM and its transfer, the
-        shorter one running beside it at the overlap slowdown (``overlap``: compute beside
-        communication runs slower; on shared CPU cores the two barely overlap at all), and
-        the step's own launch/synchronisation overhead (``Cluster.ring_step_overhead_s``).
-        ``transfer_s`` includes the P2P's latency."""
+        shorter one running beside it at the ring's overlap slowdown (``overlap``: compute
+        beside communication runs slower; on shared CPU cores the two barely overlap at all;
+        ``Cluster.ring_overlap_slowdown``), and the step's own launch/synchronisation
+        overhead (``Cluster.ring_step_overhead_s``). ``transfer_s`` includes the P2P's latency."""
+        s = self.ring_overlap_slowdown
         if compute_s > transfer_s:
-            return compute_s + self.overlap_slowdown * transfer_s + self.ring_step_overhead_s
-        return transfer_s + self.overlap_slowdown * compute_s + self.ring_step_overhead_s
+            return compute_s + s * transfer_s + self.ring_step_overhead_s
+        return transfer_s + s * compute_s + self.ring_step_overhead_s
 
     # ------------------------------------------------------------------ memory
     @property

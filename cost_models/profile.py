@@ -27,9 +27,14 @@ its measured forward + backward time over the roofline time the planner charges 
 (``stpc.cli.calibrate_ops``).
 
 ``overlap`` (written by ``calibrate`` since it measures it; older profiles lack it and get
-the presets' figures): ``slowdown`` is how much of a transfer's time compute running beside
-it loses (``cost_models.overlap``), measured by timing a matmul loop and a P2P loop alone
-and together; ``ring_step_overhead_s`` is one ring step's time beyond its GEMM and its P2P.
+the presets' figures): ``slowdown`` is how much of an asynchronous collective's time
+compute running beside it loses (``cost_models.overlap``: a parameter's gradient bucket or
+gather), ``ring_slowdown`` the same beside a ring step's P2P, ``ring_step_overhead_s`` one
+ring step's time beyond its GEMM and its P2P, and ``collective_sync_s`` what a blocking
+collective after a stretch of compute costs beyond its isolated time (the ranks' skew;
+profiles written before it was measured lack it: 0).
+Profiles written before ``ring_slowdown`` was measured apart have the ring's figure under
+``slowdown``; they keep it for both.
 
 Why bands: a real transport is not one straight alpha-beta line over three decades of
 message size (NCCL switches protocols; gloo over loopback TCP gets markedly slower per
@@ -192,6 +197,9 @@ def load_profile(path: str) -> Cluster:
                    inter=link, collective_links=per_kind, collective_bands=bands,
                    overlap_slowdown=overlap.get("slowdown"),
                    ring_step_overhead_s=float(overlap.get("ring_step_overhead_s", RING_STEP_OVERHEAD_S)),
+                   # (profiles written before the two were told apart measured one slowdown, on a ring)
+                   ring_overlap_slowdown=overlap.get("ring_slowdown", overlap.get("slowdown")),
+                   collective_sync_s=float(overlap.get("collective_sync_s", 0.0)),
                    gather_staging=int(p.get("gather_staging", 1)))  # (calibrate runs gloo ranks)
 
 

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from stpc import frontend, passes, runtime, validate
+from stpc.cost_models import GRAD_BUCKET_BYTES
 from stpc.planner import report
 from stpc.frontend.dump import dot as _dot
 from stpc.frontend.dump import table as _table
@@ -147,7 +148,7 @@ class _Options:
     local_inputs: dict          # user-input placeholder -> placement the caller feeds its shard in
     cache: PlanCache | None     # where searched plans are kept (None: search every time)
     strict: bool = False        # what is not planned is an error, not a warning
-    bucket_mb: float | None = 25.0  # data-parallel gradient buckets (None: reduce at each use)
+    bucket_mb: float | None = GRAD_BUCKET_BYTES / 2**20  # data-parallel gradient buckets (None: reduce at each use)
     timeout_s: float | None = None  # of the process groups stpc makes
 
 
@@ -294,7 +295,7 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
             plan: Plan | None = None, hints=None, cluster=None, budget_gib: float | None = None,
             temporal: bool = True, backend: str | None = None, input_placements=None,
             outputs: str = "replicate", max_plans: int = 4, cache=True, strict: bool = False,
-            timeout_s: float | None = None, bucket_mb: float | None = 25.0) -> DistributedModel:
+            timeout_s: float | None = None, bucket_mb: float | None = GRAD_BUCKET_BYTES / 2**20) -> DistributedModel:
     """Compile ``model`` for ``mesh`` on every rank and return it, parallelised in place.
 
     ``mesh``: a DeviceMesh, a shape such as ``(2, 2)`` / ``"2x2"``, or a device count

@@ -32,8 +32,18 @@ def test_calibrate_two_ranks_smoke(tmp_path):
         assert all(ov[which][k] > 0 for k in ("gemm_s", "p2p_s", "ring_step_s")), which
     assert ov["long"]["gemm_s"] > 100 * ov["tiny"]["gemm_s"]
     assert (cl.overlap_slowdown, cl.ring_step_overhead_s) == (ov["slowdown"], ov["ring_step_overhead_s"])
+    assert cl.ring_overlap_slowdown == ov["ring_slowdown"] >= 0
+    # the asynchronous collective's slowdown and the blocking one's synchronisation come from
+    # their own probes (every time measured), not from the ring
+    for which in ("async", "blocking"):
+        assert all(ov[which][k] > 0 for k in ("gemms_s", "all_reduce_s", "both_s")), which
+    g, c, both = (ov["async"][k] for k in ("gemms_s", "all_reduce_s", "both_s"))
+    assert ov["slowdown"] == pytest.approx(max(0.0, (both - max(g, c)) / min(g, c)))
+    g, c, both = (ov["blocking"][k] for k in ("gemms_s", "all_reduce_s", "both_s"))
+    assert ov["collective_sync_s"] == pytest.approx(max(0.0, both - g - c))
+    assert cl.collective_sync_s == ov["collective_sync_s"]
     cm = CostModel(cl, (2,))
-    assert cm.overlap_slowdown == ov["slowdown"]
+    assert cm.overlap_slowdown == ov["slowdown"] and cm.ring_overlap_slowdown == ov["ring_slowdown"]
     # every probed op's measured slowdown reaches the device the planner costs with
     from stpc.cli.calibrate_ops import PROBES
     from stpc.cost_models.compute import COPY_OP

@@ -26,7 +26,8 @@ def test_plan_cli_json(tmp_path):
     # the default print is the plan's summary; its split is in the JSON too
     assert "compute + exposed comm = the step time" in r.stdout and "(x 2, tied: planned once)" in r.stdout
     bd = d["breakdown"]
-    assert abs(bd["compute_s"] + bd["exposed_s"] - d["modelled_step_time_s"]) < 1e-9
+    # (the solver's objective is whole nanoseconds per group: under half a nanosecond off each)
+    assert abs(bd["compute_s"] + bd["exposed_s"] - d["modelled_step_time_s"]) <= 0.5e-9 * d["num_nodes"]
 
 
 def test_plan_cli_infeasible_budget_message(tmp_path):

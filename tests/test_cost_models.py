@@ -14,6 +14,7 @@ from stpc.cost_models import (CLUSTERS, OVERLAP_COMPUTE_SLOWDOWN, Cluster, CostM
                               get_device, load_profile, matmul_phase_cost, optimizer_state_bytes, roofline,
                               save_profile)
 from stpc.cost_models.cluster import RING_STEP_OVERHEAD_S, USABLE_MEMORY_FRACTION
+from stpc.planner.costs import axis_reshard
 from stpc.cost_models.estimator import closed_form_memory
 from stpc.cost_models.memory import adamw_step_transient_bytes, training_step_peak
 from stpc.cost_models.profile import fit_bands, predict
@@ -116,6 +117,14 @@ def test_ring_step_overlaps_at_the_slowdown_and_pays_its_overhead():
     # a cluster's own figures (a calibration profile's) replace the presets'
     measured = dataclasses.replace(cl, overlap_slowdown=0.9, ring_step_overhead_s=1e-3)
     assert CostModel(measured, (8,)).ring_step(5.0, 3.0) == pytest.approx(5.0 + 0.9 * 3.0 + 1e-3)
+    # a ring's own measured slowdown (every rank waits at every step) rules its steps; an
+    # asynchronous collective keeps the other
+    apart = dataclasses.replace(measured, ring_overlap_slowdown=1.5)
+    cm2 = CostModel(apart, (8,))
+    assert cm2.ring_step(5.0, 3.0) == pytest.approx(5.0 + 1.5 * 3.0 + 1e-3)
+    assert cm2.overlapped(3.0, 5.0) == pytest.approx(0.9 * 3.0)
+    with pytest.raises(ValueError, match="ring_overlap_slowdown"):
+        dataclasses.replace(cl, ring_overlap_slowdown=-0.1)
     assert CostModel(measured, (8,)).overlapped(1.0, 2.0) == pytest.approx(0.9)
     with pytest.raises(ValueError, match="must be >= 0"):
         dataclasses.replace(cl, ring_step_overhead_s=-1.0)
@@ -267,7 +276,11 @@ def test_fit_recovers_alpha_beta_and_roundtrips(tmp_path):
     assert (cl.overlap_slowdown, cl.ring_step_overhead_s) == (None, RING_STEP_OVERHEAD_S)
     save_profile({**prof, "overlap": {"slowdown": 0.97, "ring_step_overhead_s": 4e-4}}, path)
     cm = CostModel(get_cluster(path), (n,))
-    assert (cm.overlap_slowdown, cm.ring_step_overhead_s) == (0.97, 4e-4)
+    # (one slowdown, measured on a ring before the asynchronous one was told apart: both)
+    assert (cm.overlap_slowdown, cm.ring_overlap_slowdown, cm.ring_step_overhead_s) == (0.97, 0.97, 4e-4)
+    save_profile({**prof, "overlap": {"slowdown": 0.1, "ring_slowdown": 1.2, "ring_step_overhead_s": 4e-4}}, path)
+    cm = CostModel(get_cluster(path), (n,))
+    assert (cm.overlap_slowdown, cm.ring_overlap_slowdown) == (0.1, 1.2)
     with pytest.raises(FileNotFoundError, match="stpc calibrate"):
         load_profile(str(tmp_path / "missing.json"))
     # the GEMM curve a calibration fitted: fp32's ramp for every dtype, each dtype's own where fitted
@@ -358,3 +371,44 @@ def test_closed_form_llama_matches_paper_formula():
     assert z.values["optimizer"] == pytest.approx(r.values["optimizer"] / dp_)
     with pytest.raises(ValueError, match="divisible"):
         closed_form_memory(cfg, seq=s_, batch=3, dp=2)
+
+
+@given(st.floats(1e3, 1e9), st.floats(1e3, 1e9), st.integers(0, 2))
+def test_a_coalesced_collective_shares_one_latency_by_bytes(nbytes, message, which):
+    """A parameter's part of a coalesced collective (a gradient bucket, a ZeRO layer's one
+    gather) is the message's time in proportion to its bytes; a part at least as large as
+    the message is a collective of its own; parts filling a message cost the message."""
+    kind = ("all_gather", "reduce_scatter", "all_reduce")[which]
+    cm = CostModel(get_cluster("primepar-v100"), (4,))
+    fn = getattr(cm, kind)
+    got = cm.coalesced(kind, nbytes, 0, message)
+    if nbytes >= message:
+        assert got == fn(nbytes, 0)
+    else:
+        assert got == pytest.approx(fn(message, 0) * nbytes / message, rel=1e-12)
+        assert got < fn(nbytes, 0)  # (one latency shared, not one each)
+    parts = [message / 4] * 4
+    assert sum(cm.coalesced(kind, x, 0, message) for x in parts) == pytest.approx(fn(message, 0), rel=1e-12)
+    assert cm.coalesced(kind, nbytes, 0, 0.0) == fn(nbytes, 0)
+
+
+
+def test_a_blocking_collective_pays_the_ranks_skew_once():
+    """An activation's reshard, which every rank waits on where it runs, costs its
+    collective and the cluster's measured synchronisation (``collective_sync_s``: 0 on the
+    presets) per collective it runs: forward and backward each; no collective, nothing."""
+    cl = get_cluster("primepar-v100")
+    assert cl.collective_sync_s == 0.0
+    skewed = dataclasses.replace(cl, collective_sync_s=5e-3)
+    cm, base = CostModel(skewed, (4,)), CostModel(cl, (4,))
+    assert cm.blocking(0.0) == 0.0 and cm.blocking(2e-3) == pytest.approx(7e-3)
+    nbytes = 8e6
+    # S -> R: an all-gather forward, its reduce-scatter backward: two collectives, two skews
+    assert axis_reshard(cm, 0, "S0", "R", nbytes, True, True) == pytest.approx(
+        axis_reshard(base, 0, "S0", "R", nbytes, True, True) + 2 * 5e-3)
+    # R -> S0 (a slice, forward free): the backward all-gather alone
+    assert axis_reshard(cm, 0, "R", "S0", nbytes, False, True) == pytest.approx(
+        base.all_gather(nbytes, 0) + 5e-3)
+    assert axis_reshard(cm, 0, "S0", "S0", nbytes, True, True) == 0.0
+    with pytest.raises(ValueError, match="collective_sync_s"):
+        dataclasses.replace(cl, collective_sync_s=-1.0)

@@ -65,8 +65,9 @@ def test_megatron_graph_is_local_and_has_the_collectives():
     gm, plan = _lowered("gpt-tiny", "2x2", "megatron")
     mesh = tuple(plan.mesh_shape)
     t = targets(gm)
-    # row-parallel o_proj/fc2 (2 per layer x 2 layers) end in an all-reduce; the loss too
-    assert t["all_reduce"] >= 4
+    # row-parallel o_proj/fc2 (2 per layer x 2 layers) end in an all-reduce, or a reduce-scatter
+    # where the solver keeps the next norm split on the sequence; the loss too
+    assert t["all_reduce"] + t["reduce_scatter"] >= 4
     assert t["grad_all_reduce"] > 0  # replicated weights read by split work: complete gradients
     for n in gm.graph.nodes:
         if "placement" in n.meta:

@@ -2,6 +2,7 @@
 star step, CP-SAT) against exhaustive enumeration on random problems, and a planned
 graph whose producer feeds three consumers against an explicit recomputation."""
 import itertools
+import re
 import os
 import sys
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 from _oracles import brute_force  # noqa: E402
 from stpc import trace  # noqa: E402
-from stpc.cost_models import CostModel, get_cluster  # noqa: E402
+from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, get_cluster  # noqa: E402
 from stpc.planner import Hints, plan_graph  # noqa: E402
 from stpc.placement import shard_factor  # noqa: E402
 from stpc.planner.costs import axis_reshard_phases, param_copy_phases, reshard_cost  # noqa: E402
@@ -165,6 +166,17 @@ def _rounding(plan) -> float:
     return 1e-9 * len(plan.nodes)
 
 
+def _layer_bytes(tg, param) -> float:
+    """The bytes of every parameter of ``param``'s indexed module (``layers.3``): the one
+    ZeRO collective its sync rides in at run time; 0 outside one."""
+    m = re.match(r"^(.*?\.\d+)\.", tg.param_fqns[param.name])
+    if not m:
+        return 0.0
+    return float(sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in tg.graph.nodes
+                     if n.op == "placeholder" and n.name in tg.param_fqns
+                     and tg.param_fqns[n.name].startswith(m.group(1) + ".")))
+
+
 def _recomputed(tg, cm, plan, once=True):
     """The plan's step time from its placements alone: every node's own time plus, on
     every decision input, ``costs.reshard_cost`` from the producer's placement to the
@@ -191,9 +203,10 @@ def _recomputed(tg, cm, plan, once=True):
             if o.op == "placeholder" and o.name in tg.param_fqns:  # a weight: its sync as the runtime runs it
                 for a in range(len(src)):  # (and the runtime's copies around it)
                     if src[a] != ins[a] or (ins[a] == "R" and split[a]):
-                        args = (cm, a, src[a], ins[a], nbytes / shard_factor(src, cm.mesh_shape, skip_axis=a),
-                                split[a], o in facts.rg)
-                        total += sum(axis_reshard_phases(*args, regather=True))
+                        sf = shard_factor(src, cm.mesh_shape, skip_axis=a)
+                        args = (cm, a, src[a], ins[a], nbytes / sf, split[a], o in facts.rg)
+                        messages = (GRAD_BUCKET_BYTES, _layer_bytes(tg, o) / sf)
+                        total += sum(axis_reshard_phases(*args, regather=True, messages=messages))
                         total += sum(param_copy_phases(*args, regather=True))
             else:
                 total += reshard_cost(cm, src, tuple(ins), nbytes, split, o in facts.rg)

@@ -24,7 +24,7 @@ def _trace(name, batch=8, seq=64, layers=None):
 
 @pytest.fixture(scope="module")
 def llama3():
-    """llama-tiny three layers deep on 2x2 CPU ranks (where the local ranking misleads)."""
+    """llama-tiny three layers deep on 2x2 CPU ranks."""
     tg = _trace("llama-tiny", layers=3)
     return tg, search(tg, "2x2", "cpu-local")
 
@@ -124,8 +124,16 @@ def test_a_p2x2_linear_keeps_its_last_blocks_for_backward_and_the_peak_counts_th
     assert all(n.mem_bytes == 0 for n in spatial.nodes.values() if n.role == "decision")
 
 
-def test_explain_ranks_by_full_effect_where_the_local_ranking_misleads(llama3):
-    tg, plan = llama3
+@pytest.fixture(scope="module")
+def llama3_one_seq():
+    """llama-tiny three layers deep on 2x2 CPU ranks, one sequence of 256: a batch too small
+    to split, so the plan shards the work within it, where the local ranking misleads."""
+    tg = _trace("llama-tiny", batch=1, seq=256, layers=3)
+    return tg, search(tg, "2x2", "cpu-local")
+
+
+def test_explain_ranks_by_full_effect_where_the_local_ranking_misleads(llama3_one_seq):
+    tg, plan = llama3_one_seq
     node = "linear_3"  # attn.o_proj: locally a Partial output looks cheaper; its consumer pays the reduction
     local = plan.alternatives[node]
     assert local[0][0] != plan.nodes[node].describe() and local[0][0].endswith("P)")
@@ -141,7 +149,7 @@ def test_explain_ranks_by_full_effect_where_the_local_ranking_misleads(llama3):
     # hints), here and for q_proj, one of the consumers whose shared reshard is paid once
     cm = CostModel(get_cluster("cpu-local"), tuple(plan.mesh_shape))
     # (in the plan's own point of the space: its sharded weights regathered or kept, baselines.own_points)
-    kept = tuple(range(len(plan.mesh_shape))) if plan.stats["layout"].get("kept") else ()
+    kept = tuple(plan.stats.get("keep_gathered", ()))
     for name in (node, "linear"):
         ranked = plan.solved.ranked(plan.solved.group_of(name)[1], top=3)
         for alt in ranked[1:]:

@@ -17,14 +17,28 @@ planner models):
   time the planner charges it (``stpc.cli.calibrate_ops``): the device's ``op_slowdown``;
   and a copy into a new buffer (a clone, ``COPY_BYTES``) against the warm copy's rate:
   ``op_slowdown["aten.clone.default"]``, what the runtime's copies cost (``CostModel.copy``);
-* how compute and communication overlap (``overlap`` in the profile): one step's GEMM
-  alone, its P2P alone, and stpc's own AG-ring (``runtime.ops.ring_allgather_matmul``,
-  the transfer posted before each step's GEMM and waited after it), once with blocks
-  whose GEMM is long and once with tiny blocks. The tiny ring gives the per-step overhead
-  (its step time beyond the P2P), the long one the compute slowdown beside a transfer:
-  step = max(gemm, p2p) + slowdown * min(gemm, p2p) + overhead. On a CPU whose cores the
-  ranks share, gloo's transfers take the same cores the GEMM needs, and the slowdown
-  comes out near 1 (no overlap); on GPUs it is small.
+* how compute and communication overlap (``overlap`` in the profile), three ways, each
+  as the runtime meets it:
+
+  - a ring step (``ring_slowdown``, ``ring_step_overhead_s``): one step's GEMM alone, its
+    P2P alone, and stpc's own AG-ring (``runtime.ops.ring_allgather_matmul``, the
+    transfer posted before each step's GEMM and waited after it), once with blocks whose
+    GEMM is long and once with tiny blocks. The tiny ring gives the per-step overhead
+    (its step time beyond the P2P), the long one the compute slowdown beside a transfer:
+    step = max(gemm, p2p) + slowdown * min(gemm, p2p) + overhead. Every rank waits on
+    every step, so the figure also holds the ranks' skew at each step;
+  - an asynchronous collective beside compute (``slowdown``: a data-parallel gradient
+    bucket, a ZeRO gather): an all-reduce of ``ASYNC_BYTES`` issued, a block of
+    ``ASYNC_GEMMS`` GEMMs run, the all-reduce waited; against the two alone;
+  - a blocking collective after compute (``collective_sync_s``, an activation's
+    reshard): a block of ``SYNC_GEMMS`` GEMMs then an all-reduce of ``SYNC_BYTES``,
+    against the two alone: what the ranks' skew in reaching the collective adds (on a
+    CPU shared by more ranks than cores, the scheduler's time slices; on GPUs, launch
+    jitter). The noisiest figure here (2-12 ms on the development VM from run to run):
+    the median of ``SYNC_WINDOWS`` windows.
+
+  On a CPU whose cores the ranks share, gloo's transfers take the same cores the GEMM
+  needs, and the slowdowns come out near 1 (no overlap); on GPUs they are small.
 
 alpha and beta are then fitted by least squares (``cost_models.profile``): one fit per
 collective kind plus a joint fit, and the profile is written as JSON. Load it with
@@ -220,25 +234,76 @@ def _together(fn, dev, window_s: float, windows: int = 3) -> float:
 
 
 def _overlap(dev, world: int, window_s: float = 0.6) -> dict:
-    """This rank's ring-step times, long and tiny blocks (see the module docstring)."""
+    """This rank's ring-step times, long and tiny blocks, and its asynchronous and blocking
+    collective probes (see the module docstring)."""
     return {"long": _ring_times(dev, world, *OVERLAP_LONG, window_s),
-            "tiny": _ring_times(dev, world, *OVERLAP_TINY, window_s / 2)}
+            "tiny": _ring_times(dev, world, *OVERLAP_TINY, window_s / 2),
+            "probes": _async_and_blocking(dev)}
+
+
+# The asynchronous and blocking probes (see the module docstring): GEMM blocks of
+# OVERLAP_LONG's shape. Async: a 32 MiB all-reduce (a gradient bucket's, a layer's gather's
+# order of size) beside 16 GEMMs (several times its time: the compute around a bucket).
+# Blocking: a 4 MiB all-reduce (an activation's) after 4 GEMMs (a layer's share of compute
+# between two activation collectives).
+ASYNC_BYTES, ASYNC_GEMMS = 32 * 2**20, 16
+SYNC_BYTES, SYNC_GEMMS, SYNC_WINDOWS = 4 * 2**20, 4, 7
+
+
+def _async_and_blocking(dev, window_s: float = 1.2) -> dict:
+    """This rank's (GEMM block, collective, both) seconds of the asynchronous and the
+    blocking probe (see the module docstring)."""
+    x = torch.randn(OVERLAP_LONG[0], OVERLAP_LONG[1], device=dev)
+    w = torch.randn(OVERLAP_LONG[1], OVERLAP_LONG[2], device=dev)
+
+    def block(k):
+        for _ in range(k):
+            torch.mm(x, w)
+
+    big, small = torch.ones(ASYNC_BYTES // 4, device=dev), torch.ones(SYNC_BYTES // 4, device=dev)
+
+    def beside():
+        h = dist.all_reduce(big, async_op=True)
+        block(ASYNC_GEMMS)
+        h.wait()
+
+    out = {}
+    # (each part timed alike, a window of the same call count on every rank from a barrier:
+    # a GEMM block timed by each rank's own clock instead came out slower than the block
+    # beside the collective, and the slowdown 0)
+    out["async"] = [_together(lambda: block(ASYNC_GEMMS), dev, window_s),
+                    _together(lambda: dist.all_reduce(big), dev, window_s / 2), _together(beside, dev, window_s)]
+    out["blocking"] = [_together(lambda: block(SYNC_GEMMS), dev, 2 * window_s, windows=SYNC_WINDOWS),
+                       _together(lambda: dist.all_reduce(small), dev, window_s / 4),
+                       _together(lambda: (block(SYNC_GEMMS), dist.all_reduce(small)), dev, 2 * window_s,
+                                 windows=SYNC_WINDOWS)]
+    return out
 
 
 def fit_overlap(per_rank: list[dict]) -> dict:
     """The profile's ``overlap`` from every rank's :func:`_overlap`: the slowest rank's
-    times (a ring waits for its slowest member); overhead from the tiny ring, slowdown
-    from the long one, both at least 0."""
-    def slowest(which):
-        return [max(r[which][i] for r in per_rank) for i in range(3)]
+    times (a ring, a collective, waits for its slowest member); the ring's overhead from
+    the tiny ring, its slowdown from the long one; the asynchronous collective's slowdown
+    and the blocking one's synchronisation cost from their probes; all at least 0."""
+    def slowest(which, where=None):
+        rows = [r[where][which] if where else r[which] for r in per_rank]
+        return [max(r[i] for r in rows) for i in range(3)]
 
     gemm, p2p, step = slowest("tiny")
     overhead = max(0.0, step - max(gemm, p2p) - min(gemm, p2p))  # (tiny: the shorter part barely counts)
     gemm_l, p2p_l, step_l = slowest("long")
-    slowdown = max(0.0, (step_l - overhead - max(gemm_l, p2p_l)) / min(gemm_l, p2p_l))
-    return {"slowdown": slowdown, "ring_step_overhead_s": overhead,
-            "long": {"gemm_s": gemm_l, "p2p_s": p2p_l, "ring_step_s": step_l, "shape": list(OVERLAP_LONG)},
-            "tiny": {"gemm_s": gemm, "p2p_s": p2p, "ring_step_s": step, "shape": list(OVERLAP_TINY)}}
+    ring_slowdown = max(0.0, (step_l - overhead - max(gemm_l, p2p_l)) / min(gemm_l, p2p_l))
+    out = {"slowdown": ring_slowdown, "ring_slowdown": ring_slowdown, "ring_step_overhead_s": overhead,
+           "long": {"gemm_s": gemm_l, "p2p_s": p2p_l, "ring_step_s": step_l, "shape": list(OVERLAP_LONG)},
+           "tiny": {"gemm_s": gemm, "p2p_s": p2p, "ring_step_s": step, "shape": list(OVERLAP_TINY)}}
+    if all("probes" in r for r in per_rank):
+        g, c, both = slowest("async", "probes")
+        out["slowdown"] = max(0.0, (both - max(g, c)) / min(g, c))
+        out["async"] = {"gemms_s": g, "all_reduce_s": c, "both_s": both, "bytes": ASYNC_BYTES, "gemms": ASYNC_GEMMS}
+        g, c, both = slowest("blocking", "probes")
+        out["collective_sync_s"] = max(0.0, both - g - c)
+        out["blocking"] = {"gemms_s": g, "all_reduce_s": c, "both_s": both, "bytes": SYNC_BYTES, "gemms": SYNC_GEMMS}
+    return out
 
 
 def _worker(rank: int, world: int, task: dict) -> dict | None:
@@ -420,8 +485,10 @@ def main_calibrate(argv: list[str]) -> int:
     for op, r in prof["ops"].items():
         print(f"| {op} | {r['measured_s'] * 1e3:.2f} | {r['roofline_s'] * 1e3:.2f} | {r['slowdown']:.2f} |")
     ov = prof["overlap"]
-    print(f"overlap: compute beside a transfer slows by {ov['slowdown']:.2f} of the transfer's time; "
-          f"a ring step's overhead {ov['ring_step_overhead_s'] * 1e6:.0f} us")
+    print(f"overlap: compute beside an asynchronous collective slows by {ov['slowdown']:.2f} of the "
+          f"collective's time, beside a ring step's transfer by {ov['ring_slowdown']:.2f}; a ring step's overhead "
+          f"{ov['ring_step_overhead_s'] * 1e6:.0f} us; a blocking collective's synchronisation "
+          f"{ov.get('collective_sync_s', 0.0) * 1e3:.2f} ms")
     return 0
 
 

@@ -49,6 +49,29 @@ def layer_of(node: fx.Node) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# The module a ZeRO gather is coalesced by: the parameter's path up to its first index
+# (``layers.3``), as ``passes.prefetch_params`` groups the runtime's gathers.
+_INDEXED_MODULE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def layer_param_bytes(graph: fx.Graph) -> dict[fx.Node, float]:
+    """Per parameter placeholder inside an indexed module (``layers.3.attn.q_proj.weight``):
+    the bytes of all of that module's parameters, the message its ZeRO gather and gradient
+    reduce-scatter ride in at run time. Parameters outside one are not in the map (their
+    runs of consecutive gathers are charged as messages of their own)."""
+    keyed = {}
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and n.meta.get("param") and isinstance(val, torch.Tensor):
+            m = _INDEXED_MODULE.match(n.meta["param"])
+            if m:
+                keyed[n] = (m.group(1), val.numel() * val.element_size())
+    total = Counter()
+    for key, nbytes in keyed.values():
+        total[key] += nbytes
+    return {n: float(total[key]) for n, (key, _) in keyed.items()}
+
+
 def _signature(node, local_index):
     val = node.meta.get("val")
     shp = val.shape if isinstance(val, torch.Tensor) else None  # (a torch.Size compares as a tuple)
@@ -373,4 +396,5 @@ def backward_start(graph: fx.Graph, items: list[Item]) -> tuple[set, set]:
     return last, head
 
 
-__all__ = ["analyse", "GraphFacts", "Item", "SharedRead", "node_signature", "tie_layers", "layer_of", "backward_start", "requires_grad", "constants", "saved_bases", "saved_savers", "after_last_layer"]
+__all__ = ["analyse", "GraphFacts", "Item", "SharedRead", "node_signature", "tie_layers", "layer_of", "backward_start", "requires_grad", "constants", "saved_bases", "saved_savers", "after_last_layer",
+           "layer_param_bytes"]

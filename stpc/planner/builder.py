@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from stpc.cost_models import CostModel, MemoryModel, bytes_per_param, optimizer_step_time
+from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, MemoryModel, bytes_per_param, optimizer_step_time
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, fits, shard, shard_factor
-from stpc.planner.analysis import GraphFacts, Item, analyse
+from stpc.planner.analysis import GraphFacts, Item, analyse, layer_param_bytes
 from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, kept_gathered_bytes,
                                param_copy_phases, reshard_cost, stash_bytes, transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints, sequence_parallel_nodes
@@ -110,6 +110,7 @@ class Builder:
         self.budget = None
         self.head_params = {src for src, dst, _ in self.facts.edge_uses if dst in self.facts.head}
         self._sp_nodes = sequence_parallel_nodes(self.graph) if self.hints.sequence_parallel is not None else set()
+        self._layer_bytes = layer_param_bytes(self.graph)
 
     # ---------------------------------------------------------------- per item
     def _open_group(self, it: Item, strategies, cost, mem, transient, step=None, own_mem=None):
@@ -451,8 +452,9 @@ class Builder:
         nbytes, rg = val.numel() * val.element_size(), src.node in self.rg
         if self.facts.group_items[src.group].kind == "param":
             win = self._windows(dst, i)
-            key = ("param-edge", id(place), nbytes, rg, id(strategies), i, id(win))
-            return self._shared_result(key, lambda: self._param_edge(place, nbytes, rg, strategies, i, win))
+            layer = self._layer_bytes.get(src.node, 0.0)
+            key = ("param-edge", id(place), nbytes, layer, rg, id(strategies), i, id(win))
+            return self._shared_result(key, lambda: self._param_edge(place, nbytes, layer, rg, strategies, i, win))
         key = ("edges", id(place), nbytes, rg, id(strategies), i)
         return self._shared_result(key, lambda: [
             e for e in (self._axis_edge(place, nbytes, rg, strategies, i, a) for a in range(len(self.mesh))) if e[2]])
@@ -473,17 +475,20 @@ class Builder:
         return self._shared_result(("windows", id(strategies), id(timer), scale), lambda: [
             (f * scale, b * scale) for f, b in map(timer.windows, strategies)])
 
-    def _param_edge(self, place, nbytes, rg, strategies, i, win):
+    def _param_edge(self, place, nbytes, layer, rg, strategies, i, win):
         """Per-axis edges from a parameter to its consumer: on each axis the reshard's forward
         and backward parts, each overlapped with the consumer's compute of that phase
-        (``CostModel.overlapped``, windows from :meth:`_windows`)."""
+        (``CostModel.overlapped``, windows from :meth:`_windows`). Its collectives ride in
+        the runtime's coalesced messages: a data-parallel gradient in a bucket of
+        ``GRAD_BUCKET_BYTES``, a ZeRO gather and reduce-scatter in its layer's one collective
+        (``layer``: the layer's parameter bytes, split on the other axes as this one is)."""
         edges = []
         for a in range(len(self.mesh)):
             ucls, ukeys = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))[a]
             vcls, vkeys = self._shared_result(("vcls-win", id(strategies), i, id(win)), lambda: (
                 self._consumer_window_classes(strategies, i, win)))[a]
             sig = self.cm.axis_signature(a)
-            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, rg)
+            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, layer, rg)
             merged = self._axis_tables.get(key)
             if merged is None:
                 need, col = _classes([(q, split) for q, split, _ in vkeys])  # the reshards, without windows
@@ -492,11 +497,12 @@ class Builder:
                 regather = a not in self.hints.keep_gathered
                 for pc, (tok, sf) in enumerate(ukeys):
                     for qc, (q, split) in enumerate(col):
-                        k = (sig, tok, q, nbytes / sf, split, rg, regather)
+                        k = (sig, tok, q, nbytes / sf, layer / sf, split, rg, regather)
                         c = self._reshard_phases.get(k)
                         if c is None:
                             c = self._reshard_phases[k] = (
-                                axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=regather),
+                                axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=regather,
+                                                    messages=(GRAD_BUCKET_BYTES, layer / sf)),
                                 sum(param_copy_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=regather)))
                         phases[:, pc, qc], copies[pc, qc] = c
                 fwd, bwd = phases[:, :, list(need)]

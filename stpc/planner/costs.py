@@ -47,14 +47,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def axis_reshard_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
-                        needs_grad: bool, regather: bool = False) -> tuple[float, float]:
+                        needs_grad: bool, regather: bool = False,
+                        messages: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """(forward, backward) seconds to turn token ``p`` into ``q`` on one axis: the forward
     collective and its autograd dual (the table in the module docstring); ``regather``: a
-    parameter gathered whole is gathered again in backward."""
+    parameter gathered whole is gathered again in backward. ``messages``: for a parameter,
+    the bytes of the coalesced collectives its synchronisation rides in on this axis (its
+    data-parallel gradient's bucket, its ZeRO layer's one gather and reduce-scatter;
+    ``CostModel.coalesced``), 0 for a collective of its own."""
     if cm.mesh_shape[axis] == 1:
         return 0.0, 0.0
+    bucket, layer = messages
     if p == q:
-        return 0.0, (cm.all_reduce(nbytes, axis) if (q == REPLICATE and consumer_split and needs_grad) else 0.0)
+        return 0.0, (cm.coalesced("all_reduce", nbytes, axis, bucket)
+                     if (q == REPLICATE and consumer_split and needs_grad) else 0.0)
     pk, qk = p[0], q[0]
     if pk == "R":
         return 0.0, (cm.all_gather(nbytes, axis) if (qk != "P" and needs_grad) else 0.0)
@@ -66,8 +72,8 @@ def axis_reshard_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float,
         return cm.reduce_scatter(nbytes, axis), (cm.all_gather(nbytes, axis) if needs_grad else 0.0)
     # p is a split (S or a grid token)
     if qk in "RP":
-        bwd = cm.reduce_scatter(nbytes, axis) if (consumer_split or qk == "P") else 0.0
-        ag = cm.all_gather(nbytes, axis)
+        bwd = cm.coalesced("reduce_scatter", nbytes, axis, layer) if (consumer_split or qk == "P") else 0.0
+        ag = cm.coalesced("all_gather", nbytes, axis, layer)
         return ag, ((bwd + (ag if regather else 0.0)) if needs_grad else 0.0)
     if pk == "B" and qk == "X" and parse(p)[1] == parse(q)[1]:
         step = cm.p2p(nbytes / cm.mesh_shape[axis], axis)
@@ -101,9 +107,10 @@ def param_copy_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float, c
 
 def axis_reshard(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
                  needs_grad: bool) -> float:
-    """Seconds to turn token ``p`` into ``q`` on one axis, forward plus backward dual."""
+    """Seconds to turn token ``p`` into ``q`` on one axis, forward plus backward dual: an
+    activation's, which every rank waits on where it runs (``CostModel.blocking``)."""
     fwd, bwd = axis_reshard_phases(cm, axis, p, q, nbytes, consumer_split, needs_grad)
-    return fwd + bwd
+    return cm.blocking(fwd) + cm.blocking(bwd)
 
 
 def reshard_cost(cm: CostModel, src: tuple[str, ...], dst: tuple[str, ...], full_bytes: float,
