@@ -27,13 +27,13 @@ parameters are not kept from forward to backward: backward gathers each layer ag
 from __future__ import annotations
 
 import operator
-import re
 
 import torch.fx as fx
 
 from ._common import fake, fake_mode_of, finish
 from stpc import runtime
 from stpc.placement import parse
+from stpc.planner.analysis import indexed_module
 
 
 def _block(node: fx.Node, order: dict) -> str:
@@ -43,8 +43,7 @@ def _block(node: fx.Node, order: dict) -> str:
         u = todo.pop(0)
         path = u.meta.get("module", "") if "comm" not in u.meta else ""
         todo += sorted(u.users, key=lambda v: order[v]) if "comm" in u.meta else []
-    m = re.match(r"^(.*?\.\d+)(\.|$)", path)
-    return m.group(1) if m else ""
+    return indexed_module(path)
 
 
 def _gathers(gm: fx.GraphModule) -> list[fx.Node]:

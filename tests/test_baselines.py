@@ -257,6 +257,8 @@ def test_sequence_parallel_splits_every_norm_and_residual_add_on_the_sequence(mo
     assert all(decisions[k].out[1] == "S1" for k in norms_adds if k in decisions)
     assert any(free.nodes[k].out[1] != "S1" for k in norms_adds if k in decisions)  # (the switch changes the plan)
     assert sp.peak_memory_bytes <= free.peak_memory_bytes
+    if model == "gpt-tiny":  # (llama-tiny's free plan splits those norms on the batch instead: as small)
+        assert sp.peak_memory_bytes < free.peak_memory_bytes
     lay = Layout(2, 2, "dp-outer", 0, sp=True)
     assert lay.as_dict()["sp"] is True and "sp" not in Layout(2, 2).as_dict()
     assert describe_layout(lay.as_dict()).endswith("sequence parallel")

@@ -49,9 +49,15 @@ def layer_of(node: fx.Node) -> int | None:
     return int(m.group(1)) if m else None
 
 
-# The module a ZeRO gather is coalesced by: the parameter's path up to its first index
-# (``layers.3``), as ``passes.prefetch_params`` groups the runtime's gathers.
 _INDEXED_MODULE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def indexed_module(path: str) -> str:
+    """A module or parameter path up to its first index (``layers.3.attn.q_proj.weight`` ->
+    ``layers.3``), "" outside any indexed module: the unit a ZeRO gather is coalesced by,
+    here (``layer_param_bytes``) and at run time (``passes.prefetch_params``)."""
+    m = _INDEXED_MODULE.match(path)
+    return m.group(1) if m else ""
 
 
 def layer_param_bytes(graph: fx.Graph) -> dict[fx.Node, float]:
@@ -63,9 +69,9 @@ def layer_param_bytes(graph: fx.Graph) -> dict[fx.Node, float]:
     for n in graph.nodes:
         val = n.meta.get("val")
         if n.op == "placeholder" and n.meta.get("param") and isinstance(val, torch.Tensor):
-            m = _INDEXED_MODULE.match(n.meta["param"])
-            if m:
-                keyed[n] = (m.group(1), val.numel() * val.element_size())
+            key = indexed_module(n.meta["param"])
+            if key:
+                keyed[n] = (key, val.numel() * val.element_size())
     total = Counter()
     for key, nbytes in keyed.values():
         total[key] += nbytes
@@ -397,4 +403,4 @@ def backward_start(graph: fx.Graph, items: list[Item]) -> tuple[set, set]:
 
 
 __all__ = ["analyse", "GraphFacts", "Item", "SharedRead", "node_signature", "tie_layers", "layer_of", "backward_start", "requires_grad", "constants", "saved_bases", "saved_savers", "after_last_layer",
-           "layer_param_bytes"]
+           "layer_param_bytes", "indexed_module"]
