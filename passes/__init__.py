@@ -10,6 +10,8 @@ Each pass is a documented ``GraphModule -> GraphModule`` function, run in this o
   cleanup            drop asserts, merge duplicate reshards, cancel gather/slice pairs, DCE
   defer_grad_sync    data-parallel gradient all-reduces leave the graph for the bucketed,
                      overlapped ``runtime.GradReducer`` (when the caller asks for buckets)
+  recompute          each layer's span replayed in backward instead of keeping its saved
+                     activations (plans that recompute: ``plan.stats["recompute"]``)
   prefetch_params    ZeRO/FSDP parameter gathers coalesced per layer, issued one layer ahead
   issue_early        forward-only all-reduces of the step's inputs (a loss's target count)
                      issued at the start of the step, waited where used
@@ -25,15 +27,17 @@ from .defer_grad_sync import defer_grad_sync
 from .insert_collectives import insert_collectives, reshard_steps
 from .issue_early import issue_early
 from .prefetch_params import prefetch_params
+from .recompute import Recompute, recompute
 from .ring_decompose import ring_decompose
 from .shard_params import shard_params
 from .tap_hooks import tap_hooks
 from .verify import VerifyError, comm_schedule, verify
 
-PIPELINE = ("shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync", "prefetch_params",
+PIPELINE = ("shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync", "recompute",
+            "prefetch_params",
             "issue_early", "verify")
 
 __all__ = ["LoweringError", "shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync",
-           "prefetch_params", "issue_early", "tap_hooks",
+           "recompute", "Recompute", "prefetch_params", "issue_early", "tap_hooks",
            "verify", "VerifyError",
            "comm_schedule", "reshard_steps", "PIPELINE"]

@@ -33,6 +33,7 @@ import torch.fx as fx
 from stpc import runtime
 from stpc.placement import parse
 from ._common import finish
+from .recompute import inline
 
 
 class VerifyError(RuntimeError):
@@ -87,9 +88,9 @@ def _input_shape(node, mesh, coords):
     return _rank_shape(tuple(gv.shape), src.meta["placement"], mesh, coords), str(gv.dtype)
 
 
-def _needs_grad(gm, plan) -> set:
+def _needs_grad(graph: fx.Graph, plan) -> set:
     ng = set()
-    for n in gm.graph.nodes:
+    for n in graph.nodes:
         np = plan.nodes.get(n.name) if plan is not None else None
         if (n.op == "placeholder" and (np.role == "param" if np is not None else bool(n.meta.get("param")))) \
                 or any(a in ng for a in n.all_input_nodes):
@@ -113,15 +114,28 @@ def _p2p_steps(c, node, grank, n):
 
 
 def comm_schedule(gm: fx.GraphModule, plan, rank: int) -> list[dict]:
-    """The communication ``rank`` will issue running ``gm`` forward then backward."""
+    """The communication ``rank`` will issue running ``gm`` forward then backward. A layer
+    the program recomputes (``passes.recompute``) issues its forward communication again in
+    backward, before its own backward duals (phase ``"recompute"``)."""
     mesh = tuple(gm.meta.get("stpc_mesh", plan.mesh_shape))
     coords = _coords(rank, mesh)
-    ng = _needs_grad(gm, plan)
+    graph = inline(gm)
+    ng = _needs_grad(graph, plan)
     fwd, bwd = [], []
-    for node in gm.graph.nodes:
+    region, replay = None, []  # the recomputed layer being read, and its forward events so far
+
+    def end_region():
+        bwd.extend({**e, "phase": "recompute"} for e in reversed(replay))
+        replay.clear()
+
+    for node in graph.nodes:
+        if node.meta.get("recompute") != region:
+            end_region()
+            region = node.meta.get("recompute")
         c = node.meta.get("comm")
         if node.op != "call_function" or not c:
             continue
+        n_fwd = len(fwd)
         a = c["axis"]
         n = mesh[a]
         grank = coords[a]
@@ -138,19 +152,21 @@ def comm_schedule(gm: fx.GraphModule, plan, rank: int) -> list[dict]:
                 fwd.append(ev)
                 if node in ng:
                     bwd.append({**ev, "send_to": members[frm], "recv_from": members[to], "phase": "bwd"})
-            continue
-        op = c["op"]
-        if op == "grid_linear":
+        elif c["op"] == "grid_linear":
             fwd += [{**base, "kind": "collective", "op": "all_gather"}] * 2
             if node in ng:
                 bwd += [{**base, "kind": "collective", "op": "reduce_scatter", "phase": "bwd"}] * 2
-            continue
-        if op not in _FWD_NONE:
-            fwd.append({**base, "kind": "collective", "op": op})
-        key = (op, c.get("grad"))
-        b = _BWD.get(key, _BWD.get((op, None)))
-        if b and node in ng:
-            bwd.append({**base, "kind": "collective", "op": b, "phase": "bwd"})
+        else:
+            op = c["op"]
+            if op not in _FWD_NONE:
+                fwd.append({**base, "kind": "collective", "op": op})
+            key = (op, c.get("grad"))
+            b = _BWD.get(key, _BWD.get((op, None)))
+            if b and node in ng:
+                bwd.append({**base, "kind": "collective", "op": b, "phase": "bwd"})
+        if region is not None:
+            replay.extend(fwd[n_fwd:])
+    end_region()
     for e in fwd:
         e.setdefault("phase", "fwd")
     return fwd + bwd[::-1]

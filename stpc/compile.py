@@ -77,7 +77,7 @@ class _Placements:
 def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, device="cpu",
                on_pass=None, replicate_outputs: bool = True, defer_grads: bool = False) -> fx.GraphModule:
     """shard_params -> insert_collectives -> ring_decompose -> cleanup -> (defer_grad_sync) ->
-    prefetch_params -> issue_early -> verify, for a program whose tensors live on ``device``. ``on_pass(name, gm)`` is called
+    recompute -> prefetch_params -> issue_early -> verify, for a program whose tensors live on ``device``. ``on_pass(name, gm)`` is called
     after each (e.g. to dump the graph). ``replicate_outputs=False`` leaves outputs as
     planned (split ones stay split) where DTensor can say the placement; ``defer_grads``
     hands data-parallel gradient reductions to a bucketed reducer (the caller installs it:
@@ -91,7 +91,7 @@ def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, 
     if on_pass:
         on_pass("insert_collectives", gm)
     for name in ("ring_decompose", "cleanup") + (("defer_grad_sync",) if defer_grads else ()) + (
-            "prefetch_params", "issue_early", "verify"):
+            "recompute", "prefetch_params", "issue_early", "verify"):
         gm = getattr(passes, name)(gm, plan)
         if on_pass:
             on_pass(name, gm)

@@ -39,7 +39,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def full_grads(pm) -> dict:
     """FQN -> the full gradient of every parameter of a compiled model (a collective)."""
-    return {k: (p.grad.full_tensor().clone() if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype))
+    return {k: (p.grad.full_tensor().clone() if p.grad is not None else
+                torch.zeros(p.shape, dtype=p.dtype, device=p.device))
             for k, p in pm.named_parameters()}
 
 
@@ -59,14 +60,15 @@ def run_cases(rank, world, cases):
         t0 = time.perf_counter()
         name, overrides, plan_json = case["model"], case.get("overrides", {}), case["plan"]
         plan = Plan.from_json(plan_json)
+        device = torch.device(case.get("device", "cpu"))  # (a CUDA world: the GPU check, benchmarks/)
         torch.manual_seed(0)
         model = models.build(name, **overrides)
-        ref, probe = copy.deepcopy(model), copy.deepcopy(model)
+        ref, probe = copy.deepcopy(model).to(device), copy.deepcopy(model).to(device)
         g = torch.Generator().manual_seed(1)
         cfg = model.cfg
         steps = case.get("steps", 1)
-        batches = [(torch.randint(0, cfg.vocab, (case["batch"], case["seq"]), generator=g),
-                    torch.randint(0, cfg.vocab, (case["batch"], case["seq"]), generator=g))
+        batches = [(torch.randint(0, cfg.vocab, (case["batch"], case["seq"]), generator=g).to(device),
+                    torch.randint(0, cfg.vocab, (case["batch"], case["seq"]), generator=g).to(device))
                    for _ in range(steps)]
         dm = stpc.compile(model, tuple(plan.mesh_shape), batches[0], plan=plan,
                           backend=case.get("backend"))
@@ -173,6 +175,16 @@ def make_plan(model: str, mesh, family: str, batch: int, seq: int, **overrides):
     tg = stpc.trace(m, models.example_inputs(model, batch, seq))
     if isinstance(mesh, str):  # "4" -> (4,), "2x2" -> (2, 2): a fixed shape, not a search over shapes
         mesh = tuple(int(x) for x in mesh.split("x"))
+    if family.endswith("+recompute"):  # the family's plan, its layers recomputed in backward
+        import dataclasses
+
+        from stpc.planner import Hints, preset
+        base = family.removesuffix("+recompute")
+        hints = family_hints(base)
+        if base in ("megatron", "megatron-sp", "megatron-zero"):
+            hints = _megatron_hints(base, mesh)
+        hints = preset(hints, mesh) if isinstance(hints, str) else (hints or Hints())
+        return search(tg, mesh, cluster="cpu-local", hints=dataclasses.replace(hints, recompute="full"))
     cluster = {"solved-h100": "dgx-h100", "solved-v100": "primepar-v100"}.get(family, "cpu-local")
     budget = None
     if family == "solved-budget":  # a third of what the unconstrained plan needs: the solver must shard
@@ -183,13 +195,16 @@ def make_plan(model: str, mesh, family: str, batch: int, seq: int, **overrides):
         except InfeasibleBudget as e:  # then the tightest budget that fits
             return search(tg, mesh, cluster=cluster, budget_bytes=e.min_budget * 1.001)
     hints = family_hints(family)
-    if family == "megatron":  # this layout, not the best of Megatron's space (``baselines``): TP+SP is the family
-        from stpc.planner.hints import megatron
-        hints = megatron(mesh)
-    if family == "megatron-sp":  # the same, the glue between the linears sequence-split always
-        from stpc.planner.hints import megatron
-        hints = megatron(mesh, sequence_parallel=True)
-    if family == "megatron-zero":  # DP on the first axis with the distributed optimizer (ZeRO-2), TP on the second
-        from stpc.planner.hints import megatron
-        hints = megatron(mesh, 0, 1 if len(mesh) > 1 else None, distributed_optimizer=True)
+    if family in ("megatron", "megatron-sp", "megatron-zero"):
+        hints = _megatron_hints(family, mesh)
     return search(tg, mesh, cluster=cluster, hints=hints, budget_bytes=budget)
+
+
+def _megatron_hints(family: str, mesh: tuple):
+    from stpc.planner.hints import megatron
+    if family == "megatron":  # this layout, not the best of Megatron's space (``baselines``): TP+SP is the family
+        return megatron(mesh)
+    if family == "megatron-sp":  # the same, the glue between the linears sequence-split always
+        return megatron(mesh, sequence_parallel=True)
+    # megatron-zero: DP on the first axis with the distributed optimizer (ZeRO-2), TP on the second
+    return megatron(mesh, 0, 1 if len(mesh) > 1 else None, distributed_optimizer=True)

@@ -116,7 +116,8 @@ def test_judge_targets_are_parameters():
 
 
 def test_plan_specs():
-    assert DEFAULT_PLANS == ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2")
+    assert DEFAULT_PLANS == ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "recompute")
+    assert plan_spec("recompute", 4)[1].recompute == "full"
     assert plan_spec("megatron", 4) == (4, "megatron")
     assert plan_spec("solved", 4) == (4, None)
     mesh, hints = plan_spec("p2x2", 4)

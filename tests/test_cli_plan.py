@@ -120,3 +120,20 @@ def test_unknown_model_is_a_usage_error(capsys):
     assert code == 2 and "no module 'no_such_module_x'" in err
     code, _, err = _main(capsys, "plan", "--model", "missing/config.json", "--mesh", "2")
     assert code == 2 and "no such Hugging Face config file" in err
+
+
+def test_plan_cli_recompute(tmp_path):
+    """``--recompute full`` plans every layer recomputed (the layout and the summary say so,
+    and the peak is lower than ``--recompute none``'s)."""
+    peaks = {}
+    for mode in ("none", "full"):
+        out = tmp_path / f"{mode}.json"
+        r = subprocess.run([sys.executable, "-m", "stpc", "plan", "--model", "llama-tiny", "--mesh", "4",
+                            "--cluster", "cpu-local", "--batch", "8", "--seq", "64", "--recompute", mode,
+                            "--json", str(out)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        d = json.loads(out.read_text())
+        assert bool((d["layout"] or {}).get("recompute")) == (mode == "full")
+        assert ("layers recomputed in backward" in r.stdout) == (mode == "full")
+        peaks[mode] = d["peak_memory_bytes"]
+    assert peaks["full"] < peaks["none"]

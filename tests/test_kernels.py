@@ -82,3 +82,23 @@ def test_triton_kernel_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "KERNEL-OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_ring_kernel_choice_is_checked():
+    from stpc.runtime.ops import kernels
+
+    with pytest.raises(ValueError, match="one of cublas, triton"):
+        kernels.set_ring_kernel("cutlass")
+    before = kernels._ring_kernel
+    try:
+        if HAS_TRITON:
+            kernels.set_ring_kernel("triton")
+            assert kernels._ring_kernel == "triton"
+        kernels.set_ring_kernel("cublas")
+        assert kernels._ring_kernel == "cublas"
+    finally:
+        kernels._ring_kernel = before
+    env = dict(os.environ, STPC_RING_KERNEL="cutlass")
+    proc = subprocess.run([sys.executable, "-c", "import stpc.runtime.ops.kernels"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "STPC_RING_KERNEL='cutlass'" in proc.stderr

@@ -103,3 +103,18 @@ def test_rank_dying_without_report_is_detected_quickly():
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size"):
         spawn(_allreduce_rank, 0, 0)
+
+
+def test_spawn_names_the_backends_it_takes():
+    with pytest.raises(ValueError, match="backend must be 'gloo', 'nccl' or per device"):
+        spawn(_allreduce_rank, 1, 0, backend="mpi")
+
+
+def _cpu_device_type(rank, world):
+    from stpc import validate
+    return validate.world_device_type()
+
+
+def test_spawn_takes_a_per_device_backend():
+    # the string init_process_group takes; a CPU world stays a CPU world under it
+    assert spawn(_cpu_device_type, 2, backend="cpu:gloo", timeout_s=60) == ["cpu", "cpu"]

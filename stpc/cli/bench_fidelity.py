@@ -14,6 +14,8 @@ plan                       mesh                                 how it is obtain
                                                                 the RS ring (the classic pairing)
 ``p2x2``                   ``(N,)`` (an axis of 4: PrimePar's   every linear forced to P(2x2); GPT built
                            2x2 grid)                            with ``bias=False`` (a grid has no bias rule)
+``recompute``              the planner's choice of shape        ``search(hints=Hints(recompute="full"))``:
+                                                                stpc's own plan, every layer recomputed
 ``ag_ring`` ``rs_ring``    ``(N,)``                             optional (``--plans``): every linear forced
 ``dp`` ``spatial``         ``(N,)`` / the planner's             optional: data parallel; temporal families off
 =========================  ===================================  ===========================================
@@ -21,7 +23,7 @@ plan                       mesh                                 how it is obtain
 Size: issue 12's GPT (d_model 1024, 4 layers, 16 heads, ffn 4096, seq 512, the ``gpt-50m``
 config overridden: 59 M parameters, vocab 8192) at a global batch of 4. The batch is the one
 reduction: on the 2-core development VM, 4 ranks share 2 cores, a step takes 4-10 s at
-batch 4 and all of a run (5 plans x (2 warm-up + 10 timed + 3 profiled steps) plus
+batch 4 and all of a run (6 plans x (2 warm-up + 10 timed + 3 profiled steps) plus
 compiling) about 10 minutes; batch 8 would double that.
 
 Every plan is planned once, in this process, on ``--cluster`` (a ``python -m stpc
@@ -113,7 +115,7 @@ PEAK_STEPS = 3  # profiled steps whose highest peak is the measured one (after a
 
 MEMORY_TARGET = 0.05   # |predicted - measured| / measured peak, at most, on every plan
 TIME_TARGET = 0.25     # |predicted - measured| / measured step time, at most, on every plan
-DEFAULT_PLANS = ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2")
+DEFAULT_PLANS = ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "recompute")
 KNOWN_PLANS = DEFAULT_PLANS + ("ag_ring", "rs_ring", "dp", "spatial")
 
 # The default model: a GPT of d 1024, 4 layers, seq 512 (issue 12's size) at batch 4.
@@ -134,6 +136,8 @@ def plan_spec(name: str, n: int):
         return n, name              # the preset's own layout search (stpc.planner.baselines)
     if name == "solved":
         return n, None
+    if name == "recompute":         # the layers' activations recomputed in backward (passes.recompute)
+        return n, Hints(recompute="full", name="recompute")
     if name == "dp":
         return (n,), "dp"
     if name == "ag_rs":             # the classic pairing (tests/_multirank.family_hints)

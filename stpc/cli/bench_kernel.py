@@ -41,6 +41,7 @@ import torch
 from stpc.cli._common import TORCH_DTYPES, Parser, add_flags, verb, write_json
 from stpc.frontend import models
 from stpc.planner.hints import COLUMN, ROW
+from stpc.runtime.ops import kernels
 from stpc.runtime.ops.kernels import HAS_TRITON, triton_ring_step_matmul
 
 DEFAULT_SIZES = (4, 8)
@@ -111,7 +112,11 @@ def measure(shape: dict, dtype: torch.dtype, warmup: int, iters: int) -> dict:
     b = torch.randn(k, n, generator=g, device=dev, dtype=dtype)
     out_triton = torch.zeros(m, n, device=dev, dtype=dtype)
     out_torch = torch.zeros(m, n, device=dev, dtype=dtype)
-    triton_ring_step_matmul(a, b, out_triton, True)
+    triton_ring_step_matmul(a, b, out_triton, True)  # (the first call of a shape autotunes its tile)
+    best = getattr(kernels, "_ring_step_mm_tuned", None)
+    c = best.best_config if best is not None else None
+    tile = (f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}, {c.num_warps} warps, "
+            f"{c.num_stages} stages" if c is not None else "64x64x32")
     out_torch.addmm_(a, b)
     agree = bool(torch.allclose(out_triton.float(), out_torch.float(), rtol=2e-2, atol=2e-2 * k ** 0.5))
     t_triton = cuda_median_s(lambda: triton_ring_step_matmul(a, b, out_triton, True), warmup, iters)
@@ -119,7 +124,7 @@ def measure(shape: dict, dtype: torch.dtype, warmup: int, iters: int) -> dict:
     flops = 2.0 * m * k * n
     return {**shape, "triton_s": t_triton, "addmm_s": t_torch,
             "triton_tflops": flops / t_triton / 1e12, "addmm_tflops": flops / t_torch / 1e12,
-            "triton_over_addmm": t_torch / t_triton, "agree": agree}
+            "triton_over_addmm": t_torch / t_triton, "agree": agree, "triton_tile": tile}
 
 
 def why_not_measured() -> str | None:
@@ -145,10 +150,12 @@ def report(cfg: dict, rows: list[dict], reason: str | None, machine: str, comman
     lines += [f"{torch.cuda.get_device_name()}, {cfg['dtype']}, {cfg['warmup']} warm-up calls then the median of "
               f"{cfg['iters']} (CUDA events).", "",
               "| devices | m | k | n | a transposed | Triton ms | Triton TFLOP/s | addmm ms | addmm TFLOP/s "
-              "| Triton speedup | results agree | used by |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| Triton speedup | results agree | Triton tile (autotuned) | used by |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['devices']} | {r['m']} | {r['k']} | {r['n']} | {'yes' if r['a_transposed'] else 'no'} | "
               f"{r['triton_s'] * 1e3:.3f} | {r['triton_tflops']:.1f} | {r['addmm_s'] * 1e3:.3f} | "
               f"{r['addmm_tflops']:.1f} | {r['triton_over_addmm']:.2f}x | {'yes' if r['agree'] else 'NO'} | "
+              f"{r.get('triton_tile', '')} | "
               f"{'; '.join(r['uses'])} |" for r in rows]
     ratio = statistics.geometric_mean([r["triton_over_addmm"] for r in rows])
     lines += ["", f"Geo-mean Triton speedup over addmm: {ratio:.2f}x over {len(rows)} shapes."]

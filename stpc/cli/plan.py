@@ -55,7 +55,7 @@ HINTS = list(dict.fromkeys([*BASELINES, *PRESETS]))
 def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int | None = None,
                seq: int | None = None, dtype: str = "fp32", budget_gib: float | None = None,
                hints: str | None = None, temporal: bool = True, use_budget: bool = True,
-               layers: int | None = None, progress: bool = False):
+               layers: int | None = None, progress: bool = False, recompute: str | None = None):
     """Trace ``model`` (a zoo name, ``package.module:factory`` or a Hugging Face config path:
     ``stpc.cli._common.load_model``) on meta tensors and search; returns (plan, traced graph).
     ``progress``: status lines on stderr for the trace and a search over a second."""
@@ -68,7 +68,8 @@ def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int
         budget = budget_gib * 2**30 if budget_gib is not None else cl.default_budget_bytes
     with SearchStatus(f"search {model} on {mesh}", progress) as status:
         plan = search(tg, mesh, cl, budget_bytes=budget, hints=hints, temporal=temporal, dtype=dtype,
-                      optimizer_layout="fp32-adam" if dtype == "fp32" else "mixed-adam", progress=status)
+                      optimizer_layout="fp32-adam" if dtype == "fp32" else "mixed-adam", progress=status,
+                      recompute=recompute)
     t2 = time.perf_counter()
     plan.stats.update(trace_time_s=t1 - t0, analysis_time_s=tg.meta.get("analysis_s"), total_time_s=t2 - t0,
                       batch=batch, seq=seq)
@@ -103,6 +104,9 @@ def main_plan(argv: list[str]) -> int:
     p.add_argument("--hints", default=None, choices=HINTS, help="plan a preset instead: megatron, fsdp-tp, spatial "
                    "(baselines, each the best of its own layout space), dp")
     p.add_argument("--no-temporal", action="store_true", help="spatial strategies only (Alpa-like)")
+    p.add_argument("--recompute", default="auto", choices=("auto", "none", "full"),
+                   help="recompute the layers' activations in backward: auto (where the budget binds), none, "
+                        "full (default: %(default)s)")
     p.add_argument("--dump", default=None, metavar="FILE", help="write the per-node plan table here (+ .dot)")
     p.add_argument("--brief", action="store_true", help="print the header lines only, not the plan's summary")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write FILE-memory.png (memory over the step) "
@@ -119,7 +123,8 @@ def main_plan(argv: list[str]) -> int:
         except ImportError as e:
             raise Failure(f"--plot needs matplotlib ({e})", "pip install matplotlib") from None
     plan, tg = plan_model(a.model, a.mesh, a.cluster, a.batch, a.seq, a.dtype, a.budget_gib, a.hints,
-                          not a.no_temporal, use_budget=not a.no_budget, layers=a.layers, progress=not a.quiet)
+                          not a.no_temporal, use_budget=not a.no_budget, layers=a.layers, progress=not a.quiet,
+                          recompute=None if a.recompute == "auto" else a.recompute)
     s = summary(plan)
     if a.quiet:
         print(f"mesh {'x'.join(map(str, plan.mesh_shape))}  modelled step {plan.modelled_step_time_s * 1e3:.2f} ms  "

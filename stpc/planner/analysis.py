@@ -18,7 +18,10 @@ shared by every mesh shape the search tries:
     ones are kept (each consumer meets, besides the producer, only its own leaf
     groups and at most one group common to all: q, k, v -> attention), which the
     exact elimination handles; the others stay one edge per consumer (an upper bound:
-    a merged reshard charged per consumer).
+    a merged reshard charged per consumer);
+  * for plans that recompute the layers (``passes.recompute``): which items lie inside a
+    layer and which edges join two ops of one layer (both replayed in backward), what
+    forward then still keeps for backward and what the last layer's replay saves again.
 """
 from __future__ import annotations
 
@@ -217,6 +220,12 @@ class GraphFacts:
     unshared_reads: int = 0        # producer nodes read by several decisions but charged per consumer
     last_layer: set = field(default_factory=set)  # decision Items of the last layer (``backward_start``)
     head: set = field(default_factory=set)        # decision Items after the last layer (``backward_start``)
+    # Under full recomputation of the layers (``passes.recompute``, ``recompute_facts``):
+    layer_items: set = field(default_factory=set)  # Items of nodes inside a layer (replayed in backward)
+    replayed_edges: set = field(default_factory=set)  # edge_uses keys between two nodes of one layer
+    kept_saved: Counter = field(default_factory=Counter)  # tensors still kept at the end of forward
+    kept_head_saved: Counter = field(default_factory=Counter)  # of those, saved by head ops only
+    replay_saved: Counter = field(default_factory=Counter)  # what the last layer's replay saves again
 
     @classmethod
     def of(cls, tg: TracedGraph) -> "GraphFacts":
@@ -236,7 +245,41 @@ class GraphFacts:
                 f.saved_uses[it] += 1
                 if by <= head_nodes:  # freed by the head's backward, before the last layer's began
                     f.head_saved[it] += 1
+        f._recompute_facts(graph, head_nodes)
         return f
+
+    def _recompute_facts(self, graph, head_nodes):
+        """What a plan that recomputes every layer (``passes.recompute``) keeps from forward to
+        backward: the tensors an op outside the layers saves, and each layer's inputs from
+        outside it (what the checkpoint holds: the residual stream entering it), as the nodes
+        owning their storage; and what the last layer's replay saves again, alive in its
+        backward (the memory model's backward phase)."""
+        layer = {n: layer_of(n) for n in graph.nodes}
+        last, _ = _last_layer(graph)
+        savers = saved_savers(graph, self.rg, self.params, self._operands)
+        boundary = set()
+        for n in graph.nodes:
+            if n.op != "call_function" or layer[n] is None:
+                continue
+            for o in self._operands[n]:
+                if layer[o] == layer[n] or o.op != "call_function" or o in self.const:
+                    continue
+                while is_view_like(o) and self._operands.get(o):
+                    o = self._operands[o][0]
+                boundary.add(o)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for t in sorted(set(savers) | boundary, key=order.__getitem__):
+            it = self.node_item.get(t)
+            if it is None or it.kind == "param" or not isinstance(t.meta["val"], torch.Tensor):
+                continue
+            by = savers.get(t, set())
+            if t in boundary or any(layer[b] is None for b in by):
+                self.kept_saved[it] += 1
+                if by and by <= head_nodes:
+                    self.kept_head_saved[it] += 1
+            elif last is not None and any(layer[b] == last for b in by):
+                self.replay_saved[it] += 1
+        self.layer_items = {it for n, it in self.node_item.items() if layer[n] is not None and n.op != "placeholder"}
 
     def _rep(self, node):
         return self.tie.get(node, node)
@@ -284,6 +327,8 @@ class GraphFacts:
                     for i, src in enumerate(opi):
                         if src is not None:
                             self.edge_uses[(src, it, i)] += 1
+                            if (li := layer_of(node)) is not None and layer_of(ops[i]) == li:
+                                self.replayed_edges.add((src, it, i))
                             self._reads[ops[i]].append((it, i))
             self.node_item[node] = it
 

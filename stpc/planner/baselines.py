@@ -99,6 +99,9 @@ def describe_layout(layout: dict | None) -> str:
     """One line for a plan's layout record (``plan.stats["layout"]``)."""
     if not layout:
         return ""
+    if layout.get("recompute"):
+        rest = {k: v for k, v in layout.items() if k != "recompute"}
+        return describe_layout(rest) + ", layers recomputed in backward"
     if "dp" in layout:
         return Layout(**layout).describe()
     kept = layout.get("kept")

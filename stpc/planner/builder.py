@@ -24,6 +24,13 @@ the last layer's weights (``_Group.bwd_mem``) + the ZeRO-3 weights gathered agai
 (``_regather_edges``, memory edges); in the optimizer step, weights
 + gradients + optimizer state + the optimizer's scratch (``MemoryModel.step_scratch``).
 
+Under ``Hints.recompute == "full"`` (``passes.recompute``: every layer's forward replayed
+in backward) an op inside a layer also pays its forward again (``NodeTimer.forward``;
+a reshard between two ops of one layer its forward collective again; a ZeRO gather into
+a layer's op whole and blocking), the end of forward keeps only what ops outside the
+layers save and the layers' inputs (``GraphFacts.kept_saved``), and the last layer's
+backward holds what its replay saves again (``replay_saved``) and its ops' own blocks.
+
 Resharding is costed on the inputs of decision nodes: one solver edge per consumer,
 except where several consumers read one tensor (``GraphFacts.shared``): a
 ``sharing.Share`` then pays each distinct placement they need once, as ``cleanup``
@@ -44,7 +51,7 @@ import torch
 from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, MemoryModel, bytes_per_param, optimizer_step_time
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, fits, shard, shard_factor
-from stpc.planner.analysis import GraphFacts, Item, analyse, layer_param_bytes
+from stpc.planner.analysis import GraphFacts, Item, analyse, layer_of, layer_param_bytes
 from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, kept_gathered_bytes,
                                param_copy_phases, reshard_cost, stash_bytes, transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints, sequence_parallel_nodes
@@ -110,6 +117,7 @@ class Builder:
         self.budget = None
         self.head_params = {src for src, dst, _ in self.facts.edge_uses if dst in self.facts.head}
         self._sp_nodes = sequence_parallel_nodes(self.graph) if self.hints.sequence_parallel is not None else set()
+        self.recompute = self.hints.recompute == "full"
         self._layer_bytes = layer_param_bytes(self.graph)
 
     # ---------------------------------------------------------------- per item
@@ -171,7 +179,9 @@ class Builder:
                 else:
                     step = (mem, [0.0] * len(choices))
                 # ZeRO-2: the whole weight gathered in forward is kept for backward (not in the step)
-                kept = [kept_gathered_bytes(val, p, self.mesh, self.hints.keep_gathered) for p in choices]
+                # (a recomputed layer's weights are gathered again by its replay: none kept)
+                kept = [0.0 if self.recompute and layer_of(node) is not None else
+                        kept_gathered_bytes(val, p, self.mesh, self.hints.keep_gathered) for p in choices]
                 own_mem = [m + k for m, k in zip(mem, kept)]  # (what NodePlan.mem_bytes reports)
                 mem = [self.memory.forward_param_bytes(val.numel(), w) + k for w, k in zip(shards, kept)]
         else:
@@ -226,12 +236,18 @@ class Builder:
             idx = [i for i, s in enumerate(strategies) if s in keep]
             strategies, cost, tr, stash = kept, [cost[i] for i in idx], [tr[i] for i in idx], [stash[i] for i in idx]
             place = [s.out for s in strategies]
-        self._open_group(it, strategies, cost, stash, tr)  # (the op's own saved blocks: forward memory)
-        self.place[it] = place
+        replayed = self.recompute and it in self.facts.layer_items
+        if replayed:  # its forward runs again in backward; what it keeps lives only during its layer's
+            fwd = self._shared_result(("replay", it.signature, id(strategies)), lambda: [timer.forward(s) for s in strategies])
+            cost = [c + f for c, f in zip(cost, fwd)]
+        self._open_group(it, strategies, cost, [0.0] * len(stash) if replayed else stash, tr)  # (the op's own
+        self.place[it] = place                                                 # saved blocks: forward memory)
         self.timers[it.group] = timer
         if it in self.facts.last_layer:
             self.groups[it.group].bwd_mem += self._weight_grad_bytes(it, strategies)
             self.groups[it.group].bwd_transient = list(tr)
+            if replayed:
+                self.groups[it.group].bwd_mem += np.asarray(stash, dtype=float)
 
     def _weight_grad_bytes(self, it: Item, strategies) -> np.ndarray:
         """Per strategy, the gradients of the parameters the op reads, as its backward
@@ -259,7 +275,7 @@ class Builder:
             ops = tensor_operands(node)
             timer = NodeTimer(node, self.cm, [o in self.rg for o in ops])
             rep_p = tuple(REPLICATE for _ in self.mesh)
-            strategies, extra = [], []
+            strategies, extra, replay = [], [], []
             # the answer for a key depends on the node's signature alone: items of one
             # signature (RMSNorm's ops before attention and before the MLP) share it
             cache = self._by_key.setdefault(("derived", it.signature, live), {})
@@ -273,15 +289,16 @@ class Builder:
                             cost += reshard_cost(self.cm, p, rep_p, v.numel() * v.element_size(),
                                                  (False,) * len(self.mesh), ops[i] in self.rg)
                         s = Strategy(out=rep_p, ins=tuple(rep_p for _ in ops))
-                    cache[key] = (s, cost + timer(s))
-                s, cost = cache[key]
+                    cache[key] = (s, cost + timer(s), timer.forward(s))
+                s, cost, fwd = cache[key]
                 strategies.append(s)
                 extra.append(cost)
-            return [s.out for s in strategies], strategies, np.array(extra)
+                replay.append(fwd)
+            return [s.out for s in strategies], strategies, np.array(extra), np.array(replay)
 
         key = ("derived", it.signature, live, tuple(id(p) for p in sources))
-        self.place[it], self.derived[it], extra = self._shared_result(key, compute)
-        self._add_extra(it, extra)
+        self.place[it], self.derived[it], extra, replay = self._shared_result(key, compute)
+        self._add_extra(it, extra + replay if self.recompute and it in self.facts.layer_items else extra)
 
     def _follower(self, it: Item):
         node = it.node
@@ -298,7 +315,7 @@ class Builder:
             for p in source:
                 if p in by_input:
                     continue
-                q, via, cost = rule(p, self.mesh), p, 0.0
+                q, via, cost, fwd = rule(p, self.mesh), p, 0.0, 0.0
                 if q is None:  # cannot keep the layout through this op: reshard its input first
                     via, cost = self._nearest_followable(p, rule, sval, rg)
                     q = rule(via, self.mesh)
@@ -307,13 +324,16 @@ class Builder:
                     moved = (node.meta["bytes_read"] + node.meta["bytes_written"]) / split
                     cost += self.cm.compute(node.meta["flops"] / split, moved * (3 if rg else 1), dt,
                                             str(node.target))
-                by_input[p] = (q, cost, via)
+                    fwd = self.cm.compute(node.meta["flops"] / split, moved, dt, str(node.target))
+                by_input[p] = (q, cost, via, fwd)
             return ([by_input[p][0] for p in source], np.array([by_input[p][1] for p in source]),
-                    [by_input[p][2] for p in source])
+                    [by_input[p][2] for p in source], np.array([by_input[p][3] for p in source]))
 
-        self.place[it], extra, self.follow_via[it] = self._shared_result(("follower", it.signature, id(source)),
-                                                                         compute)
-        self._add_extra(it, extra)
+        self.place[it], extra, self.follow_via[it], replay = self._shared_result(
+            ("follower", it.signature, id(source)), compute)
+        # (replayed under recompute: its forward compute; a reshard of its input, a named
+        # simplification, is not charged again)
+        self._add_extra(it, extra + replay if self.recompute and it in self.facts.layer_items else extra)
 
     def _nearest_followable(self, p: tuple, rule, val, rg: bool) -> tuple[tuple, float]:
         """(input placement, seconds to reach it from ``p``) for a follower that cannot keep
@@ -419,6 +439,7 @@ class Builder:
                 keys.append(np.array([index.setdefault((s.ins[i], s.split_axes()), len(index)) for s in strategies]))
             key_list = list(index)
             producer = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))
+            replayed = self.recompute and any((sr.src, d, i) in self.facts.replayed_edges for d, i in sr.uses)
             axes, seconds = [], np.zeros((len(place), len(key_list)))
             for a in range(len(self.mesh)):
                 ucls, ukeys = producer[a]
@@ -427,10 +448,10 @@ class Builder:
                 table = np.zeros((len(ukeys), len(kkeys)))
                 for pc, (tok, sf) in enumerate(ukeys):
                     for qc, (q, split) in enumerate(kkeys):
-                        k = (sig, tok, q, nbytes / sf, split, rg)
+                        k = (sig, tok, q, nbytes / sf, split, rg, replayed)
                         c = self._reshard.get(k)
                         if c is None:
-                            c = self._reshard[k] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg)
+                            c = self._reshard[k] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg, replayed)
                         table[pc, qc] = c
                 if not table.any():
                     continue
@@ -453,11 +474,15 @@ class Builder:
         if self.facts.group_items[src.group].kind == "param":
             win = self._windows(dst, i)
             layer = self._layer_bytes.get(src.node, 0.0)
-            key = ("param-edge", id(place), nbytes, layer, rg, id(strategies), i, id(win))
-            return self._shared_result(key, lambda: self._param_edge(place, nbytes, layer, rg, strategies, i, win))
-        key = ("edges", id(place), nbytes, rg, id(strategies), i)
+            inline = self.recompute and dst in self.facts.layer_items
+            key = ("param-edge", id(place), nbytes, layer, rg, id(strategies), i, id(win), inline)
+            return self._shared_result(key, lambda: self._param_edge(place, nbytes, layer, rg, strategies, i, win,
+                                                                     inline))
+        replayed = self.recompute and (src, dst, i) in self.facts.replayed_edges
+        key = ("edges", id(place), nbytes, rg, id(strategies), i, replayed)
         return self._shared_result(key, lambda: [
-            e for e in (self._axis_edge(place, nbytes, rg, strategies, i, a) for a in range(len(self.mesh))) if e[2]])
+            e for e in (self._axis_edge(place, nbytes, rg, strategies, i, a, replayed) for a in range(len(self.mesh)))
+            if e[2]])
 
     def _windows(self, dst: Item, i: int) -> list[tuple[float, float]]:
         """Per choice of consumer ``dst``: the (forward, backward) compute that operand i's
@@ -475,20 +500,23 @@ class Builder:
         return self._shared_result(("windows", id(strategies), id(timer), scale), lambda: [
             (f * scale, b * scale) for f, b in map(timer.windows, strategies)])
 
-    def _param_edge(self, place, nbytes, layer, rg, strategies, i, win):
+    def _param_edge(self, place, nbytes, layer, rg, strategies, i, win, inline=False):
         """Per-axis edges from a parameter to its consumer: on each axis the reshard's forward
         and backward parts, each overlapped with the consumer's compute of that phase
         (``CostModel.overlapped``, windows from :meth:`_windows`). Its collectives ride in
         the runtime's coalesced messages: a data-parallel gradient in a bucket of
         ``GRAD_BUCKET_BYTES``, a ZeRO gather and reduce-scatter in its layer's one collective
-        (``layer``: the layer's parameter bytes, split on the other axes as this one is)."""
+        (``layer``: the layer's parameter bytes, split on the other axes as this one is).
+        ``inline``: the consumer sits in a recomputed layer (``passes.recompute``), whose
+        ZeRO gathers stay the parameter's own, waited where they stand and replayed in
+        backward (the regather): charged whole, as an activation's reshard is."""
         edges = []
         for a in range(len(self.mesh)):
             ucls, ukeys = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))[a]
             vcls, vkeys = self._shared_result(("vcls-win", id(strategies), i, id(win)), lambda: (
                 self._consumer_window_classes(strategies, i, win)))[a]
             sig = self.cm.axis_signature(a)
-            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, layer, rg)
+            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, layer, rg, inline)
             merged = self._axis_tables.get(key)
             if merged is None:
                 need, col = _classes([(q, split) for q, split, _ in vkeys])  # the reshards, without windows
@@ -497,13 +525,21 @@ class Builder:
                 regather = a not in self.hints.keep_gathered
                 for pc, (tok, sf) in enumerate(ukeys):
                     for qc, (q, split) in enumerate(col):
-                        k = (sig, tok, q, nbytes / sf, layer / sf, split, rg, regather)
+                        gathered = inline and tok[0] not in "RP" and q[0] in "RP"
+                        k = (sig, tok, q, nbytes / sf, layer / sf, split, rg, regather, gathered)
                         c = self._reshard_phases.get(k)
                         if c is None:
-                            c = self._reshard_phases[k] = (
-                                axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=regather,
-                                                    messages=(GRAD_BUCKET_BYTES, layer / sf)),
-                                sum(param_copy_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=regather)))
+                            copy = sum(param_copy_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=True
+                                                         if gathered else regather))
+                            if gathered:  # (exposed: counted with the copies, not overlapped)
+                                f, b = axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=True,
+                                                           messages=(GRAD_BUCKET_BYTES, 0.0))
+                                c = (0.0, 0.0), copy + self.cm.blocking(f) + self.cm.blocking(b)
+                            else:
+                                c = (axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg,
+                                                         regather=regather, messages=(GRAD_BUCKET_BYTES, layer / sf)),
+                                     copy)
+                            self._reshard_phases[k] = c
                         phases[:, pc, qc], copies[pc, qc] = c
                 fwd, bwd = phases[:, :, list(need)]
                 wins = np.array([w for _, _, w in vkeys]).reshape(-1, 2)
@@ -523,7 +559,7 @@ class Builder:
         rows = [(s.ins[i], s.split_axes(), w) for s, w in zip(strategies, win)]
         return [_classes([(p[a], sp[a], w) for p, sp, w in rows]) for a in range(len(self.mesh))]
 
-    def _axis_edge(self, place, nbytes, rg, strategies, i, a):
+    def _axis_edge(self, place, nbytes, rg, strategies, i, a, replayed=False):
         # On axis a the cost sees only the producer's token there and how finely the
         # other axes cut the tensor, and the consumer's token and work split there.
         ucls, ucls_keys = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))[a]
@@ -532,17 +568,17 @@ class Builder:
         # Edges of many operands see the same class keys on an axis: one table for all.
         # (Axes of one signature cost alike: they share tables and costs.)
         sig = self.cm.axis_signature(a)
-        key = (sig, tuple(ucls_keys), tuple(vcls_keys), nbytes, rg)
+        key = (sig, tuple(ucls_keys), tuple(vcls_keys), nbytes, rg, replayed)
         merged = self._axis_tables.get(key)
         if merged is None:
             table = {}
             memo = self._reshard
             for pc, (tok, sf) in enumerate(ucls_keys):
                 for qc, (q, split) in enumerate(vcls_keys):
-                    k = (sig, tok, q, nbytes / sf, split, rg)
+                    k = (sig, tok, q, nbytes / sf, split, rg, replayed)
                     c = memo.get(k)
                     if c is None:
-                        c = memo[k] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg)
+                        c = memo[k] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg, replayed)
                     if c:
                         table[(pc, qc)] = c
             merged = self._axis_tables[key] = _merge_classes(len(ucls_keys), len(vcls_keys), table)
@@ -572,15 +608,19 @@ class Builder:
     def _saved_memory(self):
         """Activations kept for backward, charged to the group of the tensor's owner; those
         only the head's ops keep are freed by the head's backward, before the last layer's
-        began (taken off that phase, ``_Group.bwd_mem``)."""
-        for it, count in self.facts.saved_uses.items():
+        began (taken off that phase, ``_Group.bwd_mem``). A plan that recomputes the layers
+        keeps only what ops outside them save and each layer's inputs
+        (``GraphFacts.kept_saved``); the last layer's replay saves its own again for its
+        backward (``replay_saved``, that phase)."""
+        f = self.facts
+        saved, head = (f.kept_saved, f.kept_head_saved) if self.recompute else (f.saved_uses, f.head_saved)
+        for it in list(saved) + ([x for x in f.replay_saved if x not in saved] if self.recompute else []):
             val = it.node.meta["val"]
             place, nbytes = self.place[it], val.numel() * val.element_size()
             local = self._shared_result(("local", id(place), nbytes), lambda: np.array(
                 [self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)) for p in place]))
-            self.groups[it.group].mem += count * local
-            if self.facts.head_saved[it]:
-                self.groups[it.group].bwd_mem -= self.facts.head_saved[it] * local
+            self.groups[it.group].mem += saved[it] * local
+            self.groups[it.group].bwd_mem += (f.replay_saved[it] if self.recompute else 0) * local - head[it] * local
 
     # ---------------------------------------------------------------- build
     def build(self, budget: float | None, edges: bool = True) -> Problem:
@@ -642,7 +682,8 @@ class Builder:
         return Plan(model=self.tg.model_name, mesh_shape=list(self.mesh), cluster=self.cm.cluster.name,
                     dtype=meta.get("dtype", "fp32"), budget_bytes=meta.get("budget"), nodes=nodes,
                     modelled_step_time_s=sol.objective_ns / NS, peak_memory_bytes=float(sol.peak_bytes),
-                    stats={**meta.get("stats", {}), **({"keep_gathered": sorted(self.hints.keep_gathered)} if self.hints.keep_gathered else {})},
+                    stats={**meta.get("stats", {}), **({"keep_gathered": sorted(self.hints.keep_gathered)} if self.hints.keep_gathered else {}),
+                           **({"recompute": "full"} if self.recompute else {})},
                     alternatives=self._alternatives(choice))
 
     def _node_fields(self, it: Item, c: int, edge_s: dict) -> tuple:

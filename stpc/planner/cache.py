@@ -93,7 +93,8 @@ def _hints_key(hints) -> str | None:
         return json.dumps({"exact": sorted((k, list(v)) for k, v in hints.param_exact.items()),
                            "inputs": sorted((k, list(v)) for k, v in hints.input_exact.items()),
                            "temporal": hints.temporal, "name": hints.name,
-                           "keep_gathered": list(hints.keep_gathered), "sequence_parallel": hints.sequence_parallel})
+                           "keep_gathered": list(hints.keep_gathered), "sequence_parallel": hints.sequence_parallel,
+                           **({"recompute": hints.recompute} if hints.recompute is not None else {})})
     return None
 
 

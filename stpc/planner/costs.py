@@ -106,11 +106,12 @@ def param_copy_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float, c
 
 
 def axis_reshard(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
-                 needs_grad: bool) -> float:
+                 needs_grad: bool, replayed: bool = False) -> float:
     """Seconds to turn token ``p`` into ``q`` on one axis, forward plus backward dual: an
-    activation's, which every rank waits on where it runs (``CostModel.blocking``)."""
+    activation's, which every rank waits on where it runs (``CostModel.blocking``).
+    ``replayed``: inside a recomputed layer, whose forward runs again in backward."""
     fwd, bwd = axis_reshard_phases(cm, axis, p, q, nbytes, consumer_split, needs_grad)
-    return cm.blocking(fwd) + cm.blocking(bwd)
+    return cm.blocking(fwd) * (2 if replayed else 1) + cm.blocking(bwd)
 
 
 def reshard_cost(cm: CostModel, src: tuple[str, ...], dst: tuple[str, ...], full_bytes: float,
@@ -189,7 +190,17 @@ class NodeTimer:
         return fwd, bwd + grad
 
     def __call__(self, s: Strategy) -> float:
+        return self._time(s, forward_only=False)
+
+    def forward(self, s: Strategy) -> float:
+        """Seconds of the forward phase alone under ``s`` (what replaying it costs: a
+        recomputed layer's ops run forward again in backward, ``passes.recompute``)."""
+        return self._time(s, forward_only=True)
+
+    def _time(self, s: Strategy, forward_only: bool) -> float:
         mesh, cm = self.mesh, self.cm
+        if forward_only and (s.kind == "spatial" or s.kind == "replicate-fallback"):
+            return self.phases(_work_split(s, mesh))[0]
         split = s.split_axes()
         if s.kind == "spatial" or s.kind == "replicate-fallback":  # a function of the split alone
             got = self._spatial.get(split)
@@ -205,11 +216,15 @@ class NodeTimer:
             # runs 1/n of the device's GEMMs.
             fwd, bwd, grad = self.phases(_work_split(s, mesh) * n)
             step = cm.p2p(x_local, a)
+            if forward_only:
+                return n * cm.ring_step(fwd, step)
             return n * (cm.ring_step(fwd, step) + cm.ring_step(bwd, step) + cm.ring_step(grad, step))
         if s.kind == "rs_ring":
             # fwd: accumulator blocks of the output travel; bwd+grad: one AG ring over dO blocks.
             fwd, bwd, grad = self.phases(_work_split(s, mesh) * n)
             step = cm.p2p(out_local, a)
+            if forward_only:
+                return n * cm.ring_step(fwd, step)
             return n * (cm.ring_step(fwd, step) + cm.ring_step(bwd + grad, step))
         if s.kind == "p2x2":
             g = math.isqrt(n)
@@ -220,6 +235,8 @@ class NodeTimer:
             step_f = cm.p2p(max(x_local, w_local), a)
             step_b = cm.p2p(max(out_local, w_local), a)
             step_g = cm.p2p(max(x_local, out_local), a)
+            if forward_only:
+                return g * cm.ring_step(fwd, step_f)
             return g * (cm.ring_step(fwd, step_f) + cm.ring_step(bwd, step_b) + cm.ring_step(grad, step_g))
         raise ValueError(f"unknown strategy family {s.kind!r}")
 

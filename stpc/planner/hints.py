@@ -53,6 +53,13 @@ class Hints:
     sequence, Megatron's ``--sequence-parallel`` and TorchTitan's
     ``SequenceParallel``; None leaves that layout to the solver, which picks it where the
     cost model finds it faster.
+
+    ``recompute``: activation recomputation of the repeated layers (``passes.recompute``:
+    each layer's forward replayed in backward, keeping only its inputs). ``"full"``:
+    always; ``"none"``: never; None: the search decides, trying it wherever the plan
+    without it does not fit the budget at its memory-blind optimum (with it every plan is
+    slower, so it can only win where the budget binds). A recomputed layer's weights are
+    gathered again by its replay whatever ``keep_gathered`` says (it still holds outside the layers).
     """
 
     force: list[tuple[str, callable]] = field(default_factory=list)
@@ -63,6 +70,7 @@ class Hints:
     name: str = ""
     keep_gathered: tuple[int, ...] = ()
     sequence_parallel: int | None = None
+    recompute: str | None = None
 
 
 COLUMN = r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj|lm_head)$"

@@ -122,11 +122,14 @@ class Plan:
 
     # ------------------------------------------------------------------ identity and disk
     def _canonical(self) -> dict:
-        return {"model": self.model, "mesh_shape": list(self.mesh_shape), "cluster": self.cluster,
-                "dtype": self.dtype, "budget_bytes": self.budget_bytes,
-                "nodes": {k: [v.role, v.kind, v.out, v.ins, v.axis] for k, v in self.nodes.items()},
-                "modelled_step_time_s": round(self.modelled_step_time_s, 12),
-                "peak_memory_bytes": round(self.peak_memory_bytes)}
+        out = {"model": self.model, "mesh_shape": list(self.mesh_shape), "cluster": self.cluster,
+               "dtype": self.dtype, "budget_bytes": self.budget_bytes,
+               "nodes": {k: [v.role, v.kind, v.out, v.ins, v.axis] for k, v in self.nodes.items()},
+               "modelled_step_time_s": round(self.modelled_step_time_s, 12),
+               "peak_memory_bytes": round(self.peak_memory_bytes)}
+        if self.stats.get("recompute"):  # another program: the ranks must agree on it too
+            out["recompute"] = self.stats["recompute"]
+        return out
 
     def hash(self) -> str:
         blob = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))

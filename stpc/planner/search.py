@@ -17,6 +17,11 @@ then their layouts (every DP x TP factorisation, both axis orders, ZeRO on or
 off), each a mesh shape with its hints; ``plan.stats["layout"]`` records the one
 chosen.
 
+Activation recomputation (``Hints.recompute``) makes every assignment slower, so a point
+whose memory-blind optimum fits the budget never gains from it: only a point where the
+budget binds (or that no assignment fits) is built a second time with its layers
+recomputed, a candidate of its own (``"recompute": "full"`` in its layout record).
+
 Two phases. First every candidate's problem is built, its smallest feasible memory
 checked against the budget, and its objective minimised without the memory rows
 (variable elimination: milliseconds). That optimum is a lower bound of the
@@ -155,16 +160,20 @@ class SearchProgress:
 def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | None = None,
            hints: str | Hints | None = None, temporal: bool = True, dtype: str = "fp32",
            optimizer_layout: str = "fp32-adam",
-           progress: Callable[[SearchProgress], None] | None = None) -> Plan:
+           progress: Callable[[SearchProgress], None] | None = None, recompute: str | None = None) -> Plan:
     """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple). ``hints``: a
     ``Hints``, or a preset name: ``megatron``, ``fsdp-tp`` and ``spatial`` search their
     whole layout space (``stpc.planner.baselines``; a given shape keeps the layouts on it),
     ``dp`` constrains each mesh shape. None (stpc's own space) tries each shape with sharded
     weights regathered in backward and kept from forward (``baselines.own_points``); a
     ``Hints`` given is one point per shape, its own ``keep_gathered`` as it says. ``progress``: called with a :class:`SearchProgress`
-    as the search goes (module docstring)."""
+    as the search goes (module docstring). ``recompute``: ``"full"`` or ``"none"`` sets
+    ``Hints.recompute`` on every point (a preset's too); None leaves each point's own (the
+    presets' and stpc's own: recompute where the budget binds)."""
+    if recompute not in (None, "none", "full"):
+        raise ValueError(f"recompute={recompute!r}: one of None, 'none', 'full'")
     with _no_gc():
-        return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress)
+        return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress, recompute)
 
 
 @dataclasses.dataclass
@@ -248,7 +257,8 @@ def _better(a, b) -> bool:
     return a[:2] < b[:2]
 
 
-def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress=None) -> Plan:
+def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress=None,
+            recompute=None) -> Plan:
     t0 = time.perf_counter()
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
     shape, n = parse_mesh(mesh)
@@ -256,27 +266,39 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     tried, infeasible, candidates = [], [], []
     points = _candidates(hints, shape, n, cl)
     report = _Reporter(progress, t0, len(points))
-    for idx, (s, h, layout) in enumerate(points):
-        report("build", _name(layout), idx, None, None)
-        if not temporal:
-            h = dataclasses.replace(h, temporal=False)  # (the caller's Hints stay as they were)
+
+    def build(idx, s, h, layout) -> bool:
+        """Build one point; True if its memory-blind optimum fits the budget."""
         t_shape = time.perf_counter()
         entry = {"mesh": list(s), "layout": layout}
         try:  # groups first: a budget no assignment fits is known before any edge is costed
             b, problem = build_problem(tg, CostModel(cl, s), budget_bytes, h, optimizer_layout, facts, edges=False)
         except HintUnsatisfiable as e:  # e.g. a forced family this shape cannot run
             tried.append({**entry, "modelled_step_time_s": None, "skipped": str(e), "solve_time_s": 0.0})
-            continue
+            return True
         if budget_bytes is not None and min_memory_bound(problem) > problem.budget:
             infeasible.append(need := min_memory(b.add_memory_edges(problem)))
             tried.append({**entry, "modelled_step_time_s": None, "infeasible": True,
                           "min_budget_bytes": need, "solve_time_s": time.perf_counter() - t_shape})
-            continue
+            return False
         b.add_edges(problem)
         t_built = time.perf_counter()
         choice, bound, peak = memory_blind_optimum(problem)
-        candidates.append(_Shape(idx, s, layout, b, problem, choice, bound, peak, t_built - t_shape,
-                                 time.perf_counter() - t_built))
+        c = _Shape(idx, s, layout, b, problem, choice, bound, peak, t_built - t_shape, time.perf_counter() - t_built)
+        candidates.append(c)
+        return c.fits()
+
+    for idx, (s, h, layout) in enumerate(points):
+        report("build", _name(layout), idx, None, None)
+        if not temporal:
+            h = dataclasses.replace(h, temporal=False)  # (the caller's Hints stay as they were)
+        if recompute is not None:
+            h = dataclasses.replace(h, recompute=recompute)
+            layout = {**layout, "recompute": "full"} if recompute == "full" else layout
+        # Recomputing the layers makes every assignment slower: it can only win where the
+        # budget binds on the point without it (then it is a point of its own).
+        if not build(idx, s, h, layout) and h.recompute is None:
+            build(idx, s, dataclasses.replace(h, recompute="full"), {**layout, "recompute": "full"})
     best = None  # (objective ns, shape index, plan): the fastest wins, ties (``_better``) to the smaller
     ordered = sorted(candidates, key=lambda c: (c.bound, c.index))
     rest = [c.bound if c.choice is not None else None for c in ordered]  # elimination's bounds (None: too wide)

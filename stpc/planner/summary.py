@@ -34,6 +34,7 @@ import numpy as np
 
 from stpc.cost_models import CostModel, optimizer_state_bytes
 from stpc.placement import REPLICATE, shard_factor
+from stpc.planner.analysis import layer_of
 from stpc.planner.costs import NodeTimer, kept_gathered_bytes
 from stpc.planner.sharing import Share
 from stpc.planner.solver import Edge, InfeasibleBudget, Problem, memory_blind_optimum, solve
@@ -285,7 +286,8 @@ def _breakdown(sv: Solved) -> dict:
         if s.kind in ("spatial", "replicate-fallback"):
             continue
         real, comp = b.groups[g].own_cost[ch[g]], free.groups[g].own_cost[ch[g]]
-        t = NodeTimer(it.node, transfers, [o in b.rg for o in tensor_operands(it.node)])(s)
+        timer = NodeTimer(it.node, transfers, [o in b.rg for o in tensor_operands(it.node)])
+        t = timer(s) + (timer.forward(s) if b.recompute and it in facts.layer_items else 0.0)  # (its replay)
         ring_exposed += (real - comp) * it.count
         ring_hidden += (comp + t - real) * it.count
     # edges: parameter edges overlap (cost_models.overlap), the others do not
@@ -318,17 +320,20 @@ def _breakdown(sv: Solved) -> dict:
         weight += parts.weight * it.count
         grad += parts.grad * it.count
         opt += parts.optimizer * it.count
-        kept += kept_gathered_bytes(it.node.meta["val"], pl, mesh, b.hints.keep_gathered) * it.count
+        if not (b.recompute and layer_of(it.node) is not None):  # (a recomputed layer's are gathered again)
+            kept += kept_gathered_bytes(it.node.meta["val"], pl, mesh, b.hints.keep_gathered) * it.count
     act = kept  # (ZeRO-2's whole weights, kept for backward, count with the activations)
     for g, it in enumerate(facts.group_items):  # ... and the blocks a P(2^k x 2^k) op keeps
         if it.kind == "decision":
             act += b.groups[g].own_mem[ch[g]] * it.count
     head_act = 0.0  # (of those, the ones only the head's ops saved: gone in the last layer's backward)
-    for it, count in facts.saved_uses.items():
+    # (recomputed layers keep their inputs and what the head saves: ``GraphFacts.kept_saved``)
+    saved, head = (facts.kept_saved, facts.kept_head_saved) if b.recompute else (facts.saved_uses, facts.head_saved)
+    for it, count in saved.items():
         val = it.node.meta["val"]
         local = b.memory.saved_bytes(val.numel() * val.element_size(), shard_factor(b.place[it][ch[it.group]], mesh))
         act += count * local
-        head_act += facts.head_saved[it] * local
+        head_act += head[it] * local
     transient = max((p.transient[g][c] for g, c in enumerate(ch)), default=0)
     bwd_transient = max((p.backward_transient[g][c] for g, c in enumerate(ch)), default=0)
     forward_peak, backward_peak, step_peak = p.phase_peaks(ch)
@@ -517,7 +522,9 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
             f"  parameters     {_bytes(bd['weight_bytes']):>12}",
             f"  gradients      {_bytes(bd['grad_bytes']):>12}",
             f"  optimizer      {_bytes(bd['optimizer_bytes']):>12}  optimizer state (and fp32 master weights)",
-            f"  activations    {_bytes(bd['activation_bytes']):>12}  kept for backward",
+            f"  activations    {_bytes(bd['activation_bytes']):>12}  kept for backward"
+            + (" (layers recomputed in backward: only their inputs and the head's)"
+               if plan.stats.get("recompute") else ""),
             f"  transient      {_bytes(bd['transient_bytes']):>12}  the largest working set of one op"]
         if "step_peak_bytes" not in bd:  # (a plan saved before the optimizer step's phase was modelled)
             lines.append("  the peak is at the end of forward, all of these alive at once: they add up to it")

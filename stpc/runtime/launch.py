@@ -8,7 +8,8 @@ the parent, a hard timeout, and a failure report that names the rank.
 
 runs ``fn(rank, world_size, *args)`` in ``world_size`` processes started with
 the "spawn" method (never fork: the parent may hold threads / OpenMP pools),
-each with a process group (``backend``: gloo, or NCCL with rank i on GPU i) on
+each with a process group (``backend``: gloo, NCCL with rank i on GPU i, or per device
+such as ``"cpu:gloo,cuda:gloo"``, CUDA tensors over gloo with ranks sharing the GPUs) on
 ``tcp://127.0.0.1:<free port>`` and ``threads_per_rank`` intra-op threads. ``fn`` and
 ``args`` must be picklable (a module-level function). Returns the list of
 per-rank return values (picklable), in rank order.
@@ -67,6 +68,12 @@ class SpawnTimeout(TimeoutError):
     """The ranks did not all finish before the deadline; all were killed."""
 
 
+def _per_device(backend: str) -> bool:
+    """A backend string of ``device:backend`` pairs, as ``init_process_group`` takes it."""
+    pairs = [p.split(":") for p in backend.split(",")]
+    return all(len(p) == 2 and p[0].strip() in ("cpu", "cuda") and p[1].strip() in ("gloo", "nccl") for p in pairs)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -83,6 +90,8 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        elif "cuda:" in backend:  # e.g. CUDA tensors over gloo: ranks may share a GPU
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
@@ -149,8 +158,9 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
     """
     if world_size < 1:
         raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"spawn: backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend not in ("gloo", "nccl") and not _per_device(backend):
+        raise ValueError(f"spawn: backend must be 'gloo', 'nccl' or per device ('cpu:gloo,cuda:gloo'), "
+                         f"got {backend!r}")
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"spawn: {world_size} NCCL ranks need {world_size} GPUs, this machine has "
                          f"{torch.cuda.device_count()}; use backend='gloo' or fewer ranks")

@@ -8,11 +8,16 @@ accumulating in fp32.
 
 Dispatch (:func:`ring_step_matmul`):
 
-- CUDA tensors -> the Triton kernel.
-- anything else -> plain torch (``mm``/``addmm_``/``bmm``/``baddbmm_`` with
-  ``out=``), because ``torch.compile`` of a graph holding a Triton op fails on
-  CPU (the fake-tensor run reaches the interpreter), and the interpreter is far
-  too slow for real work anyway.
+- CUDA tensors -> cuBLAS by default (``addmm_``/``mm``/``baddbmm_``/``bmm`` with
+  ``out=``: they too write a strided output slice in place, without a temporary), the
+  Triton kernel where :func:`set_ring_kernel` (or ``STPC_RING_KERNEL=triton`` in the
+  environment) asks for it. Measured on an H100 (bf16, the ring steps of llama2-7b on 4
+  and 8 devices: ``python -m stpc bench kernel``, benchmarks/RESULTS.md), the autotuned
+  Triton kernel reaches 0.3-0.7x of cuBLAS (geo-mean 0.47x and 0.53x in two runs), so it
+  is not the default.
+- anything else -> plain torch, because ``torch.compile`` of a graph holding a Triton
+  op fails on CPU (the fake-tensor run reaches the interpreter), and the interpreter is
+  far too slow for real work anyway.
 
 The Triton kernel itself can be run on CPU tensors for testing with
 ``TRITON_INTERPRET=1`` in the environment *before this module is imported*
@@ -20,6 +25,8 @@ The Triton kernel itself can be run on CPU tensors for testing with
 :func:`triton_ring_step_matmul`.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -31,7 +38,24 @@ try:  # triton is an optional dependency: the CPU path never needs it.
 except ImportError:  # pragma: no cover - exercised only without triton
     HAS_TRITON = False
 
-__all__ = ["ring_step_matmul", "triton_ring_step_matmul", "HAS_TRITON"]
+__all__ = ["ring_step_matmul", "triton_ring_step_matmul", "set_ring_kernel", "HAS_TRITON"]
+
+_RING_KERNELS = ("cublas", "triton")
+_ring_kernel = os.environ.get("STPC_RING_KERNEL", "cublas")
+if _ring_kernel not in _RING_KERNELS:
+    raise ValueError(f"STPC_RING_KERNEL={_ring_kernel!r}: one of {', '.join(_RING_KERNELS)} (or unset it)")
+
+
+def set_ring_kernel(name: str) -> None:
+    """Which GEMM runs a ring step on CUDA: ``"cublas"`` (the default: torch's matmul) or
+    ``"triton"`` (the kernel below). Both compute the same product (up to summation
+    order); ranks may differ, but a ring step waits on the slowest of them."""
+    global _ring_kernel
+    if name not in _RING_KERNELS:
+        raise ValueError(f"set_ring_kernel({name!r}): one of {', '.join(_RING_KERNELS)}")
+    if name == "triton" and not HAS_TRITON:
+        raise RuntimeError("set_ring_kernel('triton') needs triton; install it (pip install triton)")
+    _ring_kernel = name
 
 
 def _check_shapes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -57,7 +81,7 @@ def ring_step_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumu
     larger output; it is written in place and also returned.
     """
     _check_shapes(a, b, out)
-    if out.is_cuda and HAS_TRITON:
+    if out.is_cuda and _ring_kernel == "triton":
         return triton_ring_step_matmul(a, b, out, accumulate)
     if a.dim() == 2:
         if accumulate:
@@ -86,14 +110,20 @@ if HAS_TRITON:
         stride_ob, stride_om, stride_on,
         ACCUMULATE: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         pid = tl.program_id(0)
         # batch offsets in int64: a ring slice of a big activation can exceed 2^31 elements
         bid = tl.program_id(1).to(tl.int64)
+        # Tiles in groups of GROUP_M rows: consecutive programs share b's columns and a's
+        # rows while they are in L2 (the row-major order re-reads b from HBM per row).
+        num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // num_n
-        pid_n = pid % num_n
+        in_group = GROUP_M * num_n
+        first_m = (pid // in_group) * GROUP_M
+        group_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % group_m
+        pid_n = (pid % in_group) // group_m
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -114,20 +144,41 @@ if HAS_TRITON:
             acc += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
         tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=o_mask)
 
+    def _config(m, n, k, stages, warps):
+        return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=stages,
+                             num_warps=warps)
+
+    # Tile shapes tried per GEMM shape on a GPU, the first call of each (Triton's matmul
+    # tutorial's set for Hopper/Ampere): on an H100 the fixed 64x64x32 tile reached a
+    # geo-mean 0.42x of cuBLAS over the kernel bench's shapes, these 0.47-0.53x
+    # (benchmarks/RESULTS.md, kernel section). A config whose shared memory does not fit
+    # (fp32's large tiles) is skipped by the autotuner.
+    _TUNED_CONFIGS = [
+        _config(128, 256, 64, 3, 8), _config(256, 128, 64, 3, 8), _config(128, 128, 64, 4, 8),
+        _config(128, 128, 64, 3, 4), _config(64, 256, 32, 4, 4), _config(128, 128, 32, 4, 4),
+        _config(128, 64, 32, 4, 4), _config(64, 128, 32, 4, 4), _config(64, 64, 32, 4, 4),
+    ]
+    # (restore_value: an accumulating call's output is put back after each trial run)
+    _ring_step_mm_tuned = triton.autotune(
+        configs=_TUNED_CONFIGS, key=["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "ACCUMULATE"],
+        restore_value=["o_ptr"])(_ring_step_mm_kernel)
+
 
 def triton_ring_step_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
     out: torch.Tensor,
     accumulate: bool,
-    block_m: int = 64,
-    block_n: int = 64,
-    block_k: int = 32,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernel behind :func:`ring_step_matmul`, callable directly.
 
-    Same contract. On CPU tensors it only works with ``TRITON_INTERPRET=1`` set
-    before this module was imported.
+    Same contract. The tile is ``block_m x block_n x block_k`` where given; otherwise, on
+    CUDA, the fastest of ``_TUNED_CONFIGS`` for the shape (autotuned on its first call),
+    and 64 x 64 x 32 elsewhere. On CPU tensors it only works with ``TRITON_INTERPRET=1``
+    set before this module was imported.
     """
     if not HAS_TRITON:
         raise RuntimeError("triton_ring_step_matmul needs triton; install it (pip install triton)")
@@ -145,15 +196,14 @@ def triton_ring_step_matmul(
         precision = "ieee"
     else:
         precision = "tf32" if a.dtype == torch.float32 else "ieee"
+    args = (a3, b, o3, m, k, n, a3.stride(0), a3.stride(1), a3.stride(2), b.stride(0), b.stride(1),
+            o3.stride(0), o3.stride(1), o3.stride(2))
+    if out.is_cuda and block_m is None and block_n is None and block_k is None:
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]), batch)  # noqa: E731
+        _ring_step_mm_tuned[grid](*args, ACCUMULATE=bool(accumulate), INPUT_PRECISION=precision)
+        return out
+    block_m, block_n, block_k = block_m or 64, block_n or 64, block_k or 32
     grid = (triton.cdiv(m, block_m) * triton.cdiv(k, block_n), batch)
-    _ring_step_mm_kernel[grid](
-        a3, b, o3,
-        m, k, n,
-        a3.stride(0), a3.stride(1), a3.stride(2),
-        b.stride(0), b.stride(1),
-        o3.stride(0), o3.stride(1), o3.stride(2),
-        ACCUMULATE=bool(accumulate),
-        INPUT_PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-    )
+    _ring_step_mm_kernel[grid](*args, ACCUMULATE=bool(accumulate), INPUT_PRECISION=precision,
+                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8)
     return out

@@ -1,0 +1,145 @@
+"""recompute: each repeated layer's forward replayed in backward instead of keeping what
+its ops saved (activation checkpointing, at graph level).
+
+Expects: a graph after ``cleanup`` (and ``defer_grad_sync``), before ``prefetch_params``.
+Runs only for a plan that asks for it (``plan.stats["recompute"] == "full"``, written by
+the search, ``Hints.recompute``); any other plan's graph is returned unchanged.
+
+For each layer (the nodes whose module path names an indexed module such as
+``layers.3``: ``planner.analysis.layer_of``), the span of the graph from its first node to
+its last, the communication the earlier passes put between them included, becomes one
+submodule ``recompute_layer3`` (a :class:`Recompute`) called in its place:
+
+  * forward runs the span under ``torch.utils.checkpoint.checkpoint`` (non-reentrant): what
+    its ops save for backward is dropped; only what the span reads from before it is kept
+    (the residual stream entering the layer; parameters and constants are held anyway);
+  * backward replays the whole span (early stop off, so every rank replays every
+    collective of it, the ones after its last saved tensor included, as the cost model
+    charges and ``verify`` lists) to rebuild the saved tensors, then runs the layer's
+    backward as before. RNG state is restored for the replay (dropout draws the same mask).
+
+A parameter gathered whole inside a span (ZeRO/FSDP) is gathered again by the replay,
+FSDP's regather; ``prefetch_params`` sees the top-level graph only, so those gathers are
+neither coalesced nor issued a layer ahead (the cost model charges them so:
+``planner.builder``).
+
+Guarantees: the same values and gradients (the replay reruns the same ops on the same
+inputs); every rank runs the same spans and replays the same collectives in the same
+order (the graph is one SPMD program). The span's nodes keep their names inside the
+submodule (``inline`` restores the flat graph, e.g. for ``verify``).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from ._common import fail, finish
+from stpc.planner.analysis import layer_of
+
+
+class Recompute(nn.Module):
+    """One layer's span: run under non-reentrant checkpointing where autograd records."""
+
+    def __init__(self, body: fx.GraphModule, layer: int):
+        super().__init__()
+        self.body, self.layer = body, layer
+
+    def forward(self, *args):
+        if not torch.is_grad_enabled():
+            return self.body(*args)
+        if torch.compiler.is_compiling():  # traced whole: AOTAutograd replays the span in the backward graph
+            return checkpoint(self.body, *args, use_reentrant=False)
+        with set_checkpoint_early_stop(False):  # replay every collective of the span
+            return checkpoint(self.body, *args, use_reentrant=False)
+
+
+def _spans(gm: fx.GraphModule) -> dict[int, tuple[int, int]]:
+    """Per layer, (first, last) position of its compute nodes in graph order."""
+    spans: dict[int, tuple[int, int]] = {}
+    for i, n in enumerate(gm.graph.nodes):
+        if n.op != "call_function" or (layer := layer_of(n)) is None:
+            continue
+        a, b = spans.get(layer, (i, i))
+        spans[layer] = (min(a, i), max(b, i))
+    return spans
+
+
+def _outline(gm: fx.GraphModule, region: list[fx.Node], layer: int) -> None:
+    inside = set(region)
+    inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
+    outputs = [n for n in region if any(u not in inside for u in n.users)]
+    body = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = body.placeholder(a.name)
+        env[a].meta.update(a.meta)
+    for n in region:
+        env[n] = body.node_copy(n, env.__getitem__)
+    body.output(tuple(env[o] for o in outputs))
+    name = f"recompute_layer{layer}"
+    gm.add_submodule(name, Recompute(fx.GraphModule(gm, body, class_name=f"Layer{layer}"), layer))
+    with gm.graph.inserting_after(region[-1]):
+        call = gm.graph.call_module(name, tuple(inputs))
+    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    call.meta["recompute"] = layer
+    last = call
+    for k, o in enumerate(outputs):
+        with gm.graph.inserting_after(last):
+            last = gm.graph.call_function(operator.getitem, (call, k))
+        # (the value as the layer hands it on: no module of its own, no communication)
+        last.meta.update({key: v for key, v in o.meta.items() if key not in ("comm", "ring", "module")})
+        o.replace_all_uses_with(last, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(region):
+        gm.graph.erase_node(n)
+
+
+def recompute(gm: fx.GraphModule, plan) -> fx.GraphModule:
+    """Outline each layer's span into a :class:`Recompute` submodule (module docstring), for
+    a plan with ``stats["recompute"] == "full"``; other plans' graphs are returned as they are."""
+    if (plan.stats or {}).get("recompute") != "full":
+        return gm
+    spans = sorted(_spans(gm).items(), key=lambda kv: kv[1])
+    for (la, (_, end)), (lb, (start, _)) in zip(spans, spans[1:]):
+        if start <= end:
+            node = list(gm.graph.nodes)[start]
+            raise fail(node, f"layers {la} and {lb} interleave in the program, so neither is one span to "
+                             f"recompute", "plan without recompute (Hints(recompute='none'))")
+    nodes = list(gm.graph.nodes)
+    for layer, (a, b) in spans:
+        _outline(gm, [n for n in nodes[a:b + 1] if n.op == "call_function"], layer)
+    gm.delete_all_unused_submodules()
+    return finish(gm)
+
+
+def inline(gm: fx.GraphModule) -> fx.Graph:
+    """The flat graph of ``gm``: each :class:`Recompute` call replaced by its span's nodes
+    (their own names), each ``getitem`` of it by the span's node. The call nodes of
+    ``gm`` that were spans are listed in ``graph.meta``-free form: every copied node keeps
+    ``meta["recompute"] = layer``."""
+    flat = fx.Graph()
+    env: dict[fx.Node, object] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and isinstance(mod := gm.get_submodule(n.target), Recompute):
+            inner: dict[fx.Node, object] = {}
+            args = iter(n.args)
+            for m in mod.body.graph.nodes:
+                if m.op == "placeholder":
+                    inner[m] = env[next(args)]
+                elif m.op == "output":
+                    env[n] = tuple(inner[o] for o in m.args[0])
+                else:
+                    inner[m] = c = flat.node_copy(m, inner.__getitem__)
+                    c.meta["recompute"] = mod.layer
+        elif n.op == "call_function" and n.target is operator.getitem and n.args[0] in env \
+                and isinstance(env[n.args[0]], tuple):
+            env[n] = env[n.args[0]][n.args[1]]
+        else:
+            env[n] = flat.node_copy(n, env.__getitem__)
+    return flat
+
+
+__all__ = ["recompute", "Recompute", "inline"]

@@ -1,0 +1,81 @@
+"""Activation recomputation as a plan choice: what the planner charges for it, and when the
+search takes it (``Hints.recompute``; the runtime side is ``passes.recompute``)."""
+import dataclasses
+
+import pytest
+import torch
+
+import stpc
+from stpc import models
+from stpc.planner import Hints, search
+from stpc.planner.analysis import analyse, layer_of
+from stpc.planner.baselines import describe_layout
+from stpc.planner.cache import plan_key
+from stpc.planner.hints import fsdp_tp, megatron
+from stpc.planner.solver import InfeasibleBudget
+
+
+def _traced(name="gpt-tiny", batch=8, seq=64, **overrides):
+    with torch.device("meta"):
+        m = models.build(name, **overrides)
+    return stpc.trace(m, models.example_inputs(name, batch, seq))
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return _traced()
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)])
+@pytest.mark.parametrize("family", ["own", "megatron", "fsdp-tp"])
+def test_recompute_trades_time_for_memory_in_every_family(gpt, mesh, family):
+    base = {"own": Hints, "megatron": lambda: megatron(mesh),
+            "fsdp-tp": lambda: fsdp_tp(mesh, 0, 1 if len(mesh) > 1 else None)}[family]()
+    plain = search(gpt, mesh, hints=dataclasses.replace(base, recompute="none"))
+    rec = search(gpt, mesh, hints=dataclasses.replace(base, recompute="full"))
+    assert rec.stats["recompute"] == "full" and "recompute" not in plain.stats
+    assert rec.peak_memory_bytes < 0.9 * plain.peak_memory_bytes
+    assert rec.modelled_step_time_s > plain.modelled_step_time_s
+
+
+def test_kept_tensors_are_the_layers_inputs_and_the_heads(gpt):
+    facts = analyse(gpt)
+    kept = {it.node for it in facts.kept_saved}
+    # every kept tensor is saved outside the layers or enters a layer from outside it
+    for t in kept:
+        readers = {layer_of(u) for u in t.users}
+        assert layer_of(t) is None or readers - {layer_of(t)}, t.name
+    # each layer's input is kept: the embedding's sum for layer 0, layer 0's residual output for layer 1
+    into = {layer_of(u) for t in kept for u in t.users if layer_of(t) != layer_of(u)} - {None}
+    assert into == {0, 1}
+    # what the last layer's replay saves again is the last layer's own
+    assert facts.replay_saved and all(layer_of(it.node) in (0, None) or it.count > 1 for it in facts.replay_saved)
+    assert sum(facts.kept_saved.values()) < sum(facts.saved_uses.values()) / 3
+
+
+def test_the_search_recomputes_only_where_the_budget_binds(gpt):
+    free = search(gpt, 4)
+    assert "recompute" not in free.stats and not free.stats["layout"].get("recompute")
+    # every point without recompute was built once: none was tried with it
+    assert not [t for t in free.stats["mesh_shapes_tried"] if t["layout"].get("recompute")]
+    least = {}
+    for r in ("none", "full"):  # the least memory any plan needs, without and with recompute
+        with pytest.raises(InfeasibleBudget) as e:
+            search(gpt, 4, budget_bytes=1, hints=Hints(recompute=r))
+        least[r] = e.value.min_budget
+    assert least["full"] < 0.8 * least["none"]
+    budget = (least["full"] + least["none"]) / 2
+    with pytest.raises(InfeasibleBudget):
+        search(gpt, 4, budget_bytes=budget, hints=Hints(recompute="none"))
+    tight = search(gpt, 4, budget_bytes=budget)
+    assert tight.stats["recompute"] == "full" and tight.stats["layout"]["recompute"] == "full"
+    assert tight.peak_memory_bytes <= budget
+    assert "layers recomputed in backward" in describe_layout(tight.stats["layout"])
+
+
+def test_recompute_is_part_of_a_plans_identity(gpt):
+    plan = search(gpt, (4,), hints=Hints(recompute="none"))
+    twin = dataclasses.replace(plan, stats={**plan.stats, "recompute": "full"})
+    assert twin.hash() != plan.hash()
+    keys = {plan_key(gpt, (4,), "cpu-local", None, Hints(recompute=r), True) for r in (None, "none", "full")}
+    assert len(keys) == 3
