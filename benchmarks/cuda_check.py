@@ -1,6 +1,7 @@
 """The CUDA path of stpc, checked on a machine with a GPU (CI has none; run it where one is lent):
 
-    python benchmarks/cuda_check.py [--ranks 4] [--steps 10] [--batch 16] [--json FILE] [--markdown FILE]
+    python benchmarks/cuda_check.py [--ranks 4] [--steps 10] [--batch 16] [--bf16 MODEL LAYERS BATCH SEQ]
+                                    [--json FILE] [--markdown FILE]
 
 1. **Parity on CUDA.** ``stpc.compile`` on a CUDA mesh, trained ``--steps`` AdamW steps
    next to the single-device model by the multi-rank tests' own worker
@@ -21,6 +22,10 @@
    against the predicted per-device peak, and the median synchronised step of the next
    ``--steps`` against the modelled step time. (The caching allocator rounds blocks up to
    512 bytes; ``max_memory_allocated`` counts bytes handed out, not reserved segments.)
+
+3. **bf16 step time against the model of RESULTS.md's H100 cells.** ``--bf16`` (a zoo
+   model cut to a depth, llama2-7b at 4 layers by default) in bf16 on one GPU, planned on
+   ``dgx-h100``: the modelled step against the measured median, eager and inductor.
 
 Prints one JSON line per case; ``--json`` keeps them all, ``--markdown`` writes the
 RESULTS.md section (``--from-json`` renders it from an earlier run's ``--json``).
@@ -168,6 +173,75 @@ def memory(world: int, backend: str, batch: int, steps: int) -> list[dict]:
     return out
 
 
+def _bf16_worker(rank, world, cfg, plan_json):
+    _no_tf32()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    with dev:
+        model = models.build(cfg["model"], n_layers=cfg["layers"]).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, model.cfg.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(dev)
+    tgt = torch.randint(0, model.cfg.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(dev)
+    plan = Plan.from_json(plan_json)
+    out = []
+    for compiler in (None, "inductor"):
+        pm = stpc_compile(copy.deepcopy(model), tuple(plan.mesh_shape), (idx, tgt), plan=plan, cache=False,
+                          backend=compiler)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=True)
+        times, fb = [], []
+        for step in range(3 + cfg["steps"]):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            pm(idx, tgt).backward()
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            opt.step()
+            torch.cuda.synchronize()
+            if step >= 3:
+                times.append(time.perf_counter() - t0)
+                fb.append(t1 - t0)
+        out.append({"compiler": compiler or "eager", "step_s": statistics.median(times),
+                    "fwd_bwd_s": statistics.median(fb)})
+        del pm, opt
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+def bf16_time(model: str, layers: int, batch: int, seq: int, steps: int) -> list[dict]:
+    """A zoo model in bf16 on one GPU: the step time the planner models on ``dgx-h100`` (the
+    cluster of RESULTS.md's modelled H100 cells) against the measured median, eager and
+    inductor. Time only: the planner's bf16 memory is mixed precision (fp32 master weights,
+    ``mixed-adam``), the run here plain bf16 AdamW."""
+    from stpc.cli._common import meta_trace
+    from stpc.planner import search
+    from stpc.planner.summary import breakdown
+
+    cfg = {"model": model, "layers": layers, "batch": batch, "seq": seq, "steps": steps}
+    t0 = time.perf_counter()
+    try:
+        tg, _, _ = meta_trace(model, batch, seq, "bf16", layers)
+        plan = search(tg, 1, cluster="dgx-h100", dtype="bf16", optimizer_layout="mixed-adam")
+        got = spawn(_bf16_worker, 1, cfg, plan.to_json(), timeout_s=900, backend="nccl")[0]
+    except (SpawnError, SpawnTimeout, Exception) as e:  # noqa: BLE001
+        rec = {"check": "bf16-time", "model": model, "ok": False, "error": f"{type(e).__name__}: {str(e)[-1500:]}",
+               "seconds": time.perf_counter() - t0}
+        print(json.dumps(rec), flush=True)
+        return [rec]
+    parts = breakdown(plan) or {}
+    out = []
+    for m in got:
+        r = {"check": "bf16-time", "model": f"{model} ({layers} layers)", "batch": batch, "seq": seq,
+             "compiler": m["compiler"], "predicted_step_s": plan.modelled_step_time_s,
+             "predicted_compute_s": parts.get("compute_s"), "predicted_optimizer_s": parts.get("optimizer_step_s"),
+             "measured_step_s": m["step_s"], "measured_fwd_bwd_s": m["fwd_bwd_s"],
+             "time_error": plan.modelled_step_time_s / m["step_s"] - 1}
+        out.append(r)
+        print(json.dumps(r), flush=True)
+    return out
+
+
 GLOO_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "send_recv")
 
 
@@ -260,9 +334,23 @@ def markdown(doc: dict, command: str) -> str:
                          f"{_mib(r['cuda_peak_bytes'])} | {r['memory_error']:+.1%} | {r['predicted_step_s'] * 1e3:.1f} | "
                          f"{r['measured_step_s'] * 1e3:.1f} | {r['time_error']:+.1%} |")
         lines.append("")
+    bf = [r for r in recs if r["check"] == "bf16-time" and "error" not in r]
+    if bf:
+        r0 = bf[0]
+        lines += [f"bf16 step time: {r0['model']}, batch {r0['batch']} x seq {r0['seq']}, one GPU, AdamW (foreach), "
+                  "planned on `dgx-h100` (bf16): the modelled step against the measured median (synchronised). Time "
+                  "only: the planner's bf16 memory is mixed precision, the run plain bf16.", "",
+                  "| compiler | predicted step ms (modelled) | of which optimizer ms | measured step ms | "
+                  "of which forward + backward ms | optimizer ms | error |", "|---|---|---|---|---|---|---|"]
+        for r in bf:
+            lines.append(f"| {r['compiler']} | {r['predicted_step_s'] * 1e3:.1f} | "
+                         f"{(r['predicted_optimizer_s'] or 0) * 1e3:.1f} | {r['measured_step_s'] * 1e3:.1f} | "
+                         f"{r['measured_fwd_bwd_s'] * 1e3:.1f} | "
+                         f"{(r['measured_step_s'] - r['measured_fwd_bwd_s']) * 1e3:.1f} | {r['time_error']:+.1%} |")
+        lines.append("")
     for r in recs:
-        if r["check"] == "memory" and "error" in r:
-            lines += [f"Memory check on {r['ranks']} ranks ({r['backend']}) failed: {_why(r['error'])}.", ""]
+        if r["check"] in ("memory", "bf16-time") and "error" in r:
+            lines += [f"The {r['check']} check failed: {_why(r['error'])}.", ""]
     return "\n".join(lines)
 
 
@@ -273,7 +361,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16, help="the memory check's global batch (default: %(default)s)")
     ap.add_argument("--memory-ranks", type=int, default=1, help="ranks of the memory check (default: %(default)s)")
     ap.add_argument("--json")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["parity", "memory", "single", "gloo"])
+    ap.add_argument("--bf16", nargs=4, metavar=("MODEL", "LAYERS", "BATCH", "SEQ"),
+                    default=["llama2-7b", "4", "4", "2048"], help="the bf16 step-time check's zoo model, its depth, "
+                    "batch and seq (default: %(default)s)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["parity", "memory", "single", "gloo", "bf16"])
     ap.add_argument("--markdown", help="write the RESULTS.md section of this run (or of --from-json) here")
     ap.add_argument("--from-json", help="render --markdown from an earlier run's --json, running nothing")
     args = ap.parse_args()
@@ -302,6 +393,9 @@ def main() -> int:
     if "memory" not in args.skip:
         mr = args.memory_ranks
         records += memory(mr, "nccl" if n_gpu >= mr else "cpu:gloo,cuda:gloo", args.batch, args.steps)
+    if "bf16" not in args.skip:
+        name, layers, batch, seq = args.bf16
+        records += bf16_time(name, int(layers), int(batch), int(seq), args.steps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**head, "records": records}, f, indent=1)

@@ -24,7 +24,11 @@ RUN = {"device": "NVIDIA H100 80GB HBM3", "gpus": 1, "torch": "2.11.0+cu130", "d
            {"check": "memory", "plan": "recompute", "compiler": "eager", "layout": "mesh 1", "ranks": 1,
             "backend": "nccl", "cluster": "dgx-h100", "model": "gpt-50m d1024 L4", "batch": 16, "seq": 512,
             "predicted_peak_bytes": 1986420740.0, "cuda_peak_bytes": 1717859328, "memory_error": 0.1563,
-            "predicted_step_s": 0.08504, "measured_step_s": 0.0905, "time_error": -0.0603}]}
+            "predicted_step_s": 0.08504, "measured_step_s": 0.0905, "time_error": -0.0603},
+           {"check": "bf16-time", "model": "llama2-7b (4 layers)", "batch": 4, "seq": 2048, "compiler": "eager",
+            "predicted_step_s": 0.1, "predicted_compute_s": 0.098, "predicted_optimizer_s": 0.002,
+            "measured_step_s": 0.125, "measured_fwd_bwd_s": 0.12, "time_error": -0.2},
+           {"check": "bf16-time", "model": "llama2-7b", "ok": False, "error": "RuntimeError: out of memory"}]}
 
 
 def test_without_cuda_it_says_so_and_stops():
@@ -46,3 +50,6 @@ def test_the_section_is_rendered_from_the_runs_json(tmp_path):
     assert "failed: a rank died with exit code -11 (SIGSEGV)" in text
     assert "`all_reduce` ran; `send_recv` failed: RuntimeError: pair.cc:339] writev: Bad address." in text
     assert "| recompute | eager | 1 | 1,894 | 1,638 | +15.6% | 85.0 | 90.5 | -6.0% |" in text
+    assert "bf16 step time: llama2-7b (4 layers), batch 4 x seq 2048" in text
+    assert "| eager | 100.0 | 2.0 | 125.0 | 120.0 | 5.0 | -20.0% |" in text
+    assert "The bf16-time check failed: RuntimeError: out of memory." in text

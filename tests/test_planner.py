@@ -78,7 +78,7 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
     bpp = sum(bytes_per_param(layout))
     nodes = {n.name: n for n in tg.graph.nodes}
     static = sum(_nbytes(nodes[k].meta["val"], v.out, mesh) // nodes[k].meta["val"].element_size() * bpp
-                 for k, v in plan.nodes.items() if v.role == "param" and k not in tg.tied_params)
+                 for k, v in plan.nodes.items() if v.role == "param" and k not in tg.tied_copies())
     params = set(tg.param_fqns)
     rg, saved = set(), {}  # saved tensor -> the ops that save it
     for n in tg.graph.nodes:
@@ -130,7 +130,7 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
     # the optimizer step: the same state, activations gone, foreach AdamW's scratch (one fp32
     # temporary per element of the parameters this device steps)
     scratch = sum(_nbytes(nodes[k].meta["val"], v.out, mesh) // nodes[k].meta["val"].element_size() * 4
-                  for k, v in plan.nodes.items() if v.role == "param" and k not in tg.tied_params)
+                  for k, v in plan.nodes.items() if v.role == "param" and k not in tg.tied_copies())
     # (the end of forward holds no gradients: 4 B of the 16 per element)
     forward = static * (bpp - 4) // bpp + act + trans
     staging = get_cluster(plan.cluster).gather_staging
@@ -570,7 +570,8 @@ def test_parameter_memory_matches_closed_form(name):
     """The closed-form estimator checks the planner's memory model: under pure data
     parallelism every parameter is replicated, so the plan's parameter + gradient + AdamW
     bytes equal the closed form's exactly (tied weights held once); under Megatron TP the
-    closed form divides every parameter by tp, the plan keeps norms and biases whole."""
+    closed form divides every parameter by tp, the plan keeps norms and biases whole (and
+    gpt-tiny's tied embedding / LM head weight, which the embedding reads whole: 1.21x)."""
     from stpc.cost_models.estimator import closed_form_memory
     from stpc.planner.hints import data_parallel
 
@@ -585,7 +586,7 @@ def test_parameter_memory_matches_closed_form(name):
         if tp == 1:
             assert state == want
         else:
-            assert want <= state <= want * (1.01 if name == "gpt-50m" else 1.15)
+            assert want <= state <= want * (1.01 if name == "gpt-50m" else 1.25)
 
 
 def test_a_hint_nothing_satisfies_names_the_node_and_search_skips_that_shape():
@@ -666,3 +667,21 @@ def test_a_layers_parameters_share_one_gather_message():
         mine = sum(m.meta["val"].numel() * 4 for m, f in params.items() if f.startswith(layer))
         assert got[n] == mine > n.meta["val"].numel() * 4, fqn
     assert {fqn.split(".")[1] for n, fqn in params.items() if n in got} == {"0", "1"}
+
+
+def test_a_tied_weight_is_charged_under_the_placement_it_is_read_in():
+    # gpt-tiny ties its LM head to the embedding; export reads the tensor through the head's
+    # name only, so the embedding's placeholder is unread and its placement is not what the
+    # runtime stores (compile stores the tensor as its read placeholder says).
+    tg = _meta_trace("gpt-tiny", bias=False)
+    assert tg.tied_params == {"p_lm_head_weight": "p_wte_weight"}
+    assert tg.tied_copies() == {"p_wte_weight"}
+    weight = next(n for n in tg.graph.nodes if n.name == "p_lm_head_weight").meta["val"]
+    whole = weight.numel() * weight.element_size()
+    charged = {}
+    for token in ("R", "S0"):
+        hints = Hints(param_force=[(r"lm_head\.weight$", lambda p, t=token: p == (t,))], name=token)
+        plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=hints)
+        assert plan.nodes["p_lm_head_weight"].out == [token]
+        charged[token] = breakdown(plan)["weight_bytes"]
+    assert charged["R"] - charged["S0"] == pytest.approx(whole * 3 / 4)

@@ -176,12 +176,14 @@ def make_plans(cfg: dict, progress: bool = False) -> list[dict]:
         parts = breakdown(plan) or {}
         layout = plan.stats.get("layout")
         params = {}  # FQN -> (placement, bytes per device) the memory model charges (a tied one once)
+        copies = tg.tied_copies()
         for node in tg.gm.graph.nodes:
-            if node.name in tg.param_fqns and node.name not in tg.tied_params and node.name in plan.nodes:
+            if node.name in tg.param_fqns and node.name not in copies and node.name in plan.nodes:
                 out_ = plan.nodes[node.name].out
                 val = node.meta["val"]
-                params[tg.param_fqns[node.name]] = ("(" + ",".join(out_) + ")", val.numel() * val.element_size()
-                                                    / shard_factor(tuple(out_), tuple(plan.mesh_shape)))
+                fqn = tg.param_fqns[tg.tied_params.get(node.name, node.name)]  # (a tied one: the model's first name)
+                params[fqn] = ("(" + ",".join(out_) + ")",
+                               val.numel() * val.element_size() / shard_factor(tuple(out_), tuple(plan.mesh_shape)))
         out.append({"plan": name, "mesh": "x".join(map(str, plan.mesh_shape)),
                     "layout": describe_layout(layout) if layout else "",
                     "families": plan.strategy_counts(), "cluster": plan.cluster, "plan_hash": plan.hash()[:12],

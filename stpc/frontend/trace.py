@@ -56,6 +56,23 @@ class TracedGraph:
     def placeholder_order(self) -> list[str]:
         return [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
 
+    def tied_copies(self) -> set[str]:
+        """The placeholders of a tied parameter whose storage another of its names holds:
+        every name of the tensor but one, the first the graph reads (export may read a
+        tied weight through one name only, e.g. a GPT's LM head's, leaving the embedding's
+        unread: its placement is not the one the runtime stores), else the first."""
+        names: dict[str, list[str]] = {}
+        for ph in self.placeholder_order():
+            root = self.tied_params.get(ph, ph)
+            if root != ph or ph in self.tied_params.values():
+                names.setdefault(root, []).append(ph)
+        read = {n.name for n in self.gm.graph.nodes if n.op == "placeholder" and n.users}
+        copies = set()
+        for group in names.values():
+            holder = next((ph for ph in group if ph in read), group[0])
+            copies |= set(group) - {holder}
+        return copies
+
     def state_args(self, model: nn.Module) -> list[torch.Tensor]:
         """The parameter/buffer tensors of ``model`` in placeholder order."""
         named = dict(model.named_parameters(remove_duplicate=False))

@@ -118,6 +118,7 @@ class Builder:
         self.head_params = {src for src, dst, _ in self.facts.edge_uses if dst in self.facts.head}
         self._sp_nodes = sequence_parallel_nodes(self.graph) if self.hints.sequence_parallel is not None else set()
         self.recompute = self.hints.recompute == "full"
+        self._tied_copies = self.tg.tied_copies()
         self._layer_bytes = layer_param_bytes(self.graph)
 
     # ---------------------------------------------------------------- per item
@@ -167,7 +168,7 @@ class Builder:
             choices = self._choice_lists.setdefault(tuple(choices), choices)  # (equal lists: one object)
             cost = [0.0] * len(choices)
             shards = [math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE) for p in choices]
-            if node.name in self.tg.tied_params:  # the same tensor as an earlier parameter: held once
+            if node.name in self._tied_copies:  # the same tensor as another parameter: held once, as read
                 mem = [0.0] * len(choices)
             else:
                 mem = [self.memory.param_bytes(val.numel(), w) for w in shards]

@@ -312,7 +312,7 @@ def _breakdown(sv: Solved) -> dict:
     weight = grad = opt = kept = 0.0
     mesh = b.mesh
     for g, it in enumerate(facts.group_items):
-        if it.kind != "param" or it.node.name in b.tg.tied_params:
+        if it.kind != "param" or it.node.name in b._tied_copies:
             continue
         pl = b.place[it][ch[g]]
         shards = math.prod(n for n, t in zip(mesh, pl) if t != REPLICATE)
