@@ -108,8 +108,10 @@ CURATED = [
      "batch": 2, "seq": 8, "expect": {"p2x2"}},
     {"model": "gpt-tiny", "overrides": {"d_model": 8, "n_heads": 2, "n_layers": 1, "ffn": 16, "vocab": 32,
                                         "tied_head": True, "bias": False, "max_seq": 16},
-     "mesh": "2x2", "family": "solved", "batch": 3, "seq": 5, "expect": {"spatial"},              # tied, odd sizes
-     "sharded": ["p_wte_weight"]},
+     # tied, odd sizes; under a budget the tied tensor is stored split, as the name the program
+     # reads it through (the head's: the embedding's placeholder is unread) says
+     "mesh": "2x2", "family": "solved-budget", "batch": 3, "seq": 5, "expect": {"spatial"},
+     "sharded": ["p_lm_head_weight"]},
 ]
 
 
