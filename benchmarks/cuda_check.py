@@ -99,14 +99,22 @@ def parity(world: int, backend: str, steps: int) -> list[dict]:
     return out
 
 
-def _memory_worker(rank, world, cfg, plans):
+def _model_and_batch(cfg, build):
+    """(this rank's GPU, ``build(device)`` after seeding, one batch of token ids and targets
+    of ``cfg``'s batch x seq on that GPU)."""
     _no_tf32()
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    base = models.build(cfg["model"], **bench_fidelity.model_overrides(cfg))
+    model = build(dev)
     g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, base.cfg.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(dev)
-    tgt = torch.randint(0, base.cfg.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(dev)
+    idx = torch.randint(0, model.cfg.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(dev)
+    tgt = torch.randint(0, model.cfg.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(dev)
+    return dev, model, idx, tgt
+
+
+def _memory_worker(rank, world, cfg, plans):
+    dev, base, idx, tgt = _model_and_batch(  # (built on the CPU: each plan compiles a copy of it)
+        cfg, lambda _: models.build(cfg["model"], **bench_fidelity.model_overrides(cfg)))
     out = []
     for rec, compiler in ((r, c) for r in plans for c in cfg["backends"]):
         plan = Plan.from_json(rec["plan_json"])
@@ -173,15 +181,13 @@ def memory(world: int, backend: str, batch: int, steps: int) -> list[dict]:
     return out
 
 
-def _bf16_worker(rank, world, cfg, plan_json):
-    _no_tf32()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(0)
+def _build_on(name, layers, dtype, dev):
     with dev:
-        model = models.build(cfg["model"], n_layers=cfg["layers"]).to(torch.bfloat16)
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, model.cfg.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(dev)
-    tgt = torch.randint(0, model.cfg.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(dev)
+        return models.build(name, n_layers=layers).to(dtype)
+
+
+def _bf16_worker(rank, world, cfg, plan_json):
+    _, model, idx, tgt = _model_and_batch(cfg, lambda dev: _build_on(cfg["model"], cfg["layers"], torch.bfloat16, dev))
     plan = Plan.from_json(plan_json)
     out = []
     for compiler in (None, "inductor"):
