@@ -117,9 +117,8 @@ def recompute(gm: fx.GraphModule, plan) -> fx.GraphModule:
 
 def inline(gm: fx.GraphModule) -> fx.Graph:
     """The flat graph of ``gm``: each :class:`Recompute` call replaced by its span's nodes
-    (their own names), each ``getitem`` of it by the span's node. The call nodes of
-    ``gm`` that were spans are listed in ``graph.meta``-free form: every copied node keeps
-    ``meta["recompute"] = layer``."""
+    (their own names), each ``getitem`` of it by the span's node; a node copied out of a
+    span carries ``meta["recompute"] = layer`` (``verify`` replays those in backward)."""
     flat = fx.Graph()
     env: dict[fx.Node, object] = {}
     for n in gm.graph.nodes:
