@@ -206,6 +206,11 @@ def test_phase_split_peak_is_bench_runtimes_peak():
     # what forward left alive, per top-level op: the linears' outputs saved for backward among them
     alive = dict(got["forward_alive_by_op"])
     assert any(b > 0 for b in alive.values()) and any("linear" in op or "mm" in op for op in alive)
+    # and what the step held at backward's highest instant, by the op that allocated it: the
+    # forward's saved tensors among them, and no more than backward's climb above the start
+    held = dict(got["backward_peak_alive_by_op"])
+    assert any(op.startswith("forward: ") for op in held) and any(op.startswith("backward: ") for op in held)
+    assert 0 < sum(held.values()) <= got["backward_max_bytes"] - got["start_bytes"] + 2**20
 
 
 # ----------------------------------------------------------------------------- end to end (slow)

@@ -245,7 +245,7 @@ def test_two_memory_phases_min_memory_and_solve_equal_brute_force(p):
 def test_the_optimizer_step_phase_can_bind_alone():
     # choice 0: little saved at the end of forward but a big optimizer step; choice 1 the reverse
     p = Problem(cost=[[1, 5]], mem=[[10, 60]], step_mem=[[100, 60]], budget=80)
-    assert p.phase_peaks([0]) == (10, 0, 100) and p.evaluate([0]) == (1, 100)
+    assert p.phase_peaks([0]) == (10, 0, 0, 100) and p.evaluate([0]) == (1, 100)
     sol = solve(p)
     assert sol.choice == [1] and sol.peak_bytes == 60
     # without the step phase, choice 0 fits and wins
@@ -257,7 +257,7 @@ def test_the_backward_phase_binds_through_a_memory_edge():
     # stored sharded and read whole, gathered again), every other pair nothing
     mem_edge = Edge(0, 1, (0, 1), (0, 1), {(0, 0): 50})
     p = Problem(cost=[[1, 5], [1, 5]], mem=[[10, 10], [10, 10]], bwd_mem=[[5, 0], [5, 0]], mem_edges=[mem_edge])
-    assert p.phase_peaks([0, 0]) == (20, 80, 0) and p.phase_peaks([1, 0]) == (20, 25, 0)
+    assert p.phase_peaks([0, 0]) == (20, 0, 80, 0) and p.phase_peaks([1, 0]) == (20, 0, 25, 0)
     assert solve(p).choice == [0, 0]  # no budget: the cheapest
     p.budget = 79
     sol = solve(p)  # the end of forward fits either way; the backward phase rules (0, 0) out
@@ -274,9 +274,9 @@ def test_the_backward_phase_holds_its_own_working_sets_not_the_forwards():
     # group 1 a last-layer op whose choice 0 has a large working set there
     p = Problem(cost=[[1], [1, 5]], mem=[[10], [10, 10]], transient=[[60], [5, 5]], bwd_mem=[[0], [20, 20]],
                 bwd_transient=[[0], [50, 5]])
-    assert p.phase_peaks([0, 0]) == (80, 20 + 50 + 20, 0) and p.phase_peaks([0, 1]) == (80, 20 + 5 + 20, 0)
+    assert p.phase_peaks([0, 0]) == (80, 0, 20 + 50 + 20, 0) and p.phase_peaks([0, 1]) == (80, 0, 20 + 5 + 20, 0)
     without = dataclasses.replace(p, bwd_transient=None)  # the forward's largest working set instead
-    assert without.phase_peaks([0, 0])[1] == 20 + 60 + 20
+    assert without.phase_peaks([0, 0])[2] == 20 + 60 + 20
     p.budget = 85
     sol = solve(p)  # the backward phase rules choice 0 out, though both fit the end of forward
     assert sol.choice == [0, 1] and sol.peak_bytes == 80
@@ -284,3 +284,27 @@ def test_the_backward_phase_holds_its_own_working_sets_not_the_forwards():
     p.budget = 79
     with pytest.raises(InfeasibleBudget):
         solve(p)
+
+
+def test_the_head_phase_frees_what_the_head_saved_and_binds_through_its_reduction_edge():
+    # group 0 a parameter (choice 0: stored split, 1: replicated), group 1 the head's matmul
+    # (choice 0 reads it whole, 1 reads it split); the head phase holds the end of forward,
+    # less 30 bytes the head saved (head_mem on group 1), plus the gradient as computed, plus
+    # (pair (0, 0): ZeRO's reduce-scatter buffers) 60 more
+    red = Edge(0, 1, (0, 1), (0, 1), {(0, 0): 60})
+    p = Problem(cost=[[1, 5], [1, 5]], mem=[[10, 40], [50, 50]], head_mem=[[0, 0], [-30 + 40, -30 + 10]],
+                head_edges=[red])
+    assert p.has_head_phase and not p.has_bwd_phase
+    assert p.phase_peaks([0, 0]) == (60, 60 + 10 + 60, 0, 0)
+    assert p.phase_peaks([1, 1]) == (90, 90 - 20, 0, 0)
+    assert solve(p).choice == [0, 0]          # no budget: the cheapest
+    p.budget = 100
+    sol = solve(p)                            # the head phase rules (0, 0) out; the end of forward fits it
+    assert sol.choice in ([0, 1], [1, 0]) and sol.objective_ns == 6 and sol.peak_bytes == p.evaluate(sol.choice)[1]
+    assert sol.peak_bytes <= 100
+    assert min_memory(p) == min(max(p.phase_peaks([u, v])) for u in (0, 1) for v in (0, 1))
+    assert min_memory_bound(p) <= min_memory(p)
+    p.budget = min_memory(p) - 1
+    with pytest.raises(InfeasibleBudget) as err:
+        solve(p)
+    assert err.value.min_budget == min_memory(p)

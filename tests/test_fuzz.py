@@ -131,6 +131,7 @@ def test_fuzzed_models_on_4_ranks(drawn):
     _check(drawn, 4)
 
 
+@pytest.mark.slow  # (the CI time budget: 4 ranks in the default run, 2 here)
 @FAST
 @given(st.lists(model_case(2), min_size=3, max_size=3))
 def test_fuzzed_models_on_2_ranks(drawn):

@@ -137,7 +137,10 @@ def _surface(rank, world, model_name, plan_json, overrides):
     return out
 
 
-@pytest.mark.parametrize("model_name,family,mesh", [("gpt-tiny", "solved", "2x2"), ("llama-tiny", "p2x2", "4")])
+@pytest.mark.parametrize("model_name,family,mesh", [
+    ("gpt-tiny", "solved", "2x2"),
+    # (P(2x2) through hooks and a grid-layout state_dict: also test_submodule_hooks' default run)
+    pytest.param("llama-tiny", "p2x2", "4", marks=pytest.mark.slow)])
 def test_compiled_model_is_an_nn_module_with_dtensor_parameters(model_name, family, mesh):
     overrides = {"bias": False} if family == "p2x2" and model_name == "gpt-tiny" else {}
     plan = make_plan(model_name, mesh, family, B, S, **overrides)

@@ -7,7 +7,8 @@ P2x2 plans and an odd shape; a few SGD/AdamW steps for the other families) and
 checks, every step, the loss, every parameter's full gradient and every parameter
 after the optimizer step (fp32, rtol 1e-4; NaN or inf fails). Plans are made once in
 the parent (single process) and shipped to the ranks; many cases share one spawn to
-keep the CPU time low.
+keep the CPU time low. The default run takes half of each matrix (``halves``: every
+family, both models and both meshes still in it); ``-m slow`` runs the other half.
 """
 from __future__ import annotations
 
@@ -86,7 +87,33 @@ MATRIX_2 = [(m, f, "2") for m in ("gpt-tiny", "llama-tiny")
             for f in ("megatron", "megatron-sp", "ag_ring", "rs_ring", "dp", "zero", "megatron-zero", "solved-budget")]
 
 
-@pytest.mark.parametrize("world,matrix", [(4, PROOF_4), (2, PROOF_2)], ids=["4ranks", "2ranks"])
+def halves(matrix):
+    """(the default run's cases, the slow run's): a checkerboard over (model, family, mesh),
+    so the default run keeps every family, on both models and both meshes where a family
+    has them, in about half the cases (the CI time budget), and ``-m slow`` runs the rest."""
+    models_, families, meshes = ({c[k]: None for c in matrix} for k in range(3))
+    index = [list(models_), list(families), list(meshes)]
+    fast = [c for c in matrix if sum(index[k].index(c[k]) for k in range(3)) % 2 == 0]
+    return fast, [c for c in matrix if c not in fast]
+
+
+def split(world, matrix, name):
+    """``pytest.param`` pair of one matrix: its default half and its slow half."""
+    fast, rest = halves(matrix)
+    return [pytest.param(world, fast, id=name), pytest.param(world, rest, id=f"{name}-rest", marks=pytest.mark.slow)]
+
+
+def test_the_default_half_keeps_every_family_and_the_slow_half_the_rest():
+    for matrix in (PROOF_4, PROOF_2, MATRIX_4, MATRIX_2):
+        fast, rest = halves(matrix)
+        assert sorted(fast + rest) == sorted(matrix) and not set(fast) & set(rest)
+        assert {f for _, f, _ in fast} == {f for _, f, _ in matrix}      # every family
+        assert len(fast) <= (len(matrix) + 1) // 2 + 1
+    fast, _ = halves(MATRIX_4)
+    assert {m for m, _, _ in fast} == {"gpt-tiny", "llama-tiny"} and {x for _, _, x in fast} == {"4", "2x2"}
+
+
+@pytest.mark.parametrize("world,matrix", split(4, PROOF_4, "4ranks") + split(2, PROOF_2, "2ranks"))
 def test_twenty_adamw_steps_match_single_device(world, matrix):
     cases = [_case(m, f, mesh, steps=20, opt="adamw") for m, f, mesh in matrix]
     _check(spawn(run_cases, world, cases, timeout_s=590), cases)
@@ -100,26 +127,30 @@ RECOMPUTE_4 = [("gpt-tiny", "megatron+recompute", "4"), ("llama-tiny", "megatron
                ("llama-tiny", "solved+recompute", "4")]
 
 
-def test_recomputed_layers_match_single_device():
-    cases = [_case(m, f, mesh, steps=20, opt="adamw") for m, f, mesh in RECOMPUTE_4]
+@pytest.mark.parametrize("matrix", [pytest.param(RECOMPUTE_4[::2], id="default"),
+                                    pytest.param(RECOMPUTE_4[1::2], id="rest", marks=pytest.mark.slow)])
+def test_recomputed_layers_match_single_device(matrix):
+    cases = [_case(m, f, mesh, steps=20, opt="adamw") for m, f, mesh in matrix]
     assert all(Plan.from_json(c["plan"]).stats["recompute"] == "full" for c in cases)
     _check(spawn(run_cases, 4, cases, timeout_s=590), cases)
 
 
-def test_odd_shapes_match_single_device():
+@pytest.mark.parametrize("pairs", [
+    pytest.param((("gpt-tiny", "megatron"), ("llama-tiny", "solved-budget")), id="default"),
+    pytest.param((("llama-tiny", "megatron"), ("gpt-tiny", "solved-budget")), id="rest", marks=pytest.mark.slow)])
+def test_odd_shapes_match_single_device(pairs):
     """Batch 3 and sequence 7 divide no mesh axis: the plans split heads and hidden dims
     (Megatron's layout, and the solver's own under a budget that forces it to shard)."""
     cases = []
-    for m in ("gpt-tiny", "llama-tiny"):
-        for family in ("megatron", "solved-budget"):
-            plan = make_plan(m, "4", family, 3, 7)
-            assert any(t != "R" for n in plan.nodes.values() if n.role == "param" for t in n.out), (m, family)
-            cases.append(dict(id=f"{m}/{family}/4/odd", model=m, overrides={}, plan=plan.to_json(), batch=3,
-                              seq=7, steps=20, opt="adamw"))
+    for m, family in pairs:
+        plan = make_plan(m, "4", family, 3, 7)
+        assert any(t != "R" for n in plan.nodes.values() if n.role == "param" for t in n.out), (m, family)
+        cases.append(dict(id=f"{m}/{family}/4/odd", model=m, overrides={}, plan=plan.to_json(), batch=3,
+                          seq=7, steps=20, opt="adamw"))
     _check(spawn(run_cases, 4, cases, timeout_s=590), cases)
 
 
-@pytest.mark.parametrize("world,matrix", [(4, MATRIX_4), (2, MATRIX_2)], ids=["4ranks", "2ranks"])
+@pytest.mark.parametrize("world,matrix", split(4, MATRIX_4, "4ranks") + split(2, MATRIX_2, "2ranks"))
 def test_every_family_matches_single_device(world, matrix):
     # every listed case plans (a forced family this mesh cannot run would fail here, not
     # drop out of the proof unseen)

@@ -66,13 +66,51 @@ def _backward_extra(tg, plan, mesh, staging):
     return extra + sum(_nbytes(nodes[k].meta["val"], plan.nodes[k].out, mesh) for k in head_params)
 
 
+def _head_extra(tg, plan, mesh, staging):
+    """What the head's gradient reduction adds to the end of forward less what the head saved:
+    each head op's (after the last indexed layer) weight gradients as it reads the weights,
+    and per weight the buffers reducing its gradient: read whole on the one axis it is stored
+    split on (ZeRO), the gradient's rank-major copy, ``staging`` more and the reduced shard;
+    read as stored and whole on an axis the op splits its work on (data parallelism), the
+    bucket's copy."""
+    nodes = {n.name: n for n in tg.graph.nodes}
+    order = {n.name: k for k, n in enumerate(tg.graph.nodes)}
+    layer = {n.name: int(m.group(1)) if (m := re.search(r"\.(\d+)(\.|$)", n.meta.get("module") or "")) else None
+             for n in tg.graph.nodes}
+    last = max((v for v in layer.values() if v is not None), default=None)
+    if last is None:
+        return None
+    end = max(order[k] for k, v in layer.items() if v == last)
+    params = set(tg.param_fqns)
+    extra = 0
+    for name, np_ in plan.nodes.items():
+        if np_.role != "decision" or layer[name] is not None or order[name] <= end:
+            continue
+        split = [any(p[a] != "R" for p in (np_.out, *np_.ins)) for a in range(len(mesh))]
+        for o, want in zip(tensor_operands(nodes[name]), np_.ins):
+            if o.name not in params:
+                continue
+            grad = _nbytes(o.meta["val"], want, mesh)
+            extra += grad
+            held = plan.nodes[o.name].out
+            differ = [a for a in range(len(mesh)) if mesh[a] > 1 and held[a] != want[a]]
+            if any(want[a] != "R" for a in differ):
+                continue
+            if len(differ) == 1 and held[differ[0]] != "R":
+                extra += grad * (1 + staging) + grad // mesh[differ[0]]
+            elif not differ and any(mesh[a] > 1 and want[a] == "R" and split[a] for a in range(len(mesh))):
+                extra += grad
+    return extra
+
+
 def recompute_peak(tg, plan, layout="fp32-adam"):
     """Per-device peak from the plan's placements alone (not from solver variables): the
     largest of the end of forward, params + optimizer (a tied parameter once; zero_grad freed
     the gradients) + saved activations + the largest node working set (the loss's with two
     logits copies), the last layer's backward (its own ops' largest working set instead
     of any op's, without the activations only the head's ops save, and ``_backward_extra``
-    more, with the plan's cluster's gather_staging), and the
+    more, with the plan's cluster's gather_staging), the head's gradient reduction (the end of
+    forward without its working set and what only the head saved, ``_head_extra`` more), and the
     optimizer step, params + grads + optimizer + AdamW's foreach scratch."""
     mesh = tuple(plan.mesh_shape)
     bpp = sum(bytes_per_param(layout))
@@ -124,6 +162,8 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
             t += 2 * _nbytes(ops[0].meta["val"], np_.ins[0], mesh)
         if n.target is torch.ops.aten.cross_entropy_loss.default:  # two logits copies (its backward's)
             t += 2 * _nbytes(ops[0].meta["val"], np_.ins[0], mesh)
+        if name in head:  # a head op's backward, all forward saved alive: its operands' gradients
+            t = max(t, sum(_nbytes(o.meta["val"], p, mesh) for o, p in zip(ops, np_.ins) if o in rg))
         trans = max(trans, t)
         if layer[name] == last:
             trans_last = max(trans_last, t)
@@ -135,7 +175,9 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
     forward = static * (bpp - 4) // bpp + act + trans
     staging = get_cluster(plan.cluster).gather_staging
     backward = forward - trans + trans_last - head_act + _backward_extra(tg, plan, mesh, staging)
-    return max(forward, backward, static + scratch)
+    head_extra = _head_extra(tg, plan, mesh, staging)
+    head_phase = 0 if head_extra is None else forward - trans - head_act + head_extra
+    return max(forward, head_phase, backward, static + scratch)
 
 
 def test_enumeration_shared_only_where_dims_divide_alike():
@@ -258,6 +300,36 @@ def test_activations_only_the_head_saves_are_gone_in_the_last_layers_backward():
     problem_rows = b["backward_peak_bytes"] - b["backward_transient_bytes"]
     extra = _backward_extra(tg, plan, (4,), get_cluster("cpu-local").gather_staging)
     assert problem_rows == pytest.approx(held - freed + extra, rel=1e-9)
+
+
+def test_a_zero3_head_peaks_while_its_gradients_are_reduced():
+    # every weight stored split and read whole (ZeRO-3, 4 ranks) with a large vocabulary: the
+    # head's weight gradient, whole as the head computes it, its rank-major copy, gloo's
+    # staging copy and the reduced shard, on top of everything forward saved (less what only
+    # the head saved), make the peak; the fidelity bench's ag_rs plan measured it there
+    from stpc.planner.costs import grad_reduction_bytes
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from _multirank import make_plan
+    plan = make_plan("gpt-tiny", "4", "zero", 4, 16, vocab=8192)
+    bd = breakdown(plan)
+    assert bd["head_backward_peak_bytes"] > max(bd["forward_peak_bytes"], bd["backward_peak_bytes"],
+                                                bd["step_peak_bytes"])
+    assert plan.peak_memory_bytes == bd["head_backward_peak_bytes"]
+    tg = _meta_trace("gpt-tiny", batch=4, seq=16, vocab=8192)
+    assert recompute_peak(tg, plan) == pytest.approx(plan.peak_memory_bytes, rel=1e-6)
+    assert "the peak is the largest phase: the head's gradient reduction" in plan.summary()
+    w = 8192 * 64 * 4  # the head's weight (gpt-tiny: d_model 64), whole
+    assert plan.nodes["p_lm_head_weight"].out == ["S0"] or plan.nodes["p_lm_head_weight"].out[0][0] == "S"
+    assert grad_reduction_bytes(("S0",), ("R",), (True,), w, (4,), 1) == w * 2 + w / 4   # ZeRO on gloo
+    assert grad_reduction_bytes(("S0",), ("R",), (True,), w, (4,), 0) == w + w / 4       # ... on NCCL
+    assert grad_reduction_bytes(("R",), ("R",), (True,), w, (4,), 1) == w                # DP: the bucket
+    assert grad_reduction_bytes(("R",), ("R",), (False,), w, (4,), 1) == 0               # complete already
+    assert grad_reduction_bytes(("S0",), ("S0",), (True,), w, (4,), 1) == 0              # read as stored
+    assert grad_reduction_bytes(("S0", "S0"), ("R", "R"), (True, True), w, (2, 2), 1) == 0  # (a chain: left out)
+    # a data-parallel plan holds the gradient's bucket copy there instead (the same oracle)
+    dp = make_plan("gpt-tiny", "4", "dp", 4, 16, vocab=8192)
+    assert breakdown(dp)["head_backward_peak_bytes"] > 0
+    assert recompute_peak(tg, dp) == pytest.approx(dp.peak_memory_bytes, rel=1e-6)
 
 
 def test_a_zero3_plan_peaks_in_the_last_layers_backward():

@@ -38,8 +38,15 @@ def problems(draw, with_budget=False):
             u, v = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))
             ucls, vcls = tuple(range(k[u])), tuple(range(k[v]))
             mem_edges.append(Edge(u, v, ucls, vcls, {(p, q): draw(st.integers(0, 15)) for p in ucls for q in vcls}))
+    head_mem, head_edges = None, []
+    if draw(st.booleans()):  # the head's gradient reduction: less or more per choice, more per pair
+        head_mem = [[draw(st.integers(-10, 10)) for _ in range(c)] for c in k]
+        for _ in range(draw(st.integers(0, 2))):
+            u, v = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))
+            ucls, vcls = tuple(range(k[u])), tuple(range(k[v]))
+            head_edges.append(Edge(u, v, ucls, vcls, {(p, q): draw(st.integers(0, 15)) for p in ucls for q in vcls}))
     return Problem(cost=cost, mem=mem, transient=tr, edges=edges, budget=budget, bwd_mem=bwd_mem,
-                   mem_edges=mem_edges, bwd_transient=bwd_tr)
+                   mem_edges=mem_edges, bwd_transient=bwd_tr, head_mem=head_mem, head_edges=head_edges)
 
 
 @pytest.mark.parametrize("method", ["auto", "cpsat"])

@@ -313,6 +313,51 @@ def _alive_by_op(prof, phase: str = "forward", top: int = 8) -> list[tuple[str, 
     return sorted(acc.items(), key=lambda kv: -kv[1])[:top]
 
 
+def _alive_at_peak(prof, phase: str = "backward", top: int = 8) -> list[tuple[str, int]]:
+    """What the step allocated and still held at the highest instant of ``phase``, per
+    top-level op that allocated it (``"forward: aten::linear"``, ``"backward:
+    autograd::engine::evaluate_function: MmBackward0"``). Beside ``_alive_by_op`` (what
+    forward left alive), this names the working set of the moment the measured peak of a
+    phase falls in: which op's buffers a memory model must hold there."""
+    allocs = []
+
+    def walk(node, owner, ph):
+        kind, fields = node.typed
+        if kind == _EventType.Allocation:
+            allocs.append((node.start_time_ns, fields.ptr, fields.alloc_size, f"{ph}: {owner}" if owner else ph))
+            return
+        if node.name.startswith("fidelity::"):
+            ph, owner = node.name.split("::", 1)[1], None
+        elif owner is None and ph is not None:
+            owner = node.name
+        for c in node.children:
+            walk(c, owner, ph)
+
+    span = None
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        if root.name == f"fidelity::{phase}":
+            span = (root.start_time_ns, root.end_time_ns)
+        walk(root, None, None)
+    if span is None:
+        return []
+    alive: dict[int, tuple[int, str]] = {}
+    level, best, snapshot = 0, None, {}
+    for t, ptr, size, owner in sorted(allocs, key=lambda a: a[0]):
+        if t > span[1]:
+            break
+        if size > 0:
+            alive[ptr] = (size, owner or "(another thread)")
+            level += size
+        elif ptr in alive:
+            level -= alive.pop(ptr)[0]
+        if t >= span[0] and (best is None or level > best):
+            best, snapshot = level, dict(alive)
+    acc: dict[str, int] = {}
+    for size, owner in snapshot.values():
+        acc[owner] = acc.get(owner, 0) + size
+    return sorted(acc.items(), key=lambda kv: -kv[1])[:top]
+
+
 def _profile_step(engine: StpcEngine, opt) -> dict:
     """One step under the profiler, split into phases: the live level (bytes) at the end of
     forward and the highest level in each phase (``bench_runtime._peak_of_step``'s levels:
@@ -349,6 +394,7 @@ def _profile_step(engine: StpcEngine, opt) -> dict:
         if ph == "forward":
             out["forward_end_bytes"] = level
             out["forward_alive_by_op"] = _alive_by_op(prof)
+    out["backward_peak_alive_by_op"] = _alive_at_peak(prof, "backward")
     gemm = comm = ring = total = 0.0
     ops = []
     for a in prof.key_averages():
@@ -493,13 +539,16 @@ def contributors(r: dict) -> dict:
     return {"state_predicted": state_pred, "state_measured": state_meas,
             "optimizer_predicted": pp.get("optimizer_bytes", 0), "optimizer_measured": w["optimizer_bytes"],
             "act_transient_predicted": pp.get("activation_bytes", 0) + pp.get("transient_bytes", 0),
-            # what forward added on top of the state (gradients freed by zero_grad are not in it)
-            "forward_added_measured": w["forward_end_bytes"] - (w["start_bytes"] - w["grad_bytes"]),
+            # what forward added on top of the state (``start_bytes`` is taken after zero_grad freed
+            # the gradients, so it holds none to take off)
+            "forward_added_measured": w["forward_end_bytes"] - w["start_bytes"],
             "peak_phase": peak_phase, "phase_max": phase_max,
             "step_peak_predicted": pp.get("step_peak_bytes", 0.0), "forward_peak_predicted": pp.get("forward_peak_bytes", 0.0),
-            "backward_peak_predicted": pp.get("backward_peak_bytes", 0.0),
+            # (the head's gradient reduction and the last layer's backward: both in backward)
+            "backward_peak_predicted": max(pp.get("backward_peak_bytes", 0.0), pp.get("head_backward_peak_bytes", 0.0)),
             "peak_phase_predicted": max((("forward", pp.get("forward_peak_bytes", 0.0)),
-                                         ("backward", pp.get("backward_peak_bytes", 0.0)),
+                                         ("backward", max(pp.get("backward_peak_bytes", 0.0),
+                                                          pp.get("head_backward_peak_bytes", 0.0))),
                                          ("optimizer", pp.get("step_peak_bytes", 0.0))), key=lambda t: t[1])[0],
             "compute_predicted_s": pp.get("compute_s", 0.0) - pp.get("optimizer_step_s", 0.0),
             "optimizer_step_predicted_s": pp.get("optimizer_step_s", 0.0),
@@ -543,6 +592,10 @@ def notes(r: dict) -> str:
     alive = [(op, b) for op, b in _worst_rank(r).get("forward_alive_by_op", []) if b > 0][:3]
     if alive:
         mem.append("forward left alive most in " + ", ".join(f"{op} {_mib(b)} MiB" for op, b in alive))
+    held = [(op, b) for op, b in _worst_rank(r).get("backward_peak_alive_by_op", []) if b > 0][:3]
+    if held:
+        mem.append("at backward's highest level the step's own allocations were most "
+                   + ", ".join(f"{op} {_mib(b)} MiB" for op, b in held))
     w = _worst_rank(r)
     mem.append(f"measured peak in {c['peak_phase']}, modelled peak in {c['peak_phase_predicted']}; the optimizer "
                f"step: modelled {_mib(c['step_peak_predicted'])} MiB (state + AdamW's foreach scratch), measured "

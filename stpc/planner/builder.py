@@ -11,17 +11,21 @@ Size control (none of it gives up exactness for the graph as modelled):
   * nodes that do the same work on every mesh share one work item
     (``stpc.planner.analysis``): a mesh shape costs each item once, times its count.
 
-Memory per device is ``cost_models.MemoryModel``'s, the largest of three phases: at the
+Memory per device is ``cost_models.MemoryModel``'s, the largest of four phases: at the
 end of forward, weights + optimizer state (under their placements; gradients only where
 the trainer keeps them through forward) + activations saved for backward (and the blocks
 a P(2^k x 2^k) op keeps for its backward, ``costs.stash_bytes``) + the largest transient
-working set of any node (the loss's is its backward's, ``costs.WORKING_COPIES``); in the
+working set of any node (the loss's is its backward's, ``costs.WORKING_COPIES``; a head
+op's, the gradients its backward computes, ``costs.grad_bytes``, if larger); while the
+head's gradients are reduced, the same less what only the head saved and the whole copies
+of its weights kept for it (ZeRO-2), + the head's weight gradients as computed
+(``_Group.head_mem``) + the buffers reducing them (``_head_reduction_edges``); in the
 last layer's backward, the same saved activations less those only the head's ops saved
 (its backward, which ran first, freed them: ``GraphFacts.head_saved``, taken off
 ``_Group.bwd_mem``) and state + the largest working set of that layer's own ops (the loss's
 and the head's ended before it began; ``_Group.bwd_transient``) + the gradients of the head's parameters and of
 the last layer's weights (``_Group.bwd_mem``) + the ZeRO-3 weights gathered again for it
-(``_regather_edges``, memory edges); in the optimizer step, weights
+(``_regather_edges``, memory edges), less the head's kept weights; in the optimizer step, weights
 + gradients + optimizer state + the optimizer's scratch (``MemoryModel.step_scratch``).
 
 Under ``Hints.recompute == "full"`` (``passes.recompute``: every layer's forward replayed
@@ -52,14 +56,15 @@ from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, MemoryModel, bytes_pe
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, fits, shard, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse, layer_of, layer_param_bytes
-from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, kept_gathered_bytes,
-                               param_copy_phases, reshard_cost, stash_bytes, transient_bytes)
+from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, grad_bytes,
+                               grad_reduction_bytes, kept_gathered_bytes, param_copy_phases, reshard_cost,
+                               stash_bytes, transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints, sequence_parallel_nodes
 from stpc.planner.plan import NodePlan, Plan
 from stpc.planner.sharing import Share
 from stpc.planner.solver import Edge, Problem, Solution, solve
-from stpc.planner.strategies import (Strategy, derive, enumerate_strategies, follow_rule, is_view_like,
-                                     placement_choices, tensor_operands)
+from stpc.planner.strategies import (SAVES_INPUTS, Strategy, aten, derive, enumerate_strategies, follow_rule,
+                                     is_view_like, placement_choices, tensor_operands)
 
 NS = 1e9  # integer costs are nanoseconds
 
@@ -78,6 +83,7 @@ class _Group:
     step_transient: list[float] | None = None  # scratch alive while its own parameter steps (max)
     bwd_mem: np.ndarray | None = None  # the last layer's backward beyond the end of forward (one copy)
     bwd_transient: list[float] | None = None  # its working set in that phase (a last-layer op's; else 0)
+    head_mem: np.ndarray | None = None  # the head's gradient reduction beyond the end of forward (one copy)
 
 
 class Builder:
@@ -116,6 +122,11 @@ class Builder:
         self._by_key: dict = {}                 # derived/follower answers per signature and input
         self.budget = None
         self.head_params = {src for src, dst, _ in self.facts.edge_uses if dst in self.facts.head}
+        # head parameters no op outside the head keeps for its backward (an embedding reading
+        # a tied one saves only its indices)
+        self._freed_by_head = self.head_params - {
+            src for src, dst, i in self.facts.edge_uses if dst not in self.facts.head
+            and dst.node.target in SAVES_INPUTS and not (dst.node.target is aten.embedding.default and i == 0)}
         self._sp_nodes = sequence_parallel_nodes(self.graph) if self.hints.sequence_parallel is not None else set()
         self.recompute = self.hints.recompute == "full"
         self._tied_copies = self.tg.tied_copies()
@@ -129,7 +140,7 @@ class Builder:
                                   np.array(mem, dtype=float) * it.count, list(transient),
                                   own_cost=list(cost), own_mem=list(mem if own_mem is None else own_mem),
                                   step_mem=np.asarray(step_mem, dtype=float) * it.count, step_transient=list(step_tr),
-                                  bwd_mem=np.zeros(len(cost))))
+                                  bwd_mem=np.zeros(len(cost)), head_mem=np.zeros(len(cost))))
 
     def _hinted(self, node, strategies):
         sp = self.hints.sequence_parallel
@@ -157,6 +168,7 @@ class Builder:
         val = node.meta["val"]
         shape = tuple(val.shape)
         step = own_mem = None  # (the optimizer step's bytes, a parameter's whole state: parameters only)
+        kept = None
         if it.kind == "param":
             choices = placement_choices(shape, self.mesh)
             fqn = node.meta.get("param") or ""
@@ -198,6 +210,10 @@ class Builder:
             # the head's backward ran before the last layer's: its gradients are held, as placed
             grad = bytes_per_param(self.memory.layout, self.memory.fp32_grad_accum)[1]
             self.groups[it.group].bwd_mem += np.array([val.numel() * grad / w for w in shards])
+        if it.kind == "param" and it in self._freed_by_head and kept is not None:
+            # its whole copy kept for backward (ZeRO-2) served only the head, whose backward freed it
+            self.groups[it.group].bwd_mem -= np.asarray(kept, dtype=float)
+            self.groups[it.group].head_mem -= np.asarray(kept, dtype=float)
 
     def _exact(self, node, what: str, choices: list, want) -> list:
         want = tuple(want)
@@ -237,6 +253,12 @@ class Builder:
             idx = [i for i, s in enumerate(strategies) if s in keep]
             strategies, cost, tr, stash = kept, [cost[i] for i in idx], [tr[i] for i in idx], [stash[i] for i in idx]
             place = [s.out for s in strategies]
+        if it in self.facts.head and any(grads := [o in self.rg for o in tensor_operands(node)]):
+            # a head op's backward runs while all forward saved is alive: its gradients are a
+            # working set of that moment, as the loss's copies are (the larger of the two)
+            back = self._shared_result(("head-grads", id(strategies), it.signature),
+                                       lambda: grad_bytes(node, strategies, self.mesh, grads))
+            tr = [max(a, b) for a, b in zip(tr, back)]
         replayed = self.recompute and it in self.facts.layer_items
         if replayed:  # its forward runs again in backward; what it keeps lives only during its layer's
             fwd = self._shared_result(("replay", it.signature, id(strategies)), lambda: [timer.forward(s) for s in strategies])
@@ -244,6 +266,8 @@ class Builder:
         self._open_group(it, strategies, cost, [0.0] * len(stash) if replayed else stash, tr)  # (the op's own
         self.place[it] = place                                                 # saved blocks: forward memory)
         self.timers[it.group] = timer
+        if it in self.facts.head:
+            self.groups[it.group].head_mem += self._weight_grad_bytes(it, strategies)
         if it in self.facts.last_layer:
             self.groups[it.group].bwd_mem += self._weight_grad_bytes(it, strategies)
             self.groups[it.group].bwd_transient = list(tr)
@@ -415,6 +439,29 @@ class Builder:
                     rmap, cmap, table = _merge_classes(len(ukeys), len(vkeys), table)
                     out.append(Edge(src.group, dst.group, tuple([rmap[c] for c in ucls]),
                                     tuple([cmap[c] for c in vcls]), table))
+        return out
+
+    def _head_reduction_edges(self) -> list[Edge]:
+        """The head phase's memory edges (``Problem.head_edges``): per parameter a head op
+        reads and that needs a gradient, the buffers its gradient's reduction holds while in
+        flight (``costs.grad_reduction_bytes``), by the pair of its stored placement and the
+        placement (and work split) its reader reads it in."""
+        staging = self.cm.cluster.gather_staging
+        out = []
+        for src, dst, i in self.facts.edge_uses:
+            if (src.kind != "param" or dst.kind != "decision" or dst not in self.facts.head
+                    or src.node not in self.rg):
+                continue  # (a derived head op, planned through its operand's group: not charged)
+            val = src.node.meta["val"]
+            nbytes = val.numel() * val.element_size()
+            stored, strategies = self.place[src], self.groups[dst.group].strategies
+            reads = sorted({(s.ins[i], s.split_axes()) for s in strategies})
+            rcls = {r: k for k, r in enumerate(reads)}
+            table = {(pc, qc): int(round(grad_reduction_bytes(p, q, sp, nbytes, self.mesh, staging)))
+                     for pc, p in enumerate(stored) for qc, (q, sp) in enumerate(reads)}
+            if any(table.values()):
+                out.append(Edge(src.group, dst.group, tuple(range(len(stored))),
+                                tuple(rcls[(s.ins[i], s.split_axes())] for s in strategies), table))
         return out
 
     def _edges_of(self, src: Item, dst: Item, i: int):
@@ -622,6 +669,7 @@ class Builder:
                 [self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)) for p in place]))
             self.groups[it.group].mem += saved[it] * local
             self.groups[it.group].bwd_mem += (f.replay_saved[it] if self.recompute else 0) * local - head[it] * local
+            self.groups[it.group].head_mem -= head[it] * local
 
     # ---------------------------------------------------------------- build
     def build(self, budget: float | None, edges: bool = True) -> Problem:
@@ -649,10 +697,14 @@ class Builder:
                        bwd_mem=[np.rint(g.bwd_mem).astype(np.int64).tolist() for g in self.groups],
                        mem_edges=self._regather_edges() if edges else [],
                        bwd_transient=[[int(round(t)) for t in (g.bwd_transient or [0.0] * len(g.transient))]
-                                      for g in self.groups])
+                                      for g in self.groups],
+                       head_mem=[np.rint(g.head_mem).astype(np.int64).tolist() for g in self.groups]
+                       if self.facts.head else None,
+                       head_edges=self._head_reduction_edges() if edges else [])
 
     def add_memory_edges(self, problem: Problem) -> Problem:
         problem.mem_edges = self._regather_edges()
+        problem.head_edges = self._head_reduction_edges()
         return problem
 
     def add_edges(self, problem: Problem) -> Problem:

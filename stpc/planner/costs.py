@@ -275,6 +275,43 @@ def transient_bytes(node, strategies, mesh, memory: MemoryModel) -> list[float]:
     return sizes
 
 
+def grad_bytes(node, strategies, mesh, grads) -> list[float]:
+    """Per strategy, the gradients the op's backward computes for its operands that need one
+    (``grads``: per tensor operand), each at the placement the op reads it in: the working
+    set of a head op's backward beyond what forward saved (its output's gradient takes the
+    place of what the loss saved and its backward freed)."""
+    ops = tensor_operands(node)
+    sizes = [o.meta["val"].numel() * o.meta["val"].element_size() for o in ops]
+    return [sum(nb / shard_factor(p, mesh) for nb, p, g in zip(sizes, s.ins, grads) if g) for s in strategies]
+
+
+def grad_reduction_bytes(stored, read, split_axes, nbytes: float, mesh, staging: int) -> float:
+    """Bytes the runtime holds to reduce a parameter's gradient, beyond the gradient its
+    reader computed (at ``read``, the placement the reader reads it in), while that
+    reduction is in flight; the parameter is stored at ``stored``, ``nbytes`` whole.
+
+    * stored split on one axis and read whole there, alike elsewhere (ZeRO / FSDP,
+      ``passes.prefetch_params``: its layer's gradients reduce-scattered in one collective):
+      the gradient laid out rank-major (``runtime.param_gather._rank_major``), the
+      backend's staging copy of it (``staging``, ``Cluster.gather_staging``: gloo 1 — the
+      fidelity bench's ag_rs plan holds 72 MiB in ``_GatherWaitBackward`` for a 32 MiB head
+      weight on 4 ranks: 32 + 32 + 8 — NCCL 0) and the reduced shard;
+    * stored and read replicated on an axis the reader splits its work on (data
+      parallelism, ``runtime.GradReducer``): the gradient's copy in its bucket;
+    * otherwise nothing: a gradient read as stored is complete, and a parameter gathered
+      over several axes is reduced by a chain of collectives whose buffers this leaves out
+      (a named simplification)."""
+    if any(m > 1 and read[a] != REPLICATE and read[a] != stored[a] for a, m in enumerate(mesh)):
+        return 0.0
+    grad = nbytes / shard_factor(read, mesh)
+    differ = [a for a, m in enumerate(mesh) if m > 1 and stored[a] != read[a]]
+    if len(differ) == 1 and stored[differ[0]] != REPLICATE:
+        return grad * (1 + staging) + grad / mesh[differ[0]]
+    if not differ and any(m > 1 and read[a] == REPLICATE and split_axes[a] for a, m in enumerate(mesh)):
+        return grad
+    return 0.0
+
+
 def stash_bytes(node, strategies, mesh, needs_grad: bool) -> list[float]:
     """Per strategy, what the op itself keeps for backward beyond the tensors the graph
     saves (``analysis.saved_bases``, charged to their owners): P(2^k x 2^k) keeps the last
@@ -299,4 +336,4 @@ def kept_gathered_bytes(val, placement, mesh, axes) -> float:
     return val.numel() * val.element_size() / rest
 
 
-__all__ = ["WORKING_COPIES", "param_copy_phases", "kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]
+__all__ = ["grad_bytes", "grad_reduction_bytes", "WORKING_COPIES", "param_copy_phases", "kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]

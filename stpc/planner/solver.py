@@ -23,6 +23,10 @@ CP-SAT model
                                                      group, the max)
           sum step_mem[g,c] x[g,c] + S <= budget     (the optimizer step; S >= the chosen
           step_transient of every group, the max)
+          sum (mem + head_mem)[g,c] x[g,c] + sum head[k,p,q] h[k,p,q] <= budget
+                                                     (the head's gradients reduced, before the
+                                                     last layer's backward; h: the transport
+                                                     variables of the head's memory edges)
   w[s,K]  integer per share s and key K: a reshard one producer's consumers share,
           paid once (``stpc.planner.sharing``)
   minimise sum cost[g,c] x[g,c] + sum cost[k,p,q] e[k,p,q] + sum w[s,K]
@@ -74,6 +78,14 @@ class Problem:
     bwd_mem: list[list[int]] | None = None
     mem_edges: list[Edge] = field(default_factory=list)
     bwd_transient: list[list[int]] | None = None
+    # The fourth, the head's gradients being reduced (its backward done, the last layer's not
+    # begun): the end of forward's ``mem``, plus per group and choice ``head_mem`` (what the
+    # head's backward freed, negative, and the gradients it computed, at the placement they
+    # were computed in) and per pair of choices ``head_edges`` (bytes: a gradient's reduction
+    # buffers, held by the pair of a parameter's placement and its reader's); None / []: no
+    # such phase.
+    head_mem: list[list[int]] | None = None
+    head_edges: list[Edge] = field(default_factory=list)
 
     def __post_init__(self):
         n = [len(c) for c in self.cost]
@@ -96,11 +108,19 @@ class Problem:
     def has_bwd_phase(self) -> bool:
         return self.bwd_mem is not None or bool(self.mem_edges)
 
-    def phase_peaks(self, choice: list[int]) -> tuple[int, int, int]:
-        """(end-of-forward, last layer's backward, optimizer-step) peak bytes of a full
-        assignment (0 for a phase the problem does not have)."""
+    @property
+    def has_head_phase(self) -> bool:
+        return self.head_mem is not None or bool(self.head_edges)
+
+    def phase_peaks(self, choice: list[int]) -> tuple[int, int, int, int]:
+        """(end-of-forward, head's gradient reduction, last layer's backward, optimizer-step)
+        peak bytes of a full assignment (0 for a phase the problem does not have)."""
         held = sum(self.mem[g][c] for g, c in enumerate(choice))
         fwd = held + max((self.transient[g][c] for g, c in enumerate(choice)), default=0)
+        head = 0
+        if self.has_head_phase:
+            head = held + (sum(self.head_mem[g][c] for g, c in enumerate(choice)) if self.head_mem is not None else 0)
+            head += sum(e.table.get((e.ucls[choice[e.u]], e.vcls[choice[e.v]]), 0) for e in self.head_edges)
         bwd = 0
         if self.has_bwd_phase:
             bwd = held + max((self.backward_transient[g][c] for g, c in enumerate(choice)), default=0)
@@ -109,7 +129,7 @@ class Problem:
         step = sum(self.step_mem[g][c] for g, c in enumerate(choice)) if self.step_mem is not None else 0
         if self.step_transient is not None:
             step += max((self.step_transient[g][c] for g, c in enumerate(choice)), default=0)
-        return fwd, bwd, step
+        return fwd, head, bwd, step
 
     def evaluate(self, choice: list[int]) -> tuple[int, int]:
         """(objective ns, peak bytes) of a full assignment: the peak of either phase."""
@@ -124,12 +144,15 @@ class Problem:
         memory edges restricted alike)."""
         def sub(rows):
             return None if rows is None else [[r[c] for c in k] for r, k in zip(rows, keep)]
-        mem_edges = [Edge(e.u, e.v, tuple(e.ucls[c] for c in keep[e.u]), tuple(e.vcls[c] for c in keep[e.v]),
-                          e.table) for e in self.mem_edges]
+        def sub_edges(es):
+            return [Edge(e.u, e.v, tuple(e.ucls[c] for c in keep[e.u]), tuple(e.vcls[c] for c in keep[e.v]), e.table)
+                    for e in es]
         return Problem(cost=sub(self.cost), mem=sub(self.mem), transient=sub(self.transient), edges=edges,
                        budget=self.budget, cap=self.cap, shares=self.shares if shares is None else shares,
                        step_mem=sub(self.step_mem), step_transient=sub(self.step_transient),
-                       bwd_mem=sub(self.bwd_mem), mem_edges=mem_edges, bwd_transient=sub(self.bwd_transient))
+                       bwd_mem=sub(self.bwd_mem), mem_edges=sub_edges(self.mem_edges),
+                       bwd_transient=sub(self.bwd_transient), head_mem=sub(self.head_mem),
+                       head_edges=sub_edges(self.head_edges))
 
 
 @dataclass
@@ -203,9 +226,17 @@ def _build(p: Problem, minimise_memory: bool):
         phases.append(_phase_memory(m, x, p.mem, p.backward_transient, "bwd_transient", p.bwd_mem) + sum(extra) + c0)
     if p.has_step_phase:
         phases.append(_phase_memory(m, x, p.step_mem, p.step_transient, "step_transient"))
+    if p.has_head_phase:
+        extra, c0 = [], 0
+        for k, e in enumerate(p.head_edges):
+            terms, c, _ = _pair_terms(m, x, e, f"h{k}")
+            extra += terms
+            c0 += c
+        phases.append(_phase_memory(m, x, p.mem, None, "head", p.head_mem) + sum(extra) + c0)
     if minimise_memory:
-        top = sum(sum(max(r) for r in rows) for rows in _memory_rows(p))
-        peak = m.NewIntVar(0, top + sum(max(e.table.values(), default=0) for e in p.mem_edges), "peak")
+        top = sum(sum(max(0, max(r)) for r in rows) for rows in _memory_rows(p))  # (head_mem may be negative)
+        top += sum(max(e.table.values(), default=0) for e in (*p.mem_edges, *p.head_edges))
+        peak = m.NewIntVar(0, top, "peak")
         for ph in phases:
             m.Add(peak >= ph)
         m.Minimize(peak)
@@ -246,7 +277,8 @@ def _pair_terms(m, x, e: Edge, name: str):
 
 
 def _memory_rows(p: Problem) -> list:
-    return [r for r in (p.mem, p.transient, p.bwd_mem, p.bwd_transient, p.step_mem, p.step_transient) if r is not None]
+    return [r for r in (p.mem, p.transient, p.bwd_mem, p.bwd_transient, p.step_mem, p.step_transient, p.head_mem)
+            if r is not None]
 
 
 def _phase_memory(m, x, summed, maxed, name: str, also=None):
@@ -282,7 +314,7 @@ def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int
     in_share = {g for s in p.shares for g in (s.u, *s.vs)}  # (their costs are not pairwise: kept whole)
     for _ in range(rounds):
         incident = [[] for _ in p.cost]
-        for e in (*p.edges, *p.mem_edges):  # (time and memory tables alike: no worse for any neighbour)
+        for e in (*p.edges, *p.mem_edges, *p.head_edges):  # (time and memory tables alike: no worse for any neighbour)
             incident[e.u].append(e)
             if e.v != e.u:
                 incident[e.v].append(e)
@@ -439,7 +471,7 @@ def min_memory(p: Problem, time_limit_s: float = 60.0) -> int:
     answer is the best ``t`` among the transients that occur. With the last layer's
     backward or the optimizer step too, the peak is the largest of several sums, and
     CP-SAT minimises it (a model of the groups and the memory edges alone, no time: small)."""
-    if p.has_step_phase or p.has_bwd_phase:
+    if p.has_step_phase or p.has_bwd_phase or p.has_head_phase:
         return _min_peak_phases(p, time_limit_s)
     return _min_forward_peak(p)
 
@@ -457,13 +489,15 @@ def min_memory_bound(p: Problem) -> int:
         if p.step_transient is not None:
             step += max(min(t) for t in p.step_transient)
         bounds.append(step)
+    if p.head_mem is not None:
+        bounds.append(sum(min(a + b for a, b in zip(r, e)) for r, e in zip(p.mem, p.head_mem)))
     return max(bounds)
 
 
 def _min_peak_phases(p: Problem, time_limit_s: float) -> int:
     q = Problem(cost=[[0] * len(c) for c in p.cost], mem=p.mem, transient=p.transient,
                 step_mem=p.step_mem, step_transient=p.step_transient, bwd_mem=p.bwd_mem, mem_edges=p.mem_edges,
-                bwd_transient=p.bwd_transient)
+                bwd_transient=p.bwd_transient, head_mem=p.head_mem, head_edges=p.head_edges)
     m, x, _ = _build(q, minimise_memory=True)
     solver = _solver(time_limit_s)
     status = solver.Solve(m)

@@ -336,7 +336,7 @@ def _breakdown(sv: Solved) -> dict:
         head_act += head[it] * local
     transient = max((p.transient[g][c] for g, c in enumerate(ch)), default=0)
     bwd_transient = max((p.backward_transient[g][c] for g, c in enumerate(ch)), default=0)
-    forward_peak, backward_peak, step_peak = p.phase_peaks(ch)
+    forward_peak, head_peak, backward_peak, step_peak = p.phase_peaks(ch)
     return {"step_s": step_s, "compute_s": compute, "optimizer_step_s": optimizer_step, "exposed_s": exposed, "hidden_s": ring_hidden + param_hidden,
             "exposed_reshard_s": other_edges + gathers, "exposed_ring_s": ring_exposed,
             "exposed_param_sync_s": param_real, "overlap_slowdown_s": slowdown,
@@ -346,6 +346,8 @@ def _breakdown(sv: Solved) -> dict:
             "backward_transient_bytes": float(bwd_transient) if p.has_bwd_phase else 0.0,
             "forward_peak_bytes": float(forward_peak), "step_peak_bytes": float(step_peak),
             "backward_peak_bytes": float(backward_peak),  # (0: a problem without that phase)
+            # the head's gradients reduced, its backward done (0: a problem without that phase)
+            "head_backward_peak_bytes": float(head_peak),
             # the gradients the end of forward holds (0: zero_grad frees them, MemoryModel.grads_at_forward)
             "forward_grad_bytes": grad if b.memory.grads_at_forward else 0.0,
             "kept_weight_bytes": kept,  # (part of activation_bytes)
@@ -475,8 +477,9 @@ def _why(plan, name: str, deadline: float) -> str:
 
 
 def _peak_phase(bd: dict) -> str:
-    phases = {"end of forward": bd["forward_peak_bytes"], "last layer's backward": bd.get("backward_peak_bytes", 0.0),
-              "optimizer step": bd["step_peak_bytes"]}
+    phases = {"end of forward": bd["forward_peak_bytes"],
+              "head's gradient reduction": bd.get("head_backward_peak_bytes", 0.0),
+              "last layer's backward": bd.get("backward_peak_bytes", 0.0), "optimizer step": bd["step_peak_bytes"]}
     return max(phases, key=phases.get)
 
 
@@ -533,6 +536,9 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
                 f"  optimizer scratch {_bytes(bd['step_scratch_bytes']):>9}  the optimizer step's temporaries",
                 f"  end of forward {_bytes(bd['forward_peak_bytes']):>12}  parameters + optimizer + activations + "
                 "transient" + (" + gradients" if bd.get("forward_grad_bytes") else " (zero_grad freed the gradients)"),
+                f"  head's gradients {_bytes(bd.get('head_backward_peak_bytes', 0.0)):>10}  the end of forward less "
+                "what the head saved (and its weights kept whole) + the gradients the head computed, at the placement "
+                "it read them in + the buffers reducing them",
                 f"  last layer's backward {_bytes(bd.get('backward_peak_bytes', 0.0)):>5}  the end of forward with "
                 "that layer's largest working set for the transient + the gradients the head and the last layer "
                 "compute + ZeRO-3 weights gathered again for it",
