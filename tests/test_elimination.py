@@ -308,3 +308,21 @@ def test_the_head_phase_frees_what_the_head_saved_and_binds_through_its_reductio
     with pytest.raises(InfeasibleBudget) as err:
         solve(p)
     assert err.value.min_budget == min_memory(p)
+
+
+def test_a_saved_tensor_edge_lowers_every_phase_that_holds_activations():
+    # group 0 produces a tensor of 40 bytes (in mem) that group 1 alone saves; group 1's
+    # choice 1 keeps its own blocks instead (5 bytes, in its mem): the pair (any, 1) holds -40
+    saved = Edge(0, 1, (0,), (0, 1), {(0, 1): -40})
+    p = Problem(cost=[[1], [1, 3]], mem=[[40], [0, 5]], transient=[[0], [10, 10]], bwd_mem=[[0], [7, 7]],
+                head_mem=[[0], [2, 2]], step_mem=[[20], [0, 0]], saved_edges=[saved])
+    assert p.phase_peaks([0, 0]) == (50, 42, 57, 20)
+    assert p.phase_peaks([0, 1]) == (15, 7, 22, 20)   # (the optimizer step holds no activations)
+    p.budget = 30
+    sol = solve(p)
+    assert sol.choice == [0, 1] and sol.peak_bytes == 22
+    assert min_memory(p) == 22 and min_memory_bound(p) <= 22
+    p.budget = 21
+    with pytest.raises(InfeasibleBudget) as err:
+        solve(p)
+    assert err.value.min_budget == 22

@@ -147,9 +147,17 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
         if plan.nodes[t.name].role in ("const", "param"):
             continue
         b = _nbytes(t.meta["val"], plan.nodes[t.name].out, mesh)
+        head_only = all(o.name in head for o in by)
+        (saver,) = by if len(by) == 1 else (None,)
+        if (saver is not None and not head_only and t in tensor_operands(saver)
+                and plan.nodes[saver.name].kind == "p2x2"):
+            continue  # its one saver, a P(2x2) op, keeps its received blocks instead
         act += b
-        if all(o.name in head for o in by):
+        if head_only:
             head_act += b
+    for name, np_ in plan.nodes.items():  # ... which are P(2x2)'s own: one block of x and of w
+        if np_.role == "decision" and np_.kind == "p2x2" and nodes[name] in rg:
+            act += sum(_nbytes(o.meta["val"], p, mesh) for o, p in list(zip(tensor_operands(nodes[name]), np_.ins))[:2])
     trans = trans_last = 0  # the largest working set of any op; of the last layer's (all, without layers)
     for name, np_ in plan.nodes.items():
         if np_.role != "decision":
@@ -330,6 +338,31 @@ def test_a_zero3_head_peaks_while_its_gradients_are_reduced():
     dp = make_plan("gpt-tiny", "4", "dp", 4, 16, vocab=8192)
     assert breakdown(dp)["head_backward_peak_bytes"] > 0
     assert recompute_peak(tg, dp) == pytest.approx(dp.peak_memory_bytes, rel=1e-6)
+
+
+def test_a_tensor_only_a_p2x2_op_saves_is_not_held():
+    # every linear P(2x2) on an axis of 4: the norm before the MLP and GELU's output are read
+    # by one linear each, which keeps its received blocks (its stashes) instead of its input;
+    # the norm before attention feeds q, k and v and stays charged (a named simplification)
+    tg = _meta_trace("gpt-tiny", batch=4, seq=16, bias=False)
+    forced = Hints(force=[(r"^linear", lambda s: s.kind == "p2x2")])
+    plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=forced)
+    assert all(n.kind == "p2x2" for k, n in plan.nodes.items() if k.startswith("linear"))
+    p = plan.solved.problem
+    assert p.saved_edges  # (one edge per tied tensor: the MLP's norm, GELU)
+    credit = -sum(e.table.get((e.ucls[plan.solved.choice[e.u]], e.vcls[plan.solved.choice[e.v]]), 0)
+                  for e in p.saved_edges)
+    facts = analyse(tg)
+    saved = {t.name for t in saved_savers(tg.graph, facts.rg, facts.params)}
+    gelus = [n for n in tg.graph.nodes if n.target is torch.ops.aten.gelu.default]
+    assert gelus and all(g.name in saved for g in gelus)
+    one = _nbytes(gelus[0].meta["val"], plan.nodes[gelus[0].name].out, (4,))
+    assert credit >= len(gelus) * one > 0
+    assert recompute_peak(tg, plan) == pytest.approx(plan.peak_memory_bytes, rel=1e-6)
+    # the same tensors under a spatial plan are held
+    spatial = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=Hints(temporal=False))
+    assert all(e.table.get((e.ucls[spatial.solved.choice[e.u]], e.vcls[spatial.solved.choice[e.v]]), 0) == 0
+               for e in spatial.solved.problem.saved_edges)
 
 
 def test_a_zero3_plan_peaks_in_the_last_layers_backward():

@@ -45,8 +45,15 @@ def problems(draw, with_budget=False):
             u, v = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))
             ucls, vcls = tuple(range(k[u])), tuple(range(k[v]))
             head_edges.append(Edge(u, v, ucls, vcls, {(p, q): draw(st.integers(0, 15)) for p in ucls for q in vcls}))
+    saved_edges = []
+    for _ in range(draw(st.integers(0, 2))):  # a saved tensor its one saver may not keep: negative
+        u, v = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))
+        ucls, vcls = tuple(range(k[u])), tuple(draw(st.integers(0, 1)) for _ in range(k[v]))
+        saved_edges.append(Edge(u, v, ucls, vcls, {(p, 1): -draw(st.integers(0, min(mem[u]) if u != v else 0))
+                                                   for p in ucls}))
     return Problem(cost=cost, mem=mem, transient=tr, edges=edges, budget=budget, bwd_mem=bwd_mem,
-                   mem_edges=mem_edges, bwd_transient=bwd_tr, head_mem=head_mem, head_edges=head_edges)
+                   mem_edges=mem_edges, bwd_transient=bwd_tr, head_mem=head_mem, head_edges=head_edges,
+                   saved_edges=saved_edges)
 
 
 @pytest.mark.parametrize("method", ["auto", "cpsat"])

@@ -214,6 +214,8 @@ class GraphFacts:
     edge_uses: Counter             # (producer Item, decision Item, operand index) -> count, one per consumer
     saved_uses: Counter            # Item owning a tensor kept for backward -> count
     head_saved: Counter = field(default_factory=Counter)  # of those, saved by head ops only -> count
+    # of those, saved by one op alone that reads it as an operand: Item -> (that op's Item, operand index)
+    sole_saver: dict = field(default_factory=dict)
     num_groups: int = 0
     group_items: list = field(default_factory=list)  # group -> the Item that opened it
     shared: list = field(default_factory=list)       # SharedRead: decision inputs paid once per placement
@@ -245,6 +247,9 @@ class GraphFacts:
                 f.saved_uses[it] += 1
                 if by <= head_nodes:  # freed by the head's backward, before the last layer's began
                     f.head_saved[it] += 1
+                saver = next(iter(by))
+                if len(by) == 1 and t in f._operands.get(saver, ()) and f.node_item.get(saver) is not None:
+                    f.sole_saver[it] = (f.node_item[saver], f._operands[saver].index(t))
         f._recompute_facts(graph, head_nodes)
         return f
 

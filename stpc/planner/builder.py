@@ -441,6 +441,33 @@ class Builder:
                                     tuple([cmap[c] for c in vcls]), table))
         return out
 
+    def _saved_edges(self) -> list[Edge]:
+        """Memory edges of the tensors forward saves (``Problem.saved_edges``): a tensor kept
+        for backward only because one op saves it, and that op under a P(2^k x 2^k) strategy
+        keeps the blocks its ring received instead (``stpc::primepar_linear``'s stashes,
+        ``costs.stash_bytes``; the fidelity bench's p2x2 plan measured its norms' and GELU's
+        outputs not kept), is not held: its bytes at its producer's placement, taken off
+        where its saver takes such a strategy. (A tensor several ops save, such as the norm
+        before q, k and v, stays charged whatever they take: a named simplification.) Not
+        under recomputation, nor for what only the head saves (its phases free it anyway)."""
+        if self.recompute:
+            return []
+        f, out = self.facts, []
+        for it, (saver, i) in f.sole_saver.items():
+            if it not in f.saved_uses or f.head_saved[it] or saver.kind != "decision" or saver.group == it.group:
+                continue
+            strategies = self.groups[saver.group].strategies
+            keeps_blocks = tuple(int(s.kind == "p2x2") for s in strategies)
+            if not any(keeps_blocks):
+                continue
+            val = it.node.meta["val"]
+            nbytes = val.numel() * val.element_size()
+            place = self.place[it]
+            table = {(pc, 1): -int(round(f.saved_uses[it] * self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh))))
+                     for pc, p in enumerate(place)}
+            out.append(Edge(it.group, saver.group, tuple(range(len(place))), keeps_blocks, table))
+        return out
+
     def _head_reduction_edges(self) -> list[Edge]:
         """The head phase's memory edges (``Problem.head_edges``): per parameter a head op
         reads and that needs a gradient, the buffers its gradient's reduction holds while in
@@ -700,11 +727,13 @@ class Builder:
                                       for g in self.groups],
                        head_mem=[np.rint(g.head_mem).astype(np.int64).tolist() for g in self.groups]
                        if self.facts.head else None,
-                       head_edges=self._head_reduction_edges() if edges else [])
+                       head_edges=self._head_reduction_edges() if edges else [],
+                       saved_edges=self._saved_edges() if edges else [])
 
     def add_memory_edges(self, problem: Problem) -> Problem:
         problem.mem_edges = self._regather_edges()
         problem.head_edges = self._head_reduction_edges()
+        problem.saved_edges = self._saved_edges()
         return problem
 
     def add_edges(self, problem: Problem) -> Problem:

@@ -23,6 +23,8 @@ CP-SAT model
                                                      group, the max)
           sum step_mem[g,c] x[g,c] + S <= budget     (the optimizer step; S >= the chosen
           step_transient of every group, the max)
+          (in each phase that holds activations, + sum saved[k,p,q] s[k,p,q]: a saved tensor
+          its one saver does not keep, negative)
           sum (mem + head_mem)[g,c] x[g,c] + sum head[k,p,q] h[k,p,q] <= budget
                                                      (the head's gradients reduced, before the
                                                      last layer's backward; h: the transport
@@ -86,6 +88,10 @@ class Problem:
     # such phase.
     head_mem: list[list[int]] | None = None
     head_edges: list[Edge] = field(default_factory=list)
+    # Per pair of choices, bytes held from the end of forward through backward (in every phase
+    # but the optimizer step), beside ``mem``: negative where a saved tensor's only saver, under
+    # its choice, keeps its own blocks instead (``Builder._saved_edges``).
+    saved_edges: list[Edge] = field(default_factory=list)
 
     def __post_init__(self):
         n = [len(c) for c in self.cost]
@@ -116,6 +122,7 @@ class Problem:
         """(end-of-forward, head's gradient reduction, last layer's backward, optimizer-step)
         peak bytes of a full assignment (0 for a phase the problem does not have)."""
         held = sum(self.mem[g][c] for g, c in enumerate(choice))
+        held += sum(e.table.get((e.ucls[choice[e.u]], e.vcls[choice[e.v]]), 0) for e in self.saved_edges)
         fwd = held + max((self.transient[g][c] for g, c in enumerate(choice)), default=0)
         head = 0
         if self.has_head_phase:
@@ -152,7 +159,7 @@ class Problem:
                        step_mem=sub(self.step_mem), step_transient=sub(self.step_transient),
                        bwd_mem=sub(self.bwd_mem), mem_edges=sub_edges(self.mem_edges),
                        bwd_transient=sub(self.bwd_transient), head_mem=sub(self.head_mem),
-                       head_edges=sub_edges(self.head_edges))
+                       head_edges=sub_edges(self.head_edges), saved_edges=sub_edges(self.saved_edges))
 
 
 @dataclass
@@ -216,14 +223,21 @@ def _build(p: Problem, minimise_memory: bool):
     if p.budget is None and not minimise_memory:  # memory does not constrain: skip its rows
         m.Minimize(sum(obj) + const)
         return m, x, n_edge_vars
-    phases = [_phase_memory(m, x, p.mem, p.transient, "transient")]
+    saved, c_saved = [], 0  # (one expression, in every phase that holds the saved tensors)
+    for k, e in enumerate(p.saved_edges):
+        terms, c, _ = _pair_terms(m, x, e, f"s{k}")
+        saved += terms
+        c_saved += c
+    held = sum(saved) + c_saved
+    phases = [_phase_memory(m, x, p.mem, p.transient, "transient") + held]
     if p.has_bwd_phase:
         extra, c0 = [], 0
         for k, e in enumerate(p.mem_edges):
             terms, c, _ = _pair_terms(m, x, e, f"f{k}")
             extra += terms
             c0 += c
-        phases.append(_phase_memory(m, x, p.mem, p.backward_transient, "bwd_transient", p.bwd_mem) + sum(extra) + c0)
+        phases.append(_phase_memory(m, x, p.mem, p.backward_transient, "bwd_transient", p.bwd_mem) + sum(extra) + c0
+                      + held)
     if p.has_step_phase:
         phases.append(_phase_memory(m, x, p.step_mem, p.step_transient, "step_transient"))
     if p.has_head_phase:
@@ -232,7 +246,7 @@ def _build(p: Problem, minimise_memory: bool):
             terms, c, _ = _pair_terms(m, x, e, f"h{k}")
             extra += terms
             c0 += c
-        phases.append(_phase_memory(m, x, p.mem, None, "head", p.head_mem) + sum(extra) + c0)
+        phases.append(_phase_memory(m, x, p.mem, None, "head", p.head_mem) + sum(extra) + c0 + held)
     if minimise_memory:
         top = sum(sum(max(0, max(r)) for r in rows) for rows in _memory_rows(p))  # (head_mem may be negative)
         top += sum(max(e.table.values(), default=0) for e in (*p.mem_edges, *p.head_edges))
@@ -314,7 +328,7 @@ def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int
     in_share = {g for s in p.shares for g in (s.u, *s.vs)}  # (their costs are not pairwise: kept whole)
     for _ in range(rounds):
         incident = [[] for _ in p.cost]
-        for e in (*p.edges, *p.mem_edges, *p.head_edges):  # (time and memory tables alike: no worse for any neighbour)
+        for e in (*p.edges, *p.mem_edges, *p.head_edges, *p.saved_edges):  # (time and memory tables alike)
             incident[e.u].append(e)
             if e.v != e.u:
                 incident[e.v].append(e)
@@ -471,33 +485,36 @@ def min_memory(p: Problem, time_limit_s: float = 60.0) -> int:
     answer is the best ``t`` among the transients that occur. With the last layer's
     backward or the optimizer step too, the peak is the largest of several sums, and
     CP-SAT minimises it (a model of the groups and the memory edges alone, no time: small)."""
-    if p.has_step_phase or p.has_bwd_phase or p.has_head_phase:
+    if p.has_step_phase or p.has_bwd_phase or p.has_head_phase or p.saved_edges:
         return _min_peak_phases(p, time_limit_s)
     return _min_forward_peak(p)
 
 
 def min_memory_bound(p: Problem) -> int:
     """A lower bound of :func:`min_memory`, cheap: each phase's own minimum (the memory
-    edges, never negative, left out)."""
-    fwd = _min_forward_peak(p)
+    edges that are never negative left out; the saved tensors' edges at their least)."""
+    # (a pair absent from a table holds 0)
+    saved = sum(min(0, min(e.table.values(), default=0)) for e in p.saved_edges)
+    fwd = _min_forward_peak(p) + saved
     bounds = [fwd]
     if p.bwd_mem is not None:
         tr = max(min(t) for t in p.backward_transient) if p.backward_transient else 0
-        bounds.append(sum(min(a + b for a, b in zip(r, e)) for r, e in zip(p.mem, p.bwd_mem)) + tr)
+        bounds.append(sum(min(a + b for a, b in zip(r, e)) for r, e in zip(p.mem, p.bwd_mem)) + tr + saved)
     if p.has_step_phase:
         step = sum(min(r) for r in p.step_mem) if p.step_mem is not None else 0
         if p.step_transient is not None:
             step += max(min(t) for t in p.step_transient)
         bounds.append(step)
     if p.head_mem is not None:
-        bounds.append(sum(min(a + b for a, b in zip(r, e)) for r, e in zip(p.mem, p.head_mem)))
+        bounds.append(sum(min(a + b for a, b in zip(r, e)) for r, e in zip(p.mem, p.head_mem)) + saved)
     return max(bounds)
 
 
 def _min_peak_phases(p: Problem, time_limit_s: float) -> int:
     q = Problem(cost=[[0] * len(c) for c in p.cost], mem=p.mem, transient=p.transient,
                 step_mem=p.step_mem, step_transient=p.step_transient, bwd_mem=p.bwd_mem, mem_edges=p.mem_edges,
-                bwd_transient=p.bwd_transient, head_mem=p.head_mem, head_edges=p.head_edges)
+                bwd_transient=p.bwd_transient, head_mem=p.head_mem, head_edges=p.head_edges,
+                saved_edges=p.saved_edges)
     m, x, _ = _build(q, minimise_memory=True)
     solver = _solver(time_limit_s)
     status = solver.Solve(m)

@@ -334,6 +334,8 @@ def _breakdown(sv: Solved) -> dict:
         local = b.memory.saved_bytes(val.numel() * val.element_size(), shard_factor(b.place[it][ch[it.group]], mesh))
         act += count * local
         head_act += head[it] * local
+    # (less the tensors whose only saver keeps its own blocks instead: ``Builder._saved_edges``)
+    act += sum(e.table.get((e.ucls[ch[e.u]], e.vcls[ch[e.v]]), 0) for e in p.saved_edges)
     transient = max((p.transient[g][c] for g, c in enumerate(ch)), default=0)
     bwd_transient = max((p.backward_transient[g][c] for g, c in enumerate(ch)), default=0)
     forward_peak, head_peak, backward_peak, step_peak = p.phase_peaks(ch)

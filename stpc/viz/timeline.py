@@ -69,6 +69,10 @@ def memory_timeline(plan, tg=None) -> dict:
         it = facts.node_item.get(t)
         if it is None or it.kind == "param" or not isinstance(t.meta.get("val"), torch.Tensor):
             continue
+        saver = facts.sole_saver.get(it)
+        if (saver is not None and not plan.stats.get("recompute") and not facts.head_saved[it]
+                and plan.nodes[saver[0].node.name].kind == "p2x2"):
+            continue  # (its one saver keeps its own blocks instead: ``Builder._saved_edges``)
         val = t.meta["val"]
         saved[t.name] = MemoryModel.saved_bytes(val.numel() * val.element_size(),
                                                 shard_factor(tuple(plan.nodes[t.name].out), mesh))
