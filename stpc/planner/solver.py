@@ -223,30 +223,15 @@ def _build(p: Problem, minimise_memory: bool):
     if p.budget is None and not minimise_memory:  # memory does not constrain: skip its rows
         m.Minimize(sum(obj) + const)
         return m, x, n_edge_vars
-    saved, c_saved = [], 0  # (one expression, in every phase that holds the saved tensors)
-    for k, e in enumerate(p.saved_edges):
-        terms, c, _ = _pair_terms(m, x, e, f"s{k}")
-        saved += terms
-        c_saved += c
-    held = sum(saved) + c_saved
+    held = _edge_sum(m, x, p.saved_edges, "s")  # (in every phase that holds the saved tensors)
     phases = [_phase_memory(m, x, p.mem, p.transient, "transient") + held]
     if p.has_bwd_phase:
-        extra, c0 = [], 0
-        for k, e in enumerate(p.mem_edges):
-            terms, c, _ = _pair_terms(m, x, e, f"f{k}")
-            extra += terms
-            c0 += c
-        phases.append(_phase_memory(m, x, p.mem, p.backward_transient, "bwd_transient", p.bwd_mem) + sum(extra) + c0
-                      + held)
+        phases.append(_phase_memory(m, x, p.mem, p.backward_transient, "bwd_transient", p.bwd_mem)
+                      + _edge_sum(m, x, p.mem_edges, "f") + held)
     if p.has_step_phase:
         phases.append(_phase_memory(m, x, p.step_mem, p.step_transient, "step_transient"))
     if p.has_head_phase:
-        extra, c0 = [], 0
-        for k, e in enumerate(p.head_edges):
-            terms, c, _ = _pair_terms(m, x, e, f"h{k}")
-            extra += terms
-            c0 += c
-        phases.append(_phase_memory(m, x, p.mem, None, "head", p.head_mem) + sum(extra) + c0 + held)
+        phases.append(_phase_memory(m, x, p.mem, None, "head", p.head_mem) + _edge_sum(m, x, p.head_edges, "h") + held)
     if minimise_memory:
         top = sum(sum(max(0, max(r)) for r in rows) for rows in _memory_rows(p))  # (head_mem may be negative)
         top += sum(max(e.table.values(), default=0) for e in (*p.mem_edges, *p.head_edges))
@@ -260,6 +245,16 @@ def _build(p: Problem, minimise_memory: bool):
                 m.Add(ph <= p.budget)
         m.Minimize(sum(obj) + const)
     return m, x, n_edge_vars
+
+
+def _edge_sum(m, x, edges: list[Edge], prefix: str):
+    """CP-SAT expression of the bytes (or ns) ``edges`` charge at the chosen pairs."""
+    terms, const = [], 0
+    for k, e in enumerate(edges):
+        t, c, _ = _pair_terms(m, x, e, f"{prefix}{k}")
+        terms += t
+        const += c
+    return sum(terms) + const
 
 
 def _pair_terms(m, x, e: Edge, name: str):
