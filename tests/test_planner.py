@@ -1,6 +1,7 @@
 """The planner: strategies, budget, determinism, hints, plans for the zoo."""
 import dataclasses
 import math
+import os
 import re
 import subprocess
 import sys
@@ -316,7 +317,7 @@ def test_a_zero3_head_peaks_while_its_gradients_are_reduced():
     # staging copy and the reduced shard, on top of everything forward saved (less what only
     # the head saved), make the peak; the fidelity bench's ag_rs plan measured it there
     from stpc.planner.costs import grad_reduction_bytes
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    sys.path.insert(0, os.path.dirname(__file__))
     from _multirank import make_plan
     plan = make_plan("gpt-tiny", "4", "zero", 4, 16, vocab=8192)
     bd = breakdown(plan)
@@ -327,7 +328,7 @@ def test_a_zero3_head_peaks_while_its_gradients_are_reduced():
     assert recompute_peak(tg, plan) == pytest.approx(plan.peak_memory_bytes, rel=1e-6)
     assert "the peak is the largest phase: the head's gradient reduction" in plan.summary()
     w = 8192 * 64 * 4  # the head's weight (gpt-tiny: d_model 64), whole
-    assert plan.nodes["p_lm_head_weight"].out == ["S0"] or plan.nodes["p_lm_head_weight"].out[0][0] == "S"
+    assert plan.nodes["p_lm_head_weight"].out[0][0] == "S"  # (stored split: ZeRO)
     assert grad_reduction_bytes(("S0",), ("R",), (True,), w, (4,), 1) == w * 2 + w / 4   # ZeRO on gloo
     assert grad_reduction_bytes(("S0",), ("R",), (True,), w, (4,), 0) == w + w / 4       # ... on NCCL
     assert grad_reduction_bytes(("R",), ("R",), (True,), w, (4,), 1) == w                # DP: the bucket

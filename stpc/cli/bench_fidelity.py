@@ -536,6 +536,8 @@ def contributors(r: dict) -> dict:
     prof = r["profiled"]
     mean = {k: statistics.mean(p[k] for p in prof) for k in ("gemm_s", "comm_s", "ring_s", "other_s", "forward_s",
                                                              "backward_s", "optimizer_s")}
+    # (the head's gradient reduction and the last layer's backward: both in backward)
+    backward = max(pp.get("backward_peak_bytes", 0.0), pp.get("head_backward_peak_bytes", 0.0))
     return {"state_predicted": state_pred, "state_measured": state_meas,
             "optimizer_predicted": pp.get("optimizer_bytes", 0), "optimizer_measured": w["optimizer_bytes"],
             "act_transient_predicted": pp.get("activation_bytes", 0) + pp.get("transient_bytes", 0),
@@ -544,11 +546,8 @@ def contributors(r: dict) -> dict:
             "forward_added_measured": w["forward_end_bytes"] - w["start_bytes"],
             "peak_phase": peak_phase, "phase_max": phase_max,
             "step_peak_predicted": pp.get("step_peak_bytes", 0.0), "forward_peak_predicted": pp.get("forward_peak_bytes", 0.0),
-            # (the head's gradient reduction and the last layer's backward: both in backward)
-            "backward_peak_predicted": max(pp.get("backward_peak_bytes", 0.0), pp.get("head_backward_peak_bytes", 0.0)),
-            "peak_phase_predicted": max((("forward", pp.get("forward_peak_bytes", 0.0)),
-                                         ("backward", max(pp.get("backward_peak_bytes", 0.0),
-                                                          pp.get("head_backward_peak_bytes", 0.0))),
+            "backward_peak_predicted": backward,
+            "peak_phase_predicted": max((("forward", pp.get("forward_peak_bytes", 0.0)), ("backward", backward),
                                          ("optimizer", pp.get("step_peak_bytes", 0.0))), key=lambda t: t[1])[0],
             "compute_predicted_s": pp.get("compute_s", 0.0) - pp.get("optimizer_step_s", 0.0),
             "optimizer_step_predicted_s": pp.get("optimizer_step_s", 0.0),
