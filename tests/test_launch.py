@@ -49,6 +49,17 @@ def _rank1_dies(rank, world_size):
     return rank
 
 
+def _rank1_segfaults_in_a_named_frame(rank, world_size):
+    import ctypes
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        ctypes.string_at(0)  # a native crash: SIGSEGV, as a faulty kernel would raise
+    dist.barrier()
+    return rank
+
+
 def test_free_port_is_bindable():
     import socket
 
@@ -97,6 +108,16 @@ def test_rank_dying_without_report_is_detected_quickly():
         spawn(_rank1_dies, 2, timeout_s=60)
     assert ei.value.rank == 1
     assert time.monotonic() - t0 < 30  # well before the 60 s deadline
+    assert multiprocessing.active_children() == []
+
+
+def test_a_rank_killed_by_a_signal_says_which_and_where():
+    with pytest.raises(SpawnError) as ei:
+        spawn(_rank1_segfaults_in_a_named_frame, 2, timeout_s=60)
+    tb = ei.value.remote_traceback
+    assert ei.value.rank == 1 and "code -11" in tb and "SIGSEGV" in tb
+    # faulthandler's stack of the crashing thread names the Python frame it died in
+    assert "_rank1_segfaults_in_a_named_frame" in tb, tb
     assert multiprocessing.active_children() == []
 
 

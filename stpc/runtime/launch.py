@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
 import os
 import pickle
 import queue as queue_mod
 import socket
+import shutil
+import signal
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -81,8 +85,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _fault_log(fault_dir: str, rank: int) -> str:
+    return os.path.join(fault_dir, f"rank{rank}.fault")
+
+
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
-            timeout_s: float, results: Any, backend: str, threads: int) -> None:
+            timeout_s: float, results: Any, backend: str, threads: int, fault_dir: str) -> None:
+    # A native crash (SIGSEGV in a kernel or a communication thread) kills the
+    # process before it can report; faulthandler writes every thread's Python
+    # stack to a file the parent reads, so the failure says where it happened.
+    fault_file = open(_fault_log(fault_dir, rank), "w")  # noqa: SIM115 - open until os._exit
+    faulthandler.enable(file=fault_file, all_threads=True)
     # Few threads per rank: ranks share the machine's cores, and OpenMP
     # oversubscription makes start-up and every matmul slower, not faster.
     initialised = False
@@ -168,6 +181,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    fault_dir = tempfile.mkdtemp(prefix="stpc-spawn-")
     procs = []
     # Children inherit the environment at start: OMP_NUM_THREADS must be set
     # before torch is imported there, which happens while unpickling fn.
@@ -178,13 +192,14 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
         for rank in range(world_size):
             p = ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, port, args, timeout_s, results, backend, threads),
+                args=(fn, rank, world_size, port, args, timeout_s, results, backend, threads, fault_dir),
                 name=f"stpc-rank{rank}",
             )
             p.start()
             procs.append(p)
     except BaseException:
         _kill_all(procs)
+        shutil.rmtree(fault_dir, ignore_errors=True)
         raise
     finally:
         for k, v in saved.items():
@@ -223,7 +238,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
                     if r in exited_quietly:
                         # a silent death is the likeliest root cause: peers fail
                         # through Python exceptions, which are reported
-                        failures[r] = (float("-inf"), f"process exited with code {p.exitcode} without reporting")
+                        failures[r] = (float("-inf"), _silent_death(r, p.exitcode, fault_dir))
                     else:
                         exited_quietly.add(r)
                 if failures and grace_end is None:
@@ -252,3 +267,21 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
         _kill_all(procs)
         results.close()
         results.join_thread()
+        shutil.rmtree(fault_dir, ignore_errors=True)
+
+
+def _silent_death(rank: int, exitcode: int, fault_dir: str) -> str:
+    """What a rank that died without reporting left behind: its exit code (a negative
+    one is the signal) and the stacks faulthandler wrote when it crashed."""
+    msg = f"process exited with code {exitcode} without reporting"
+    if exitcode < 0:
+        try:
+            msg += f" (killed by {signal.Signals(-exitcode).name})"
+        except ValueError:
+            pass
+    try:
+        with open(_fault_log(fault_dir, rank)) as f:
+            stacks = f.read().strip()
+    except OSError:
+        stacks = ""
+    return f"{msg}\n{stacks}" if stacks else msg
