@@ -108,6 +108,7 @@ def _run_cases(rank, world, cases):
     return results
 
 
+@pytest.mark.slow  # 20 s on 4 ranks; bench runtime's tiny end-to-end run stays in the default suite
 def test_torch_engines_train_like_one_device():
     per_rank = spawn(_run_cases, 4, CASES, timeout_s=240)
     layouts = [r["layout"] for r in per_rank[0][:-1]]

@@ -12,6 +12,7 @@ from stpc.cost_models import CostModel, get_cluster
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # 25 s of real measurements; the profile's use is tested on fixtures below
 def test_calibrate_two_ranks_smoke(tmp_path):
     out = str(tmp_path / "p.json")
     rc = main_calibrate(["--out", out, "--ranks", "2", "--sizes", "16K,64K,256K", "--iters", "2"])

@@ -12,11 +12,18 @@ from stpc.planner.solver import Edge, InfeasibleBudget, Problem, min_memory, min
 
 
 def _brute(unary, pairs):
-    best = None
-    for c in itertools.product(*(range(len(u)) for u in unary)):
-        v = sum(int(u[i]) for u, i in zip(unary, c)) + sum(int(m[c[a], c[b]]) for (a, b), m in pairs.items())
-        best = v if best is None else min(best, v)
-    return best
+    """The minimum over every joint choice, enumerated whole: the table of all of them built
+    by broadcasting (one axis per variable), each factor added along its own axes."""
+    n = len(unary)
+    total = np.zeros([len(u) for u in unary], dtype=np.int64)
+    for a, u in enumerate(unary):
+        total += np.asarray(u, dtype=np.int64).reshape([-1 if k == a else 1 for k in range(n)])
+    for (a, b), m in pairs.items():
+        m = np.asarray(m, dtype=np.int64) if a < b else np.asarray(m, dtype=np.int64).T  # axes in order
+        shape = [1] * n
+        shape[min(a, b)], shape[max(a, b)] = m.shape
+        total += m.reshape(shape)
+    return int(total.min())
 
 
 @st.composite

@@ -102,7 +102,7 @@ def _ring_then_fail(rank, world, plan_json, how):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("how", ["kill", "stall"])
+@pytest.mark.parametrize("how", ["kill", pytest.param("stall", marks=pytest.mark.slow)])
 def test_a_rank_that_dies_or_stalls_mid_ring_stops_the_others(how):
     plan = make_plan("llama-tiny", "4", "ag_rs", B, S).to_json()
     t0 = time.monotonic()

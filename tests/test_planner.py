@@ -594,7 +594,8 @@ def test_zoo_plans_on_4_to_64_devices(name):
             assert plan.modelled_step_time_s > 0
 
 
-@pytest.mark.parametrize("name,budget_frac", [("gpt-tiny", None), ("gpt-tiny", 0.35),
+@pytest.mark.parametrize("name,budget_frac", [("gpt-tiny", None),
+                                              pytest.param("gpt-tiny", 0.35, marks=pytest.mark.slow),
                                               pytest.param("llama-tiny", 0.5, marks=pytest.mark.slow)])
 def test_search_equals_cpsat_on_every_shape(name, budget_frac):
     """The search (bounds, elimination, CP-SAT only where the budget binds) finds the
