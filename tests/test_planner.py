@@ -104,11 +104,26 @@ def _head_extra(tg, plan, mesh, staging):
     return extra
 
 
+def _reaches_resharded(operand, read, plan) -> bool:
+    """Whether ``operand`` reaches its reader (at placement ``read``) through a reshard to a
+    split layout: its producer holds another placement and ``read`` is not all Replicate, or
+    a view on the way read its own input resharded (a follower that lists input placements:
+    the plan records ``ins`` only where it resharded to a split layout)."""
+    if list(plan.nodes[operand.name].out) != list(read) and any(t != "R" for t in read):
+        return True
+    node = operand
+    while plan.nodes[node.name].role == "follower":
+        if plan.nodes[node.name].ins:
+            return True
+        node = tensor_operands(node)[0]
+    return False
+
+
 def recompute_peak(tg, plan, layout="fp32-adam"):
     """Per-device peak from the plan's placements alone (not from solver variables): the
     largest of the end of forward, params + optimizer (a tied parameter once; zero_grad freed
     the gradients) + saved activations + the largest node working set (the loss's with two
-    logits copies), the last layer's backward (its own ops' largest working set instead
+    logits copies where the logits reach it resharded, else one), the last layer's backward (its own ops' largest working set instead
     of any op's, without the activations only the head's ops save, and ``_backward_extra``
     more, with the plan's cluster's gather_staging), the head's gradient reduction (the end of
     forward without its working set and what only the head saved, ``_head_extra`` more), and the
@@ -169,8 +184,10 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
         t += sum(_nbytes(o.meta["val"], p, mesh) for o, p in zip(ops, np_.ins))
         if np_.kind not in ("spatial", "replicate-fallback"):
             t += 2 * _nbytes(ops[0].meta["val"], np_.ins[0], mesh)
-        if n.target is torch.ops.aten.cross_entropy_loss.default:  # two logits copies (its backward's)
-            t += 2 * _nbytes(ops[0].meta["val"], np_.ins[0], mesh)
+        if n.target is torch.ops.aten.cross_entropy_loss.default:  # a logits copy (its backward's) ...
+            t += _nbytes(ops[0].meta["val"], np_.ins[0], mesh)
+            if _reaches_resharded(ops[0], np_.ins[0], plan):  # ... and one more behind a reshard
+                t += _nbytes(ops[0].meta["val"], np_.ins[0], mesh)
         if name in head:  # a head op's backward, all forward saved alive: its operands' gradients
             t = max(t, sum(_nbytes(o.meta["val"], p, mesh) for o, p in zip(ops, np_.ins) if o in rg))
         trans = max(trans, t)
@@ -273,10 +290,10 @@ def test_the_optimizer_step_is_the_peak_where_activations_are_small():
 
 def test_the_loss_working_set_holds_its_backwards_logits_copies():
     # The loss ends forward and starts backward with every saved activation alive: its
-    # working set there is its backward's, the logits and two logits-sized copies (the
-    # gradient beside the log-probabilities; costs.WORKING_COPIES). Data parallel on 4: each
-    # rank holds a quarter of the rows of the logits; with a vocabulary of 2048 (64 times the
-    # width), the loss is the largest working set.
+    # working set there is its backward's, the logits and a logits-sized copy (the gradient
+    # beside the log-probabilities; costs.WORKING_COPIES). Data parallel on 4: each rank
+    # holds a quarter of the rows of the logits, as computed (no reshard before the loss);
+    # with a vocabulary of 2048 (64 times the width), the loss is the largest working set.
     tg = _meta_trace("gpt-tiny", batch=8, seq=64, vocab=2048)
     plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=data_parallel((4,)))
     loss = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.cross_entropy_loss.default)
@@ -285,7 +302,32 @@ def test_the_loss_working_set_holds_its_backwards_logits_copies():
     local = [_nbytes(o.meta["val"], p, (4,)) for o, p in zip((logits, targets), np_.ins)]
     out = loss.meta["val"].numel() * loss.meta["val"].element_size()
     assert local[0] == logits.meta["val"].numel() // 4 * 4  # a quarter of the rows, fp32
+    assert not plan.solved.problem.transient_edges or all(
+        e.table.get((e.ucls[plan.solved.choice[e.u]], e.vcls[plan.solved.choice[e.v]]), 0) == 0
+        for e in plan.solved.problem.transient_edges)
+    assert breakdown(plan)["transient_bytes"] == pytest.approx(2 * local[0] + local[1] + out)
+
+
+def test_logits_resharded_into_the_loss_hold_one_copy_more():
+    # Megatron on 4: the head's logits come out split on the vocabulary, the loss reads them
+    # split on the rows; the reshard's dual in backward holds the logits' gradient's exchange
+    # buffers beside the loss's own copy (costs.RESHARD_COPIES): the working set of the DP
+    # test above, one local logits copy more, charged on the edge into the loss.
+    tg = _meta_trace("gpt-tiny", batch=8, seq=64, vocab=2048)
+    plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=megatron((4,)))
+    loss = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.cross_entropy_loss.default)
+    logits, targets = tensor_operands(loss)
+    np_ = plan.nodes[loss.name]
+    assert list(plan.nodes[logits.name].out) != list(np_.ins[0]) and np_.ins[0] != ["R"]  # resharded, split
+    local = [_nbytes(o.meta["val"], p, (4,)) for o, p in zip((logits, targets), np_.ins)]
+    out = loss.meta["val"].numel() * loss.meta["val"].element_size()
+    assert local[0] == logits.meta["val"].numel() // 4 * 4
+    p, ch = plan.solved.problem, plan.solved.choice
+    (edge,) = p.transient_edges
+    assert edge.table[(edge.ucls[ch[edge.u]], edge.vcls[ch[edge.v]])] == local[0]
     assert breakdown(plan)["transient_bytes"] == pytest.approx(3 * local[0] + local[1] + out)
+    # the oracle reads the same from the plan alone
+    assert recompute_peak(tg, plan) == pytest.approx(plan.peak_memory_bytes, rel=1e-6)
 
 
 def test_activations_only_the_head_saves_are_gone_in_the_last_layers_backward():

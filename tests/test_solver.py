@@ -51,9 +51,14 @@ def problems(draw, with_budget=False):
         ucls, vcls = tuple(range(k[u])), tuple(draw(st.integers(0, 1)) for _ in range(k[v]))
         saved_edges.append(Edge(u, v, ucls, vcls, {(p, 1): -draw(st.integers(0, min(mem[u]) if u != v else 0))
                                                    for p in ucls}))
+    transient_edges = []
+    for _ in range(draw(st.integers(0, 2))):  # a consumer's working set grows where its operand is resharded
+        u, v = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))
+        ucls, vcls = tuple(range(k[u])), tuple(range(k[v]))
+        transient_edges.append(Edge(u, v, ucls, vcls, {(p, q): draw(st.integers(0, 15)) for p in ucls for q in vcls}))
     return Problem(cost=cost, mem=mem, transient=tr, edges=edges, budget=budget, bwd_mem=bwd_mem,
                    mem_edges=mem_edges, bwd_transient=bwd_tr, head_mem=head_mem, head_edges=head_edges,
-                   saved_edges=saved_edges)
+                   saved_edges=saved_edges, transient_edges=transient_edges)
 
 
 @pytest.mark.parametrize("method", ["auto", "cpsat"])
@@ -106,3 +111,20 @@ def test_pruning_keeps_the_optimum(p):
     assert (a is None) == (b is None)
     if a is not None:
         assert a[0] == b[0]
+
+
+def test_a_transient_edge_adds_to_its_consumers_working_set_only_at_its_pair():
+    # group 0 (a producer: keep the layout, or reshard for group 1) and group 1 (the loss):
+    # under the pair (1, 0) the loss's working set grows by 7 on top of its own 5
+    p = Problem(cost=[[3, 0], [0]], mem=[[10, 10], [0]], transient=[[0, 6], [5]],
+                transient_edges=[Edge(0, 1, (0, 1), (0,), {(1, 0): 7})])
+    assert p.forward_transients([0, 0]) == [0, 5] and p.forward_transients([1, 0]) == [6, 12]
+    assert p.evaluate([0, 0]) == (3, 15) and p.evaluate([1, 0]) == (0, 22)
+    assert solve(p).choice == [1, 0]  # no budget: the cheaper choice, whatever it holds
+    for method in ("auto", "cpsat"):  # a budget between the two: only the pair without the copy fits
+        p.budget = 20
+        assert solve(p, method=method).choice == [0, 0]
+        p.budget = 14
+        with pytest.raises(InfeasibleBudget) as e:
+            solve(p, method=method)
+        assert e.value.min_budget == 15

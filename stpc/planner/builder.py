@@ -15,7 +15,8 @@ Memory per device is ``cost_models.MemoryModel``'s, the largest of four phases: 
 end of forward, weights + optimizer state (under their placements; gradients only where
 the trainer keeps them through forward) + activations saved for backward (and the blocks
 a P(2^k x 2^k) op keeps for its backward, ``costs.stash_bytes``) + the largest transient
-working set of any node (the loss's is its backward's, ``costs.WORKING_COPIES``; a head
+working set of any node (the loss's is its backward's, ``costs.WORKING_COPIES``, one logits
+copy more where the logits reach it resharded, ``_transient_edges``; a head
 op's, the gradients its backward computes, ``costs.grad_bytes``, if larger); while the
 head's gradients are reduced, the same less what only the head saved and the whole copies
 of its weights kept for it (ZeRO-2), + the head's weight gradients as computed
@@ -56,7 +57,7 @@ from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, MemoryModel, bytes_pe
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, fits, shard, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse, layer_of, layer_param_bytes
-from stpc.planner.costs import (NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, grad_bytes,
+from stpc.planner.costs import (RESHARD_COPIES, NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, grad_bytes,
                                grad_reduction_bytes, kept_gathered_bytes, param_copy_phases, reshard_cost,
                                stash_bytes, transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints, sequence_parallel_nodes
@@ -68,6 +69,10 @@ from stpc.planner.strategies import (SAVES_INPUTS, Strategy, aten, derive, enume
 
 NS = 1e9  # integer costs are nanoseconds
 
+
+def _split(p: tuple) -> bool:
+    """Whether placement ``p`` splits the tensor on some axis (not all Replicate)."""
+    return any(t != REPLICATE for t in p)
 
 @dataclass
 class _Group:
@@ -468,6 +473,40 @@ class Builder:
             out.append(Edge(it.group, saver.group, tuple(range(len(place))), keeps_blocks, table))
         return out
 
+    def _transient_edges(self) -> list[Edge]:
+        """The end of forward's working-set edges (``Problem.transient_edges``): an op of
+        ``costs.RESHARD_COPIES`` (the loss) holds that many more copies of its first operand,
+        at the placement it reads it in, where that operand reaches it through a reshard to a
+        split layout: its producer holds another placement than the op reads, or a view
+        between them cannot keep its input's layout and reshards it (``follow_via``; views
+        join their producer's group, so either is a function of the pair of choices). A
+        reshard to Replicate is not counted: its dual in backward slices the gradient where
+        it is, no exchange. Nor is a ``derived`` op between them gathering to Replicate."""
+        out = []
+        for it in self.facts.items:
+            copies = RESHARD_COPIES.get(it.node.target, 0) if it.kind == "decision" else 0
+            src = it.operands[0] if copies and it.operands else None
+            if src is None or src.group == it.group:
+                continue
+            place, strategies = self.place[src], self.groups[it.group].strategies
+            via = [False] * len(place)  # a view on the way resharded its input, per producer choice
+            link = src
+            while link.kind == "follower" and link.operands and link.operands[0] is not None:
+                before = self.place[link.operands[0]]
+                via = [v or (a != b and _split(a)) for v, a, b in zip(via, self.follow_via[link], before)]
+                link = link.operands[0]
+            val = src.node.meta["val"]  # (the operand as the op reads it: a view's output, if one)
+            nbytes = val.numel() * val.element_size()
+            pkeys, reads = sorted(set(zip(place, via))), sorted({s.ins[0] for s in strategies})
+            table = {(pc, qc): int(round(copies * nbytes / shard_factor(q, self.mesh)))
+                     for pc, (p, moved) in enumerate(pkeys) for qc, q in enumerate(reads)
+                     if moved or (p != q and _split(q))}
+            if any(table.values()):
+                pidx, qidx = {k: n for n, k in enumerate(pkeys)}, {q: n for n, q in enumerate(reads)}
+                out.append(Edge(src.group, it.group, tuple(pidx[k] for k in zip(place, via)),
+                                tuple(qidx[s.ins[0]] for s in strategies), table))
+        return out
+
     def _head_reduction_edges(self) -> list[Edge]:
         """The head phase's memory edges (``Problem.head_edges``): per parameter a head op
         reads and that needs a gradient, the buffers its gradient's reduction holds while in
@@ -728,12 +767,14 @@ class Builder:
                        head_mem=[np.rint(g.head_mem).astype(np.int64).tolist() for g in self.groups]
                        if self.facts.head else None,
                        head_edges=self._head_reduction_edges() if edges else [],
-                       saved_edges=self._saved_edges() if edges else [])
+                       saved_edges=self._saved_edges() if edges else [],
+                       transient_edges=self._transient_edges() if edges else [])
 
     def add_memory_edges(self, problem: Problem) -> Problem:
         problem.mem_edges = self._regather_edges()
         problem.head_edges = self._head_reduction_edges()
         problem.saved_edges = self._saved_edges()
+        problem.transient_edges = self._transient_edges()
         return problem
 
     def add_edges(self, problem: Problem) -> Problem:

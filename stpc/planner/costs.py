@@ -246,14 +246,21 @@ class NodeTimer:
 # last op of forward and the first of backward, with every saved activation alive for both,
 # so its working set at the end of forward is the larger of the two. Forward,
 # cross_entropy_loss computes log_softmax of the logits (kept for backward): one copy.
-# Backward holds the logits' gradient beside the log-probabilities (nll's, then
-# log_softmax's), and the head's backward passes that gradient back through the reshard
-# that fed the loss: two copies. Read off the allocations alive at the measured peak of
-# the fidelity bench's megatron plan (4 gloo ranks, vocab-parallel logits of 16 MiB per
-# rank): the log_softmax gradient and the all-to-all's backward buffers, 64 MiB, beside
-# the saved activations less the freed log-probabilities (16 MiB): 48 MiB beyond the saved
-# activations, what the loss's logits operand and its two copies count here.
-WORKING_COPIES = {aten.cross_entropy_loss.default: 2}
+# Backward holds the logits' gradient beside the log-probabilities: one copy where the
+# logits reach the loss as they were computed. Measured on one GPU (RESULTS, CUDA: the
+# fidelity bench's GPT at batch 16 on an H100 and an H200, no reshard before the loss): the
+# CUDA allocator's peak is the model's with one copy, within 2% (eager).
+WORKING_COPIES = {aten.cross_entropy_loss.default: 1}
+# ... and where its first operand reaches it through a reshard (an edge whose producer holds
+# another placement than the op reads, or a view before it that cannot keep its input's
+# layout, ``Builder._transient_edges``), the head's backward passes that gradient back
+# through the reshard's dual while it is alive: one copy more. Read off the allocations
+# alive at the measured peak of the fidelity bench's megatron plan (4 gloo ranks,
+# vocab-parallel logits of 16 MiB per rank resharded to a row split for the loss): the
+# log_softmax gradient and the all-to-all's backward buffers, 64 MiB, beside the saved
+# activations less the freed log-probabilities (16 MiB): 48 MiB beyond the saved
+# activations, the loss's logits operand and two copies.
+RESHARD_COPIES = {aten.cross_entropy_loss.default: 1}
 
 
 def transient_bytes(node, strategies, mesh, memory: MemoryModel) -> list[float]:
@@ -336,4 +343,4 @@ def kept_gathered_bytes(val, placement, mesh, axes) -> float:
     return val.numel() * val.element_size() / rest
 
 
-__all__ = ["grad_bytes", "grad_reduction_bytes", "WORKING_COPIES", "param_copy_phases", "kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]
+__all__ = ["grad_bytes", "grad_reduction_bytes", "WORKING_COPIES", "RESHARD_COPIES", "param_copy_phases", "kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]

@@ -14,7 +14,8 @@ CP-SAT model
           sum_q e[k,p,q] = sum_{c in class p} x[u,c]
           sum_p e[k,p,q] = sum_{c in class q} x[v,c]
           (exact for 0/1 values; its LP relaxation is tight on trees)
-  T       integer >= transient of the chosen choice of every group (the max)
+  T       integer >= transient of the chosen choice of every group (the max), plus what its
+          incoming transient edges add at the chosen pairs (a resharded operand's copies)
   memory  sum mem[g,c] x[g,c] + T <= budget          (the end of forward)
           sum (mem + bwd_mem)[g,c] x[g,c] + sum bwd[k,p,q] f[k,p,q] + B <= budget
                                                      (the last layer's backward; f: the
@@ -92,6 +93,11 @@ class Problem:
     # but the optimizer step), beside ``mem``: negative where a saved tensor's only saver, under
     # its choice, keeps its own blocks instead (``Builder._saved_edges``).
     saved_edges: list[Edge] = field(default_factory=list)
+    # Per pair of choices, bytes added to the consumer's (``e.v``'s) working set at the end of
+    # forward: what an op holds only when its operand reaches it through a reshard (the
+    # loss's second logits copy, ``Builder._transient_edges``). The phase's transient is the
+    # largest of each group's own plus its incoming edges' at the chosen pairs.
+    transient_edges: list[Edge] = field(default_factory=list)
 
     def __post_init__(self):
         n = [len(c) for c in self.cost]
@@ -105,6 +111,14 @@ class Problem:
         """The working sets of the last layer's backward phase (``bwd_transient``, else the
         forward's)."""
         return self.transient if self.bwd_transient is None else self.bwd_transient
+
+    def forward_transients(self, choice: list[int]) -> list[int]:
+        """Per group, its working set at the end of forward under ``choice``: its own
+        ``transient`` plus what its incoming ``transient_edges`` add at the chosen pairs."""
+        out = [self.transient[g][c] for g, c in enumerate(choice)]
+        for e in self.transient_edges:
+            out[e.v] += e.table.get((e.ucls[choice[e.u]], e.vcls[choice[e.v]]), 0)
+        return out
 
     @property
     def has_step_phase(self) -> bool:
@@ -123,7 +137,7 @@ class Problem:
         peak bytes of a full assignment (0 for a phase the problem does not have)."""
         held = sum(self.mem[g][c] for g, c in enumerate(choice))
         held += sum(e.table.get((e.ucls[choice[e.u]], e.vcls[choice[e.v]]), 0) for e in self.saved_edges)
-        fwd = held + max((self.transient[g][c] for g, c in enumerate(choice)), default=0)
+        fwd = held + max(self.forward_transients(choice), default=0)
         head = 0
         if self.has_head_phase:
             head = held + (sum(self.head_mem[g][c] for g, c in enumerate(choice)) if self.head_mem is not None else 0)
@@ -159,7 +173,8 @@ class Problem:
                        step_mem=sub(self.step_mem), step_transient=sub(self.step_transient),
                        bwd_mem=sub(self.bwd_mem), mem_edges=sub_edges(self.mem_edges),
                        bwd_transient=sub(self.bwd_transient), head_mem=sub(self.head_mem),
-                       head_edges=sub_edges(self.head_edges), saved_edges=sub_edges(self.saved_edges))
+                       head_edges=sub_edges(self.head_edges), saved_edges=sub_edges(self.saved_edges),
+                       transient_edges=sub_edges(self.transient_edges))
 
 
 @dataclass
@@ -224,7 +239,12 @@ def _build(p: Problem, minimise_memory: bool):
         m.Minimize(sum(obj) + const)
         return m, x, n_edge_vars
     held = _edge_sum(m, x, p.saved_edges, "s")  # (in every phase that holds the saved tensors)
-    phases = [_phase_memory(m, x, p.mem, p.transient, "transient") + held]
+    incoming = {}  # consumer group -> (the bytes its transient edges add at the chosen pairs, their most)
+    for k, e in enumerate(p.transient_edges):
+        t, c, _ = _pair_terms(m, x, e, f"t{k}")
+        exprs, most = incoming.get(e.v, ([], 0))
+        incoming[e.v] = (exprs + [sum(t) + c], most + max(0, max(e.table.values(), default=0)))
+    phases = [_phase_memory(m, x, p.mem, p.transient, "transient", incoming=incoming) + held]
     if p.has_bwd_phase:
         phases.append(_phase_memory(m, x, p.mem, p.backward_transient, "bwd_transient", p.bwd_mem)
                       + _edge_sum(m, x, p.mem_edges, "f") + held)
@@ -234,7 +254,7 @@ def _build(p: Problem, minimise_memory: bool):
         phases.append(_phase_memory(m, x, p.mem, None, "head", p.head_mem) + _edge_sum(m, x, p.head_edges, "h") + held)
     if minimise_memory:
         top = sum(sum(max(0, max(r)) for r in rows) for rows in _memory_rows(p))  # (head_mem may be negative)
-        top += sum(max(e.table.values(), default=0) for e in (*p.mem_edges, *p.head_edges))
+        top += sum(max(e.table.values(), default=0) for e in (*p.mem_edges, *p.head_edges, *p.transient_edges))
         peak = m.NewIntVar(0, top, "peak")
         for ph in phases:
             m.Add(peak >= ph)
@@ -290,10 +310,11 @@ def _memory_rows(p: Problem) -> list:
             if r is not None]
 
 
-def _phase_memory(m, x, summed, maxed, name: str, also=None):
+def _phase_memory(m, x, summed, maxed, name: str, also=None, incoming=None):
     """CP-SAT expression of one memory phase's bytes: the chosen ``summed`` (and ``also``)
     bytes of every group plus the largest chosen ``maxed`` bytes (an integer variable
-    ``name`` at least each group's); any list may be None (nothing of that kind in the phase)."""
+    ``name`` at least each group's, with the expressions ``incoming[g]`` added to group g's);
+    any list may be None (nothing of that kind in the phase)."""
     terms, const = [], 0
     for rows in (summed, also):
         for g, mems in enumerate(rows or []):
@@ -302,12 +323,15 @@ def _phase_memory(m, x, summed, maxed, name: str, also=None):
             else:
                 terms += [mems[c] * x[g][c] for c in range(len(mems)) if mems[c]]
     if maxed is not None:
-        top = m.NewIntVar(0, max(0, max((max(t) for t in maxed), default=0)), name)
+        incoming = incoming or {}
+        hi = max((max(t) for t in maxed), default=0) + max((most for _, most in incoming.values()), default=0)
+        top = m.NewIntVar(0, max(0, hi), name)
         for g, ts in enumerate(maxed):
-            if x[g] is None:
-                m.Add(top >= ts[0])
-            elif any(ts):
-                m.Add(top >= sum(ts[c] * x[g][c] for c in range(len(ts))))
+            own = ts[0] if x[g] is None else sum(ts[c] * x[g][c] for c in range(len(ts)) if ts[c])
+            if g in incoming:
+                m.Add(top >= own + sum(incoming[g][0]))
+            elif x[g] is None or any(ts):
+                m.Add(top >= own)
         terms.append(top)
     return sum(terms) + const
 
@@ -323,7 +347,7 @@ def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int
     in_share = {g for s in p.shares for g in (s.u, *s.vs)}  # (their costs are not pairwise: kept whole)
     for _ in range(rounds):
         incident = [[] for _ in p.cost]
-        for e in (*p.edges, *p.mem_edges, *p.head_edges, *p.saved_edges):  # (time and memory tables alike)
+        for e in (*p.edges, *p.mem_edges, *p.head_edges, *p.saved_edges, *p.transient_edges):  # (time and memory)
             incident[e.u].append(e)
             if e.v != e.u:
                 incident[e.v].append(e)
@@ -480,7 +504,7 @@ def min_memory(p: Problem, time_limit_s: float = 60.0) -> int:
     answer is the best ``t`` among the transients that occur. With the last layer's
     backward or the optimizer step too, the peak is the largest of several sums, and
     CP-SAT minimises it (a model of the groups and the memory edges alone, no time: small)."""
-    if p.has_step_phase or p.has_bwd_phase or p.has_head_phase or p.saved_edges:
+    if p.has_step_phase or p.has_bwd_phase or p.has_head_phase or p.saved_edges or p.transient_edges:
         return _min_peak_phases(p, time_limit_s)
     return _min_forward_peak(p)
 
@@ -509,7 +533,7 @@ def _min_peak_phases(p: Problem, time_limit_s: float) -> int:
     q = Problem(cost=[[0] * len(c) for c in p.cost], mem=p.mem, transient=p.transient,
                 step_mem=p.step_mem, step_transient=p.step_transient, bwd_mem=p.bwd_mem, mem_edges=p.mem_edges,
                 bwd_transient=p.bwd_transient, head_mem=p.head_mem, head_edges=p.head_edges,
-                saved_edges=p.saved_edges)
+                saved_edges=p.saved_edges, transient_edges=p.transient_edges)
     m, x, _ = _build(q, minimise_memory=True)
     solver = _solver(time_limit_s)
     status = solver.Solve(m)

@@ -336,7 +336,7 @@ def _breakdown(sv: Solved) -> dict:
         head_act += head[it] * local
     # (less the tensors whose only saver keeps its own blocks instead: ``Builder._saved_edges``)
     act += sum(e.table.get((e.ucls[ch[e.u]], e.vcls[ch[e.v]]), 0) for e in p.saved_edges)
-    transient = max((p.transient[g][c] for g, c in enumerate(ch)), default=0)
+    transient = max(p.forward_transients(ch), default=0)  # (with the loss's copy for a resharded operand)
     bwd_transient = max((p.backward_transient[g][c] for g, c in enumerate(ch)), default=0)
     forward_peak, head_peak, backward_peak, step_peak = p.phase_peaks(ch)
     return {"step_s": step_s, "compute_s": compute, "optimizer_step_s": optimizer_step, "exposed_s": exposed, "hidden_s": ring_hidden + param_hidden,

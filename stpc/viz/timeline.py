@@ -79,6 +79,7 @@ def memory_timeline(plan, tg=None) -> dict:
     # ZeRO-2's whole weights, kept for backward, count with the activations (drawn alive from
     # the first op: the model does not place each layer's gather)
     ops, act, tr, alive = [], [], [], float((parts or {}).get("kept_weight_bytes", 0.0))
+    working = sv.problem.forward_transients(sv.choice) if sv is not None else None
     for name, n in plan.nodes.items():
         alive += saved.get(name, 0.0)
         if n.role not in ("decision", "follower"):
@@ -88,7 +89,7 @@ def memory_timeline(plan, tg=None) -> dict:
         act.append(alive)
         if sv is not None:
             kind, g = sv.group_of(name)
-            tr.append(float(sv.problem.transient[g][sv.choice[g]]) if kind == "decision" else 0.0)
+            tr.append(float(working[g]) if kind == "decision" else 0.0)
     out.update(ops=ops, activations=np.array(act), transient=np.array(tr) if sv is not None else None)
     return out
 
