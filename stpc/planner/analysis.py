@@ -225,6 +225,9 @@ class GraphFacts:
     # Under full recomputation of the layers (``passes.recompute``, ``recompute_facts``):
     layer_items: set = field(default_factory=set)  # Items of nodes inside a layer (replayed in backward)
     replayed_edges: set = field(default_factory=set)  # edge_uses keys between two nodes of one layer
+    # decision inputs entering a layer from outside it at its first op, (producer Item, decision
+    # Item, operand index) -> count: what a recomputed layer's checkpoint keeps, as that op reads it
+    entry_edges: Counter = field(default_factory=Counter)
     kept_saved: Counter = field(default_factory=Counter)  # tensors still kept at the end of forward
     kept_head_saved: Counter = field(default_factory=Counter)  # of those, saved by head ops only
     replay_saved: Counter = field(default_factory=Counter)  # what the last layer's replay saves again
@@ -292,6 +295,13 @@ class GraphFacts:
     def _items(self, graph):
         memo: dict[tuple, Item] = {}
         self._has_spec: dict = {}
+        # each layer's first op: a reshard into it sits before the layer's span, outside it
+        # (``passes.recompute``); one into a later op of the layer sits inside
+        firsts = {}
+        for node in graph.nodes:
+            if node.op == "call_function" and (li := layer_of(node)) is not None:
+                firsts.setdefault(li, node)
+        first_ops = set(firsts.values())
 
         def use(key, make):
             it = memo.get(key)
@@ -334,6 +344,8 @@ class GraphFacts:
                             self.edge_uses[(src, it, i)] += 1
                             if (li := layer_of(node)) is not None and layer_of(ops[i]) == li:
                                 self.replayed_edges.add((src, it, i))
+                            elif li is not None and src.kind != "param" and node in first_ops:
+                                self.entry_edges[(src, it, i)] += 1
                             self._reads[ops[i]].append((it, i))
             self.node_item[node] = it
 

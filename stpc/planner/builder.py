@@ -456,7 +456,7 @@ class Builder:
         before q, k and v, stays charged whatever they take: a named simplification.) Not
         under recomputation, nor for what only the head saves (its phases free it anyway)."""
         if self.recompute:
-            return []
+            return self._kept_entry_edges()
         f, out = self.facts, []
         for it, (saver, i) in f.sole_saver.items():
             if it not in f.saved_uses or f.head_saved[it] or saver.kind != "decision" or saver.group == it.group:
@@ -471,6 +471,33 @@ class Builder:
             table = {(pc, 1): -int(round(f.saved_uses[it] * self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh))))
                      for pc, p in enumerate(place)}
             out.append(Edge(it.group, saver.group, tuple(range(len(place))), keeps_blocks, table))
+        return out
+
+    def _kept_entry_edges(self) -> list[Edge]:
+        """Under full recomputation, the memory edges of what a layer's checkpoint keeps beyond
+        the tensor entering it (``GraphFacts.kept_saved`` counts that one, at its producer's
+        placement): the layer's first op reading it in another placement reads it through a
+        reshard the passes put just before that op, between the spans, outside both
+        (``passes.recompute``; a reshard into a later op of the layer sits inside the span and
+        is replayed), so the span keeps that copy too (the fidelity bench's recompute plan
+        under TP: each layer's span reads the partial residual and its all-reduced copy, 8 MiB
+        each per layer). Held like a saved tensor from the end of forward through backward:
+        ``Problem.saved_edges``. An entering tensor that no op of the layer reads as produced
+        stays charged: an upper bound."""
+        out = []
+        for (src, dst, i), count in self.facts.entry_edges.items():
+            if dst.kind != "decision" or src.group == dst.group:
+                continue
+            place, strategies = self.place[src], self.groups[dst.group].strategies
+            val = src.node.meta["val"]
+            nbytes = val.numel() * val.element_size()
+            reads = sorted({s.ins[i] for s in strategies})
+            table = {(pc, qc): int(round(count * self.memory.saved_bytes(nbytes, shard_factor(q, self.mesh))))
+                     for pc, p in enumerate(place) for qc, q in enumerate(reads) if p != q}
+            if any(table.values()):
+                qidx = {q: n for n, q in enumerate(reads)}
+                out.append(Edge(src.group, dst.group, tuple(range(len(place))),
+                                tuple(qidx[s.ins[i]] for s in strategies), table))
         return out
 
     def _transient_edges(self) -> list[Edge]:

@@ -211,10 +211,15 @@ def _own(piece: Tensor) -> Tensor:
 def _a2a_impl(x: Tensor, src_dim: int, dst_dim: int, group: str) -> Tensor:
     n = _size(group)
     parts = torch.stack(list(x.chunk(n, dim=dst_dim)), 0).contiguous()
-    flat = parts.reshape(n, -1).reshape(-1)
+    shape = parts.shape
+    flat = parts.reshape(-1)
+    del parts
     split = [flat.numel() // n] * n
-    got = _c10d.wait_tensor(_c10d.all_to_all_single(flat, split, split, group)).reshape(parts.shape)
-    return torch.cat(list(got.unbind(0)), dim=src_dim)
+    got = _c10d.wait_tensor(_c10d.all_to_all_single(flat, split, split, group))
+    # the send buffer is done with once the exchange is: free it before the output is
+    # assembled, so the working set is x, the received blocks and the output, never four
+    del flat
+    return torch.cat(list(got.view(shape).unbind(0)), dim=src_dim)
 
 
 def _a2a(x: Tensor, src_dim: int, dst_dim: int, group: str) -> Tensor:
@@ -585,16 +590,20 @@ def _redistribute_impl(x: Tensor, src: str, dst: str, group: str) -> Tensor:
     n, me = _size(group), _rank(group)
     full = _whole_shape(x.shape, src, n)
     held, wanted = _held_box(src, me, n, full), _held_box(dst, me, n, full)
-    sends, send_sizes, recv_boxes = [], [], []
-    for peer in range(n):
-        out = _overlap(held, _held_box(dst, peer, n, full))        # mine, that peer wants
-        if out is not None:
-            sends.append(x[_within(out, held)].reshape(-1))
-        send_sizes.append(_numel(out))
-        recv_boxes.append(_overlap(_held_box(src, peer, n, full), wanted))  # that peer's, that I want
-    recv_sizes = [_numel(box) for box in recv_boxes]
-    flat = torch.cat(sends) if sends else x.new_empty(0)
+    send_boxes = [_overlap(held, _held_box(dst, peer, n, full)) for peer in range(n)]  # mine, that peer wants
+    recv_boxes = [_overlap(_held_box(src, peer, n, full), wanted) for peer in range(n)]  # that peer's, I want
+    send_sizes, recv_sizes = [_numel(box) for box in send_boxes], [_numel(box) for box in recv_boxes]
+    # the pieces are written straight into the send buffer (no per-peer copies beside it),
+    # and it is freed once the exchange is done, before the output is allocated: the working
+    # set is x, one buffer and the received blocks, then x, those blocks and the output
+    flat = x.new_empty(sum(send_sizes))
+    offset = 0
+    for box, k in zip(send_boxes, send_sizes):
+        if box is not None:
+            flat[offset:offset + k].view([length for _, length in box]).copy_(x[_within(box, held)])
+            offset += k
     got = _c10d.wait_tensor(_c10d.all_to_all_single(flat, recv_sizes, send_sizes, group))
+    del flat
     y = x.new_empty([length for _, length in wanted])
     offset = 0
     for box, k in zip(recv_boxes, recv_sizes):
