@@ -288,23 +288,29 @@ def test_the_optimizer_step_is_the_peak_where_activations_are_small():
     assert recompute_peak(tg, tight) <= budget and tight.peak_memory_bytes <= budget
 
 
+def _loss_on_4(hints):
+    """gpt-tiny with a vocabulary of 2048 (64 times the width: the loss is the largest working
+    set) planned on 4 under ``hints``: (tg, plan, the logits node, the loss's local operand
+    bytes (logits, targets), its output's bytes, the transient edges' bytes at the chosen pairs)."""
+    tg = _meta_trace("gpt-tiny", batch=8, seq=64, vocab=2048)
+    plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=hints)
+    loss = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.cross_entropy_loss.default)
+    ops = tensor_operands(loss)
+    local = [_nbytes(o.meta["val"], p, (4,)) for o, p in zip(ops, plan.nodes[loss.name].ins)]
+    out = loss.meta["val"].numel() * loss.meta["val"].element_size()
+    assert local[0] == ops[0].meta["val"].numel() // 4 * 4  # a quarter of the logits, fp32
+    p, ch = plan.solved.problem, plan.solved.choice
+    edges = [e.table.get((e.ucls[ch[e.u]], e.vcls[ch[e.v]]), 0) for e in p.transient_edges]
+    return tg, plan, ops[0], local, out, edges
+
+
 def test_the_loss_working_set_holds_its_backwards_logits_copies():
     # The loss ends forward and starts backward with every saved activation alive: its
     # working set there is its backward's, the logits and a logits-sized copy (the gradient
     # beside the log-probabilities; costs.WORKING_COPIES). Data parallel on 4: each rank
-    # holds a quarter of the rows of the logits, as computed (no reshard before the loss);
-    # with a vocabulary of 2048 (64 times the width), the loss is the largest working set.
-    tg = _meta_trace("gpt-tiny", batch=8, seq=64, vocab=2048)
-    plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=data_parallel((4,)))
-    loss = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.cross_entropy_loss.default)
-    logits, targets = tensor_operands(loss)
-    np_ = plan.nodes[loss.name]
-    local = [_nbytes(o.meta["val"], p, (4,)) for o, p in zip((logits, targets), np_.ins)]
-    out = loss.meta["val"].numel() * loss.meta["val"].element_size()
-    assert local[0] == logits.meta["val"].numel() // 4 * 4  # a quarter of the rows, fp32
-    assert not plan.solved.problem.transient_edges or all(
-        e.table.get((e.ucls[plan.solved.choice[e.u]], e.vcls[plan.solved.choice[e.v]]), 0) == 0
-        for e in plan.solved.problem.transient_edges)
+    # holds a quarter of the rows of the logits, as computed (no reshard before the loss).
+    _, plan, _, local, out, edges = _loss_on_4(data_parallel((4,)))
+    assert not any(edges)
     assert breakdown(plan)["transient_bytes"] == pytest.approx(2 * local[0] + local[1] + out)
 
 
@@ -313,18 +319,10 @@ def test_logits_resharded_into_the_loss_hold_one_copy_more():
     # split on the rows; the reshard's dual in backward holds the logits' gradient's exchange
     # buffers beside the loss's own copy (costs.RESHARD_COPIES): the working set of the DP
     # test above, one local logits copy more, charged on the edge into the loss.
-    tg = _meta_trace("gpt-tiny", batch=8, seq=64, vocab=2048)
-    plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=megatron((4,)))
-    loss = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.cross_entropy_loss.default)
-    logits, targets = tensor_operands(loss)
-    np_ = plan.nodes[loss.name]
-    assert list(plan.nodes[logits.name].out) != list(np_.ins[0]) and np_.ins[0] != ["R"]  # resharded, split
-    local = [_nbytes(o.meta["val"], p, (4,)) for o, p in zip((logits, targets), np_.ins)]
-    out = loss.meta["val"].numel() * loss.meta["val"].element_size()
-    assert local[0] == logits.meta["val"].numel() // 4 * 4
-    p, ch = plan.solved.problem, plan.solved.choice
-    (edge,) = p.transient_edges
-    assert edge.table[(edge.ucls[ch[edge.u]], edge.vcls[ch[edge.v]])] == local[0]
+    tg, plan, logits, local, out, edges = _loss_on_4(megatron((4,)))
+    read = next(v.ins[0] for v in plan.nodes.values() if v.op.startswith("cross_entropy_loss"))
+    assert list(plan.nodes[logits.name].out) != list(read) and read != ["R"]  # resharded, split
+    assert edges == [local[0]]
     assert breakdown(plan)["transient_bytes"] == pytest.approx(3 * local[0] + local[1] + out)
     # the oracle reads the same from the plan alone
     assert recompute_peak(tg, plan) == pytest.approx(plan.peak_memory_bytes, rel=1e-6)
