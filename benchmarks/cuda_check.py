@@ -150,22 +150,42 @@ def _memory_worker(rank, world, cfg, plans):
     return out
 
 
-def memory(world: int, backend: str, batch: int, steps: int) -> list[dict]:
-    names = ("solved", "recompute") if world == 1 else \
-        [p for p in bench_fidelity.DEFAULT_PLANS if world == 4 or p != "p2x2"]
+def _head(msg: str, n: int = 3000) -> str:
+    """A rank's failure, cut to its first ``n`` characters: a native crash's report opens with
+    the signal and the Python stack of each thread (``spawn``'s faulthandler) and ends with a
+    long list of loaded extension modules."""
+    return msg if len(msg) <= n else msg[:n] + " [...]"
+
+
+def memory(world: int, backend: str, batch: int, steps: int, names=None) -> list[dict]:
+    """The memory and time check of ``names`` (the fidelity bench's plans; by default solved
+    and recompute on one rank, all of them on more), each plan in a spawn of its own: a plan
+    the backend cannot run (gloo sends no CUDA tensor point to point, which every ring does)
+    fails alone, with its error as its record."""
+    names = names or (("solved", "recompute") if world == 1 else
+                      [p for p in bench_fidelity.DEFAULT_PLANS if world == 4 or p != "p2x2"])
     cfg = {**bench_fidelity.DEFAULTS, "ranks": world, "cluster": "dgx-h100", "plans": list(names), "batch": batch,
            "steps": steps, "backends": [None, "inductor"] if world == 1 else [None]}
     t0 = time.perf_counter()
     try:
         plans = bench_fidelity.make_plans(cfg)
-        got = spawn(_memory_worker, world, cfg, plans, timeout_s=900, backend=backend)[0]
-    except (SpawnError, SpawnTimeout, Exception) as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         rec = {"check": "memory", "ranks": world, "backend": backend, "ok": False,
                "error": f"{type(e).__name__}: {str(e)[-1500:]}", "seconds": time.perf_counter() - t0}
         print(json.dumps(rec), flush=True)
         return [rec]
     by_name = {r["plan"]: r for r in plans}
-    out = []
+    got, out = [], []
+    for one in plans:
+        t1 = time.perf_counter()
+        try:
+            got += spawn(_memory_worker, world, cfg, [one], timeout_s=900, backend=backend)[0]
+        except (SpawnError, SpawnTimeout, Exception) as e:  # noqa: BLE001 - a plan's failure is its result
+            rec = {"check": "memory", "plan": one["plan"], "ranks": world, "backend": backend, "ok": False,
+                   "families": one.get("families"), "error": f"{type(e).__name__}: {_head(str(e))}",
+                   "seconds": time.perf_counter() - t1}
+            print(json.dumps(rec), flush=True)
+            out.append(rec)
     for m in got:
         rec = by_name[m["plan"]]
         pred, meas = rec["predicted_peak_bytes"], max(m["peaks"])
@@ -286,13 +306,20 @@ def probe_gloo_cuda(world: int) -> list[dict]:
 
 
 def _why(error: str) -> str:
-    """One line of a failure: the exit of a rank that died, else the exception's last line."""
+    """One line of a failure: the exit of a rank that died (and, where faulthandler's stack came
+    back with it, the innermost stpc frame it died in), else the exception's last line."""
     lines = [ln.strip() for ln in error.replace(" | ", "\n").splitlines()
              if ln.strip() and not ln.strip().startswith("(ranks")]
     died = [ln for ln in lines if "exited with code" in ln]
     if died:
         code = died[0].split("exited with code", 1)[1].split()[0]
-        return f"a rank died with exit code {code}" + (" (SIGSEGV)" if code == "-11" else "")
+        where = next((ln for ln in lines if ln.startswith("File ") and "/stpc/" in ln), None)
+        if where:  # 'File ".../stpc/runtime/reshard.py", line 157 in _ag_impl'
+            path, rest = where.split('"')[1], where.split('"')[2]
+            where = f" in {path[path.rindex('/stpc/') + 1:]}{rest.replace(', line', ' line')}"
+        return f"a rank died with exit code {code}" + (" (SIGSEGV)" if code == "-11" else "") + (where or "")
+    if "Extension modules:" in error or ("torch._C" in error and "(total: " in error):  # (its closing list)
+        return "a rank died of a fatal signal (faulthandler's report; its stack is cut off in this record)"
     return lines[-1][:200] if lines else "?"
 
 
@@ -356,7 +383,9 @@ def markdown(doc: dict, command: str) -> str:
         lines.append("")
     for r in recs:
         if r["check"] in ("memory", "bf16-time") and "error" in r:
-            lines += [f"The {r['check']} check failed: {_why(r['error'])}.", ""]
+            what = f"{r['check']} check of the {r['plan']} plan" if r.get("plan") else f"{r['check']} check"
+            where = f" ({r['ranks']} ranks, {r['backend']})" if "ranks" in r and "backend" in r else ""
+            lines += [f"The {what}{where} failed: {_why(r['error'])}.", ""]
     return "\n".join(lines)
 
 
@@ -366,6 +395,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=16, help="the memory check's global batch (default: %(default)s)")
     ap.add_argument("--memory-ranks", type=int, default=1, help="ranks of the memory check (default: %(default)s)")
+    ap.add_argument("--memory-plans", nargs="*", choices=bench_fidelity.KNOWN_PLANS,
+                    help="the memory check's plans (default: solved and recompute on one rank, the fidelity "
+                    "bench's on more)")
     ap.add_argument("--json")
     ap.add_argument("--bf16", nargs=4, metavar=("MODEL", "LAYERS", "BATCH", "SEQ"),
                     default=["llama2-7b", "4", "4", "2048"], help="the bf16 step-time check's zoo model, its depth, "
@@ -398,7 +430,8 @@ def main() -> int:
         records += probe_gloo_cuda(args.ranks)
     if "memory" not in args.skip:
         mr = args.memory_ranks
-        records += memory(mr, "nccl" if n_gpu >= mr else "cpu:gloo,cuda:gloo", args.batch, args.steps)
+        records += memory(mr, "nccl" if n_gpu >= mr else "cpu:gloo,cuda:gloo", args.batch, args.steps,
+                          args.memory_plans)
     if "bf16" not in args.skip:
         name, layers, batch, seq = args.bf16
         records += bf16_time(name, int(layers), int(batch), int(seq), args.steps)
