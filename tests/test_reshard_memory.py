@@ -13,9 +13,9 @@ runtime must not keep more.
 * an all-to-all (``all_to_all``, S -> S) and a redistribution between a grid layout and a
   split (``redistribute``): two local copies above the input at any time (the send buffer
   and the received blocks, then the received blocks and the output: the send buffer is
-  freed once the exchange is done). Both held three before (the send buffer to the end).
-  The send buffer's last reference may die on gloo's worker thread, where the profiler
-  sees no free: the least climb of three calls is the one compared.
+  freed once the exchange is done, on this thread: ``reshard._release``, not where gloo's
+  worker drops its reference). Both held three before (the send buffer to the end). The
+  least climb of three calls is the one compared (a stray allocation of another thread).
 """
 from __future__ import annotations
 

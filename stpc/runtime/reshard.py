@@ -152,6 +152,17 @@ def _guarded(what: str, fn, group: str, *args):
         raise comm_failure(what, group, e) from e
 
 
+def _release(buf: Tensor) -> None:
+    """Free a finished collective's input buffer now. Its last reference may otherwise die on
+    the backend's worker thread, which lets a finished work's tensors go only when it next
+    runs (gloo: on two shared cores, past the next allocations of this thread; the fidelity
+    bench measured 16 MiB more in one step of four). The collective has been waited on, so
+    nothing reads it again; on CUDA the caching allocator still orders its reuse after the
+    streams it was recorded on. Under torch.compile inductor plans the buffers itself."""
+    if not torch.compiler.is_compiling():
+        buf.untyped_storage().resize_(0)
+
+
 def _ag_impl(x: Tensor, dim: int, group: str) -> Tensor:
     n = _size(group)
     out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), n, group))
@@ -218,7 +229,7 @@ def _a2a_impl(x: Tensor, src_dim: int, dst_dim: int, group: str) -> Tensor:
     got = _c10d.wait_tensor(_c10d.all_to_all_single(flat, split, split, group))
     # the send buffer is done with once the exchange is: free it before the output is
     # assembled, so the working set is x, the received blocks and the output, never four
-    del flat
+    _release(flat)
     return torch.cat(list(got.view(shape).unbind(0)), dim=src_dim)
 
 
@@ -603,7 +614,7 @@ def _redistribute_impl(x: Tensor, src: str, dst: str, group: str) -> Tensor:
             flat[offset:offset + k].view([length for _, length in box]).copy_(x[_within(box, held)])
             offset += k
     got = _c10d.wait_tensor(_c10d.all_to_all_single(flat, recv_sizes, send_sizes, group))
-    del flat
+    _release(flat)
     y = x.new_empty([length for _, length in wanted])
     offset = 0
     for box, k in zip(recv_boxes, recv_sizes):
