@@ -496,8 +496,9 @@ class Builder:
                      for pc, p in enumerate(place) for qc, q in enumerate(reads) if p != q}
             if any(table.values()):
                 qidx = {q: n for n, q in enumerate(reads)}
-                out.append(Edge(src.group, dst.group, tuple(range(len(place))),
-                                tuple(qidx[s.ins[i]] for s in strategies), table))
+                rmap, cmap, table = _merge_classes(len(place), len(reads), table)
+                out.append(Edge(src.group, dst.group, tuple(rmap),
+                                tuple(cmap[qidx[s.ins[i]]] for s in strategies), table))
         return out
 
     def _transient_edges(self) -> list[Edge]:
@@ -530,8 +531,11 @@ class Builder:
                      if moved or (p != q and _split(q))}
             if any(table.values()):
                 pidx, qidx = {k: n for n, k in enumerate(pkeys)}, {q: n for n, q in enumerate(reads)}
-                out.append(Edge(src.group, it.group, tuple(pidx[k] for k in zip(place, via)),
-                                tuple(qidx[s.ins[0]] for s in strategies), table))
+                # (producers alike towards every read merged: a few class pairs, which keeps the
+                # least-memory solve as quick as without the edge)
+                rmap, cmap, table = _merge_classes(len(pkeys), len(reads), table)
+                out.append(Edge(src.group, it.group, tuple(rmap[pidx[k]] for k in zip(place, via)),
+                                tuple(cmap[qidx[s.ins[0]]] for s in strategies), table))
         return out
 
     def _head_reduction_edges(self) -> list[Edge]:
