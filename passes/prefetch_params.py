@@ -1,12 +1,19 @@
 """prefetch_params: ZeRO/FSDP parameter gathers coalesced per layer and issued one layer ahead.
 
-Expects: a graph after ``cleanup`` (one gather per parameter and layout).
+Expects: a graph after ``cleanup`` (one gather per parameter and layout);
+``gm.meta["stpc_joint_groups"]`` (optional, set by ``stpc.compile``): ``{axes: group}``, the
+process group of each set of mesh axes taken together.
 
 A parameter stored sharded over a mesh axis and read whole is gathered by one
 ``runtime.all_gather`` per parameter, waited on where it is issued, right before its op:
 dozens of small synchronous collectives per layer. This pass does what FSDP does with
 its per-module groups:
 
+  * a parameter split on one dim over several mesh axes and read whole is gathered axis by
+    axis (one gather per axis, each reading the last: only the first reads the parameter,
+    so the others could be neither coalesced nor issued ahead); where the dim splits evenly
+    and the gathers agree on their gradient, the chain becomes one gather over the axes'
+    joint group (FSDP over a flattened mesh), which the next steps coalesce and prefetch;
   * the gathers of parameters read directly from their placeholder are grouped: the
     parameters one layer reads (the module path of their first consumer up to its first
     index, ``layers.3``; outside any indexed module, a run of consecutive gathers), on one
@@ -26,6 +33,7 @@ parameters are not kept from forward to backward: backward gathers each layer ag
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch.fx as fx
@@ -56,8 +64,57 @@ def _gathers(gm: fx.GraphModule) -> list[fx.Node]:
     return out
 
 
+def _chain(first: fx.Node) -> list[fx.Node]:
+    """``first`` and the gathers that read it one after another, on its dim with its gradient."""
+    out = [first]
+    while len(out[-1].users) == 1:
+        (u,) = out[-1].users
+        if not (u.op == "call_function" and u.target is runtime.all_gather
+                and u.kwargs["dim"] == first.kwargs["dim"]
+                and u.kwargs.get("grad", "rs") == first.kwargs.get("grad", "rs")):
+            break
+        out.append(u)
+    return out
+
+
+def join_chains(gm: fx.GraphModule) -> int:
+    """Replace each chain of per-axis gathers of one parameter on one dim by one gather over
+    the joint group of those axes (``gm.meta["stpc_joint_groups"]``); returns how many.
+
+    Why it is the same value: a dim split over axes a < b lays its chunks out row-major over
+    (a, b), as DTensor shards a dim over several mesh dims (evenly: each piece of the outer
+    split is cut again by the inner one), and a joint group's ranks run row-major over its
+    axes (``runtime.joint_group``), so one all-gather over it concatenates the chunks in
+    order. Its backward, a reduce-scatter over the joint group, sums over every axis at once
+    where the chain summed axis by axis (``grad="rs"``), or slices this rank's part of a
+    complete gradient (``"slice"``). A dim that does not split evenly keeps its chain
+    (torch.chunk's pieces of pieces are not the pieces of one cut)."""
+    joint = gm.meta.get("stpc_joint_groups") or {}
+    mesh = tuple(gm.meta.get("stpc_mesh", ()))
+    joined = 0
+    for first in _gathers(gm):
+        chain = _chain(first)
+        axes = tuple(sorted(n.meta["comm"]["axis"] for n in chain))
+        if len(chain) < 2 or len(set(axes)) != len(axes) or axes not in joint:
+            continue
+        dim, last = first.kwargs["dim"], chain[-1]
+        if first.args[0].meta["global_val"].shape[dim] % math.prod(mesh[a] for a in axes):
+            continue
+        with gm.graph.inserting_before(last):
+            one = gm.graph.call_function(runtime.all_gather, (first.args[0],),
+                                         {**first.kwargs, "group": joint[axes]})
+        one.meta.update(last.meta)
+        one.meta["comm"] = {**first.meta["comm"], "axis": axes, "group": joint[axes]}
+        last.replace_all_uses_with(one)
+        for n in reversed(chain):
+            gm.graph.erase_node(n)
+        joined += 1
+    return joined
+
+
 def prefetch_params(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
-    """Coalesce and prefetch the parameter gathers; see the module docstring."""
+    """Join, coalesce and prefetch the parameter gathers; see the module docstring."""
+    join_chains(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     gathers = _gathers(gm)
     if not gathers:
@@ -124,4 +181,4 @@ def _check_axes(gm: fx.GraphModule) -> None:
                     raise AssertionError(f"prefetch_params: {src.name} is not split on dim {d} ({p})")
 
 
-__all__ = ["prefetch_params"]
+__all__ = ["prefetch_params", "join_chains"]

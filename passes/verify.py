@@ -24,6 +24,7 @@ The graph is returned unchanged.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 
@@ -62,6 +63,23 @@ def _global(coords, mesh):
     for c, n in zip(coords, mesh):
         r = r * n + c
     return r
+
+
+def _group_of(axis, mesh, coords):
+    """(group key, this rank's index in it, the members' global ranks) of a collective on one
+    mesh axis or on several taken together (a joint group: row-major over its axes, as
+    ``runtime.joint_group`` orders it)."""
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    rest = tuple(c for i, c in enumerate(coords) if i not in axes)
+    members, grank = [], 0
+    for k, sub in enumerate(itertools.product(*(range(mesh[a]) for a in axes))):
+        at = list(coords)
+        for a, j in zip(axes, sub):
+            at[a] = j
+        members.append(_global(tuple(at), mesh))
+        if tuple(at) == tuple(coords):
+            grank = k
+    return (axis, rest), grank, members
 
 
 def _rank_shape(global_shape, placement, mesh, coords):
@@ -136,11 +154,8 @@ def comm_schedule(gm: fx.GraphModule, plan, rank: int) -> list[dict]:
         if node.op != "call_function" or not c:
             continue
         n_fwd = len(fwd)
-        a = c["axis"]
-        n = mesh[a]
-        grank = coords[a]
-        group = (a, coords[:a] + coords[a + 1:])
-        members = [_global(coords[:a] + (j,) + coords[a + 1:], mesh) for j in range(n)]
+        group, grank, members = _group_of(c["axis"], mesh, coords)
+        n = len(members)
         shape, dtype = _input_shape(node, mesh, coords)
         if "flat_numel" in c:  # a coalesced gather: one flat buffer of every shard it carries
             shape, dtype = (c["flat_numel"],), str(node.meta["val"].dtype)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import itertools
 import json
 import math
 import warnings
@@ -193,6 +194,8 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
         snapshots.append((name, _table(gm, view), _dot(gm, view)))
 
     tg.gm.meta["stpc_tied_params"] = dict(tg.tied_params)
+    timeout = None if opts.timeout_s is None else datetime.timedelta(seconds=float(opts.timeout_s))
+    tg.gm.meta["stpc_joint_groups"] = _joint_groups(mesh, timeout)
     gm = run_passes(tg.gm, plan, groups, mesh_device(mesh), on_pass=snap,
                     replicate_outputs=opts.outputs == "replicate", defer_grads=opts.bucket_mb is not None)
     leaf_of = {name: i for i, name in enumerate(tg.user_inputs)}
@@ -217,7 +220,6 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
                   else None for o in outs]
     fn = torch.compile(gm, backend=opts.backend) if opts.backend else gm
     # a gradient summed over several axes is summed once, over their joint group
-    timeout = None if opts.timeout_s is None else datetime.timedelta(seconds=float(opts.timeout_s))
     deferred = {tg.param_fqns[ph]: runtime.joint_group(mesh, tuple(groups.index(g) for g in names), timeout)
                 for ph, names in gm.meta.get("stpc_deferred_grads", {}).items()}
     return Program(plan, gm, fn, feed, tg.in_spec, tg.out_spec, out_placements, out_shapes, snapshots,
@@ -227,15 +229,25 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
                    regathers=_regathered_groups(gm, plan, groups) if opts.backend is None else frozenset())
 
 
+def _joint_groups(mesh: DeviceMesh, timeout) -> dict[tuple, str]:
+    """The process group of every set of two or more mesh axes (of more than one device
+    each) taken together, made on every rank alike before the passes run: what
+    ``prefetch_params`` gathers a parameter split over several axes on in one collective."""
+    axes = [a for a in range(mesh.ndim) if mesh.size(a) > 1]
+    return {combo: runtime.joint_group(mesh, combo, timeout)
+            for k in range(2, len(axes) + 1) for combo in itertools.combinations(axes, k)}
+
+
 def _regathered_groups(gm: fx.GraphModule, plan: Plan, groups: list[str]) -> frozenset:
     """The process groups whose coalesced parameter gathers backward makes again: every one
     a ``gather_wait`` runs on, less those of the mesh axes the plan keeps gathered weights
     over (``plan.stats["keep_gathered"]``: a list of axes; ``True``, written by older
-    versions, is every axis)."""
+    versions, is every axis) and the joint groups that include one of them."""
     kept = plan.stats.get("keep_gathered") or []
     if kept is True:
         kept = range(len(plan.mesh_shape))
     kept_groups = {groups[a] for a in kept}
+    kept_groups |= {name for axes, name in gm.meta.get("stpc_joint_groups", {}).items() if set(axes) & set(kept)}
     return frozenset(n.args[3] for n in gm.graph.nodes
                      if n.target is runtime.gather_wait and n.args[3] not in kept_groups)
 

@@ -1,5 +1,9 @@
 """prefetch_params: ZeRO parameter gathers become one coalesced gather per layer, issued one
 layer ahead of its use."""
+import copy
+import operator
+
+import torch.fx as fx
 from _graphs import targets, traced_and_plan
 from stpc import runtime
 from stpc.passes import cleanup, insert_collectives, prefetch_params, ring_decompose, shard_params, verify
@@ -50,3 +54,35 @@ def test_plans_without_sharded_parameters_are_unchanged():
     assert not _param_gathers(gm)
     gm = prefetch_params(gm, plan)
     assert targets(gm) == before
+
+
+def _chained(gm):
+    """Gathers that read another gather's output (a parameter gathered axis by axis)."""
+    return [n for n in gm.graph.nodes if n.target is runtime.all_gather and isinstance(n.args[0], fx.Node)
+            and n.args[0].target in (runtime.all_gather, operator.getitem)
+            and (n.args[0].target is runtime.all_gather or n.args[0].args[0].target is runtime.gather_wait)]
+
+
+def test_a_parameter_split_over_two_axes_is_gathered_once_over_both():
+    # Before: ZeRO on a 2x2 mesh stores each weight split on one dim over both axes; the
+    # lowering gathers it axis by axis, so the second gather of each reads the first's output
+    plan, gm = _lowered("llama-tiny", "2x2", "zero")
+    chains = [n for n in _param_gathers(gm) if len(n.users) == 1 and next(iter(n.users)).target is runtime.all_gather
+              and next(iter(n.users)).kwargs["dim"] == n.kwargs["dim"]]
+    assert len(chains) >= 10
+    whole = {n.args[0].name: next(iter(n.users)).meta["val"].shape for n in chains}
+    # without joint groups (a graph lowered outside stpc.compile) the chains stay, second gathers uncoalesced
+    kept = prefetch_params(copy.deepcopy(gm), plan)
+    assert len(_chained(kept)) == len(chains)
+    # Expected: with the joint group of axes (0, 1), one coalesced gather per layer over it
+    gm.meta["stpc_joint_groups"] = {(0, 1): "g01"}
+    gm = prefetch_params(gm, plan)
+    assert not _chained(gm) and not _param_gathers(gm)
+    starts = [n for n in gm.graph.nodes if n.target is runtime.gather_start]
+    joint = [n for n in starts if n.args[1] == "g01"]
+    assert {s.name for n in joint for s in n.args[0]} == set(whole)
+    assert all(n.meta["comm"]["axis"] == (0, 1) for n in joint)
+    for wait in (n for n in gm.graph.nodes if n.target is runtime.gather_wait and n.args[3] == "g01"):
+        for got, src in zip(sorted(wait.users, key=lambda u: u.args[1]), wait.args[0].args[0]):
+            assert got.meta["val"].shape == whole[src.name]  # each parameter whole after one gather
+    verify(gm, plan)  # every rank of each joint group issues the same gathers
