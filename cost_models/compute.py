@@ -51,10 +51,19 @@ def gemm_time(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32"
 # against measured optimizer steps by ``python -m stpc bench fidelity``.
 OPTIMIZER_STEP_BYTES = {"fp32-adam": 80.0, "mixed-adam": 86.0}
 
+# The op name a device's measured slowdown of the optimizer step goes under
+# (``DeviceSpec.op_slowdown``, measured by ``calibrate``: torch's foreach AdamW over a
+# layer's worth of parameters against the roofline of its bytes above). Held against the
+# fidelity bench's steps, the roofline alone over-charged every plan's step 1.7-1.9x on
+# the 2-core VM (0.112 s modelled, 0.061-0.067 s measured: eight passes over tensors of a
+# few MiB run faster than one copy of 64 MiB, the mem_bw probe). None on the GPU presets.
+OPTIMIZER_OP = "optimizer.adamw"
+
 
 def optimizer_step_time(device: DeviceSpec, numel: float, layout: str = "fp32-adam") -> float:
     """Seconds of one optimizer step over ``numel`` parameter elements held on the device."""
-    return roofline(device, 0.0, numel * OPTIMIZER_STEP_BYTES.get(layout, OPTIMIZER_STEP_BYTES["fp32-adam"]))
+    return roofline(device, 0.0, numel * OPTIMIZER_STEP_BYTES.get(layout, OPTIMIZER_STEP_BYTES["fp32-adam"]),
+                    op=OPTIMIZER_OP)
 
 
 @dataclass(frozen=True)

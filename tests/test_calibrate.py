@@ -47,10 +47,13 @@ def test_calibrate_two_ranks_smoke(tmp_path):
     assert cm.overlap_slowdown == ov["slowdown"] and cm.ring_overlap_slowdown == ov["ring_slowdown"]
     # every probed op's measured slowdown reaches the device the planner costs with
     from stpc.cli.calibrate_ops import PROBES
-    from stpc.cost_models.compute import COPY_OP
-    # (and a copy into a new buffer, which the runtime's parameter copies are charged as)
-    assert set(prof["ops"]) == {p.op for p in PROBES} | {COPY_OP} == set(cl.device.op_slowdown)
+    from stpc.cost_models.compute import COPY_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES, optimizer_step_time
+    # (and a copy into a new buffer, which the runtime's parameter copies are charged as, and
+    # the optimizer step)
+    assert set(prof["ops"]) == {p.op for p in PROBES} | {COPY_OP, OPTIMIZER_OP} == set(cl.device.op_slowdown)
     assert cm.copy(1e6) == pytest.approx(2e6 / cl.device.mem_bw * cl.device.op_slowdown[COPY_OP])
+    assert optimizer_step_time(cl.device, 1e6) == pytest.approx(
+        1e6 * OPTIMIZER_STEP_BYTES["fp32-adam"] / cl.device.mem_bw * cl.device.op_slowdown[OPTIMIZER_OP])
     for op, r in prof["ops"].items():
         assert r["measured_s"] > 0 and r["roofline_s"] > 0, op
         assert cl.device.op_slowdown[op] == pytest.approx(r["measured_s"] / r["roofline_s"]), op

@@ -7,13 +7,16 @@ import dataclasses
 import pytest
 import torch
 
+from stpc.cli.calibrate import OPTIMIZER_NUMEL, OPTIMIZER_SHAPES
 from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_step, roofline_seconds
 from stpc.cost_models import CostModel, get_cluster
-from stpc.cost_models.compute import COPY_OP, roofline
+from stpc.cost_models.compute import (COPY_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES, optimizer_step_time,
+                                      roofline)
 from stpc.frontend import models
 from stpc.frontend.trace import trace
 from stpc.planner.costs import NodeTimer, param_copy_phases
-from stpc.planner import plan_graph, preset
+from stpc.planner import plan_graph, preset, search
+from stpc.planner.summary import breakdown
 from stpc.planner.hints import fsdp_tp
 
 
@@ -102,3 +105,19 @@ def test_the_runtimes_parameter_copies_are_charged_on_the_ranks_own_thread():
     steps = {name: plan_graph(tg, CostModel(cl, (2,)), hints=fsdp_tp((2,), 0)).modelled_step_time_s
              for name, cl in (("base", base), ("slow", slow))}
     assert steps["slow"] > steps["base"]
+
+
+def test_the_optimizer_step_is_charged_at_its_measured_slowdown_and_planned_with_it():
+    assert OPTIMIZER_NUMEL == sum(torch.empty(s, device="meta").numel() for s in OPTIMIZER_SHAPES)
+    base = get_cluster("cpu-local")
+    fast = dataclasses.replace(base, device=dataclasses.replace(base.device, op_slowdown={OPTIMIZER_OP: 0.5}))
+    n = 4e6
+    plain = n * OPTIMIZER_STEP_BYTES["fp32-adam"] / base.device.mem_bw
+    assert optimizer_step_time(base.device, n) == pytest.approx(plain)   # no profile: the roofline
+    assert optimizer_step_time(fast.device, n) == pytest.approx(0.5 * plain)
+    # the planner's step carries it: data parallel holds every parameter's state on each rank
+    with torch.device("meta"):
+        m = models.build("gpt-tiny")
+    tg = trace(m, models.example_inputs("gpt-tiny", 4, 16))
+    steps = [breakdown(search(tg, (2,), cluster=cl, hints="dp"))["optimizer_step_s"] for cl in (base, fast)]
+    assert steps[1] == pytest.approx(0.5 * steps[0]) and steps[0] > 0

@@ -17,6 +17,8 @@ planner models):
   time the planner charges it (``stpc.cli.calibrate_ops``): the device's ``op_slowdown``;
   and a copy into a new buffer (a clone, ``COPY_BYTES``) against the warm copy's rate:
   ``op_slowdown["aten.clone.default"]``, what the runtime's copies cost (``CostModel.copy``);
+  and one step of torch's AdamW (foreach) over ``OPTIMIZER_NUMEL`` elements against the
+  roofline of ``OPTIMIZER_STEP_BYTES``: ``op_slowdown["optimizer.adamw"]``;
 * how compute and communication overlap (``overlap`` in the profile), three ways, each
   as the runtime meets it:
 
@@ -55,6 +57,7 @@ the path written. Exit codes: 0 written, 1 the measurement failed, 2 a usage err
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import statistics
@@ -68,7 +71,7 @@ from stpc.cli._common import TORCH_DTYPES, Failure, Parser, add_flags, verb
 from stpc.cli._progress import Status
 from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_step
 from stpc.cost_models import DeviceSpec, get_device
-from stpc.cost_models.compute import COPY_OP
+from stpc.cost_models.compute import COPY_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES
 from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, fit_gemm_curve, save_profile
 from stpc.runtime.launch import SpawnTimeout, spawn
 from stpc.runtime.ops import ring_allgather_matmul
@@ -207,6 +210,23 @@ def _fresh_copy(dev, nbytes: int = COPY_BYTES, window_s: float = 0.3) -> float:
     return _sustained(lambda: x.clone(), dev, window_s)
 
 
+# The parameters the optimizer-step probe updates: a layer of the fidelity bench's GPT
+# (d_model 1024, ffn 4096: 12.6M elements) split four ways, as its plans hold them.
+OPTIMIZER_SHAPES = ((1024, 768), (1024, 256), (1024, 1024), (1024, 1024), (1024,), (1024,))
+OPTIMIZER_NUMEL = sum(math.prod(s) for s in OPTIMIZER_SHAPES)
+
+
+def _optimizer_step(dev, window_s: float = 0.3) -> float:
+    """Seconds per step of torch's default AdamW (the foreach path, as the benches run it)
+    over ``OPTIMIZER_SHAPES``, every rank at once; its state made by a first step."""
+    params = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in OPTIMIZER_SHAPES]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    opt.step()
+    return _sustained(opt.step, dev, window_s)
+
+
 # The AG-ring blocks the overlap is measured with: (rows per rank, n, k) of a step's GEMM.
 # Long: a gpt-50m linear's step on 4 ranks (2048 tokens / 4 x 1024 -> 1024). Tiny: latency only.
 OVERLAP_LONG = (512, 1024, 1024)
@@ -322,6 +342,7 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
         if dev.type == "cpu":
             ops = {p.op: _sustained(probe_step(p, dev), dev, window_s=0.3) for p in PROBES}
             ops[COPY_OP] = _fresh_copy(dev)
+            ops[OPTIMIZER_OP] = _optimizer_step(dev)
         gathered = [None] * world
         dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw, "overlap": overlap, "ops": ops})
         result["per_rank"] = gathered
@@ -402,10 +423,14 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     # Ops that are not GEMMs: measured forward + backward over the roofline the planner charges.
     measured = {op: statistics.median(r["ops"][op] for r in per_rank) for op in per_rank[0]["ops"]}
     copy_s = measured.pop(COPY_OP, None)
+    opt_s = measured.pop(OPTIMIZER_OP, None)
     ops = fit_op_slowdown(measured, facts, DeviceSpec(device["name"], peak, device["mem_bw"], mem_bytes, 1.0))
     if copy_s:  # the runtime's copies into new buffers against the warm copy's rate
         roof = 2.0 * COPY_BYTES / device["mem_bw"]
         ops[COPY_OP] = {"measured_s": copy_s, "roofline_s": roof, "slowdown": copy_s / roof}
+    if opt_s:  # the optimizer step against the roofline of the bytes it moves
+        roof = OPTIMIZER_NUMEL * OPTIMIZER_STEP_BYTES["fp32-adam"] / device["mem_bw"]
+        ops[OPTIMIZER_OP] = {"measured_s": opt_s, "roofline_s": roof, "slowdown": opt_s / roof}
     device["op_slowdown"] = {op: r["slowdown"] for op, r in ops.items()}
 
     collectives = {}
