@@ -3,6 +3,7 @@ distinct layer), ``plan.explain(node)`` ranking alternatives by their full effec
 step time (a re-solve with the node's group fixed), and ``stpc.plan_diff``."""
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import re
 
@@ -235,3 +236,19 @@ def test_explain_under_a_binding_budget_matches_forced_plans():
                                         keep_gathered=kept))
         assert forced.modelled_step_time_s == pytest.approx(alt.step_s, abs=1e-9) and alt.peak_bytes <= budget
     assert "next " in plan.summary()
+
+
+def test_a_ring_slowed_more_than_its_transfer_hides_nothing():
+    """On a machine whose compute slows beside a ring step's transfer by more than the
+    transfer takes (the 2-core VM's profiles: ring slowdown 1.5-1.7), no part of the
+    transfer is hidden: the report says 0, not a negative time, and the parts still add up."""
+    from stpc.cli._common import meta_trace
+
+    tg, _, _ = meta_trace("llama2-7b", 1, 4096, "fp16", layers=2)
+    cl = dataclasses.replace(get_cluster("dgx-h100"), ring_overlap_slowdown=1.7)
+    rings = Hints(force=[(r"(q_proj|k_proj|v_proj|gate_proj|up_proj)$", lambda s: s.kind == "ag_ring")])
+    plan = search(tg, 4, cl, budget_bytes=cl.device.mem_bytes, hints=rings, dtype="fp16",
+                  optimizer_layout="mixed-adam")
+    bd = plan.solved.breakdown()
+    assert bd["exposed_ring_s"] > 0 and bd["hidden_ring_s"] == 0
+    _parts_add_up(bd, plan)

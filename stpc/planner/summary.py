@@ -276,7 +276,8 @@ def _breakdown(sv: Solved) -> dict:
     compute = sum(float(free.groups[g].cost[c]) for g, c in enumerate(ch))
     optimizer_step = sum(float(b.groups[g].cost[ch[g]]) for g, it in enumerate(facts.group_items) if it.kind == "param")
     groups = sum(float(b.groups[g].cost[c]) for g, c in enumerate(ch))
-    # rings: real = sum max(c, t); compute C, transfers T: hidden = C + T - real
+    # rings: real = sum max(c, t) (+ the slowdown and overhead); compute C, transfers T:
+    # hidden = C + T - real, none where compute slowed by more than the transfer took
     ring_exposed = ring_hidden = 0.0
     transfers = _FreeCompute(cm.cluster, cm.mesh_shape, cm.overlap_slowdown)
     for g, it in enumerate(facts.group_items):
@@ -289,7 +290,7 @@ def _breakdown(sv: Solved) -> dict:
         timer = NodeTimer(it.node, transfers, [o in b.rg for o in tensor_operands(it.node)])
         t = timer(s) + (timer.forward(s) if b.recompute and it in facts.layer_items else 0.0)  # (its replay)
         ring_exposed += (real - comp) * it.count
-        ring_hidden += (comp + t - real) * it.count
+        ring_hidden += max(0.0, comp + t - real) * it.count
     # edges: parameter edges overlap (cost_models.overlap), the others do not
     is_param = [it.kind == "param" for it in facts.group_items]
 
