@@ -97,7 +97,7 @@ def layer_costs(plan) -> list[dict]:
             s = b.groups[it.group].strategies[c]
             if s.kind not in ("spatial", "replicate-fallback"):  # a ring: sum max(compute, transfer)
                 t = NodeTimer(it.node, transfers, [o in b.rg for o in tensor_operands(it.node)])(s)
-                add(it.node.name, "hidden_s", (comp + t - real) * it.count)
+                add(it.node.name, "hidden_s", max(0.0, comp + t - real) * it.count)  # (as summary.breakdown)
         elif it.kind in ("follower", "derived"):
             real, comp = float(b.extra[it][c]), float(free.extra[it][c])
         elif it.kind == "param":  # its optimizer step (compute: memory-bound work, no transfer)
