@@ -109,8 +109,11 @@ def _reaches_resharded(operand, read, plan) -> bool:
     split layout: its producer holds another placement and ``read`` is not all Replicate, or
     a view on the way read its own input resharded (a follower that lists input placements:
     the plan records ``ins`` only where it resharded to a split layout)."""
-    if list(plan.nodes[operand.name].out) != list(read) and any(t != "R" for t in read):
-        return True
+    held = list(plan.nodes[operand.name].out)
+    if held != list(read) and any(t != "R" for t in read):
+        # (not where every axis that changes turns one plain split into another: all-to-alls,
+        # whose send buffers the runtime frees once exchanged)
+        return not all(a == b or (a[0] == "S" and b[0] == "S") for a, b in zip(held, read))
     node = operand
     while plan.nodes[node.name].role == "follower":
         if plan.nodes[node.name].ins:
@@ -288,11 +291,11 @@ def test_the_optimizer_step_is_the_peak_where_activations_are_small():
     assert recompute_peak(tg, tight) <= budget and tight.peak_memory_bytes <= budget
 
 
-def _loss_on_4(hints):
+def _loss_on_4(hints, **overrides):
     """gpt-tiny with a vocabulary of 2048 (64 times the width: the loss is the largest working
     set) planned on 4 under ``hints``: (tg, plan, the logits node, the loss's local operand
     bytes (logits, targets), its output's bytes, the transient edges' bytes at the chosen pairs)."""
-    tg = _meta_trace("gpt-tiny", batch=8, seq=64, vocab=2048)
+    tg = _meta_trace("gpt-tiny", batch=8, seq=64, vocab=2048, **overrides)
     plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=hints)
     loss = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.cross_entropy_loss.default)
     ops = tensor_operands(loss)
@@ -314,17 +317,31 @@ def test_the_loss_working_set_holds_its_backwards_logits_copies():
     assert breakdown(plan)["transient_bytes"] == pytest.approx(2 * local[0] + local[1] + out)
 
 
-def test_logits_resharded_into_the_loss_hold_one_copy_more():
-    # Megatron on 4: the head's logits come out split on the vocabulary, the loss reads them
-    # split on the rows; the reshard's dual in backward holds the logits' gradient's exchange
+def test_logits_redistributed_into_the_loss_hold_one_copy_more():
+    # P(2x2) on 4: the head's logits come out in a grid layout, the loss reads them split on
+    # the rows; the redistribution's dual in backward holds the logits' gradient's exchange
     # buffers beside the loss's own copy (costs.RESHARD_COPIES): the working set of the DP
     # test above, one local logits copy more, charged on the edge into the loss.
+    grid = Hints(force=[(r"^linear", lambda s: s.kind == "p2x2")], name="p2x2")
+    tg, plan, logits, local, out, edges = _loss_on_4(grid, bias=False)  # (P2x2 takes no bias)
+    read = next(v.ins[0] for v in plan.nodes.values() if v.op.startswith("cross_entropy_loss"))
+    produced = plan.nodes[tensor_operands(logits)[0].name].out  # (the logits' view reads the head's grid)
+    assert produced[0][0] in "BXW" and read[0].startswith("S")  # a grid layout into a split
+    assert edges == [local[0]]
+    assert breakdown(plan)["transient_bytes"] >= 3 * local[0] + local[1] + out
+    # the oracle reads the same from the plan alone
+    assert recompute_peak(tg, plan) == pytest.approx(plan.peak_memory_bytes, rel=1e-6)
+
+
+def test_logits_all_to_alled_into_the_loss_hold_no_copy_more():
+    # Megatron on 4: the head's logits come out split on the vocabulary, the loss reads them
+    # split on the rows: one all-to-all, whose send buffer the runtime frees once exchanged
+    # (runtime.reshard._release), forward and in its dual: the DP test's working set.
     tg, plan, logits, local, out, edges = _loss_on_4(megatron((4,)))
     read = next(v.ins[0] for v in plan.nodes.values() if v.op.startswith("cross_entropy_loss"))
     assert list(plan.nodes[logits.name].out) != list(read) and read != ["R"]  # resharded, split
-    assert edges == [local[0]]
-    assert breakdown(plan)["transient_bytes"] == pytest.approx(3 * local[0] + local[1] + out)
-    # the oracle reads the same from the plan alone
+    assert not any(edges)
+    assert breakdown(plan)["transient_bytes"] == pytest.approx(2 * local[0] + local[1] + out)
     assert recompute_peak(tg, plan) == pytest.approx(plan.peak_memory_bytes, rel=1e-6)
 
 

@@ -74,6 +74,12 @@ def _split(p: tuple) -> bool:
     """Whether placement ``p`` splits the tensor on some axis (not all Replicate)."""
     return any(t != REPLICATE for t in p)
 
+
+def _all_to_all(p: tuple, q: tuple) -> bool:
+    """Whether ``p`` -> ``q`` is all-to-alls only: on every axis where they differ, one
+    plain split becomes another (no grid layout, no gather, no Partial)."""
+    return all(a == b or (a[0] == "S" and b[0] == "S") for a, b in zip(p, q))
+
 @dataclass
 class _Group:
     """One set of solver choices, shared by a decision node, its followers and tied copies."""
@@ -509,7 +515,9 @@ class Builder:
         between them cannot keep its input's layout and reshards it (``follow_via``; views
         join their producer's group, so either is a function of the pair of choices). A
         reshard to Replicate is not counted: its dual in backward slices the gradient where
-        it is, no exchange. Nor is a ``derived`` op between them gathering to Replicate."""
+        it is, no exchange. Nor is a ``derived`` op between them gathering to Replicate, nor a
+        reshard made of all-to-alls only (``_all_to_all``: the runtime frees each exchange's
+        send buffer once done, so its dual holds no copy beyond the loss's own)."""
         out = []
         for it in self.facts.items:
             copies = RESHARD_COPIES.get(it.node.target, 0) if it.kind == "decision" else 0
@@ -528,7 +536,7 @@ class Builder:
             pkeys, reads = sorted(set(zip(place, via))), sorted({s.ins[0] for s in strategies})
             table = {(pc, qc): int(round(copies * nbytes / shard_factor(q, self.mesh)))
                      for pc, (p, moved) in enumerate(pkeys) for qc, q in enumerate(reads)
-                     if moved or (p != q and _split(q))}
+                     if moved or (p != q and _split(q) and not _all_to_all(p, q))}
             if any(table.values()):
                 pidx, qidx = {k: n for n, k in enumerate(pkeys)}, {q: n for n, q in enumerate(reads)}
                 # (producers alike towards every read merged: a few class pairs, which keeps the

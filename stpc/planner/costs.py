@@ -251,15 +251,18 @@ class NodeTimer:
 # fidelity bench's GPT at batch 16 on an H100 and an H200, no reshard before the loss): the
 # CUDA allocator's peak is the model's with one copy, within 2% (eager).
 WORKING_COPIES = {aten.cross_entropy_loss.default: 1}
-# ... and where its first operand reaches it through a reshard (an edge whose producer holds
-# another placement than the op reads, or a view before it that cannot keep its input's
-# layout, ``Builder._transient_edges``), the head's backward passes that gradient back
-# through the reshard's dual while it is alive: one copy more. Read off the allocations
-# alive at the measured peak of the fidelity bench's megatron plan (4 gloo ranks,
-# vocab-parallel logits of 16 MiB per rank resharded to a row split for the loss): the
-# log_softmax gradient and the all-to-all's backward buffers, 64 MiB, beside the saved
-# activations less the freed log-probabilities (16 MiB): 48 MiB beyond the saved
-# activations, the loss's logits operand and two copies.
+# ... and where its first operand reaches it through a redistribution (an edge whose
+# producer holds another placement than the op reads, a grid layout among them, or a view
+# before it that cannot keep its input's layout, ``Builder._transient_edges``), the head's
+# backward passes that gradient back through the reshard's dual while it is alive: one
+# copy more. A reshard of all-to-alls only (one plain split into another) holds none: the
+# runtime frees each exchange's send buffer once it is done (``runtime.reshard._release``,
+# twelfth session). Read off the fidelity bench's peaks (4 gloo ranks, 16 MiB of logits
+# per rank, profile 18, thirteenth session): the megatron plan's vocab-parallel logits
+# all-to-all'd to a row split, +3.4% with the copy, -0.1% without (the runtime bench's
+# 2x2 solved plan, alike: +10.4% and -0.1%); the p2x2 plan's grid logits redistributed,
+# -4.6% with it, -7.9% without. (Before ``_release`` the megatron plan's peak held the
+# all-to-all's backward send buffer too, and the copy was charged there.)
 RESHARD_COPIES = {aten.cross_entropy_loss.default: 1}
 
 
