@@ -205,6 +205,18 @@ def test_torch_compile_backends_match_single_device(backend):
     assert all(c["graph_breaks"] == 0 for r in results for c in r), [[c["graph_breaks"] for c in r] for r in results]
 
 
+def test_weights_split_over_both_axes_match_through_their_joint_gather():
+    """ZeRO on 2x2: every weight split on one dim over both axes and gathered whole once over
+    the axes' joint group (``prefetch_params.join_chains``), whose rank order must be the
+    order DTensor lays the chunks out in, eager and through inductor (the joint group's name
+    traced like any other)."""
+    cases = [{**_case("llama-tiny", "zero", "2x2", steps=3), "backend": backend,
+              "id": f"llama-tiny/zero/2x2/{backend or 'eager'}"} for backend in (None, "inductor")]
+    results = spawn(run_cases, 4, cases, timeout_s=590)
+    _check(results, cases)
+    assert all(c["graph_breaks"] == 0 for r in results for c in r[1:]), [[c.get("graph_breaks") for c in r] for r in results]
+
+
 # --------------------------------------------------------------------------- rank agreement, dumps
 
 
