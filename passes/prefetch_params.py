@@ -23,13 +23,16 @@ its per-module groups:
     placed right before the group's first consumer;
   * the start of each group is issued right after the previous group's wait, so the
     next layer's parameters travel while this layer computes (prefetch one layer ahead);
-    in backward the gradients of a group are reduce-scattered in one collective.
+    in backward the gradients of a group are reduce-scattered in one collective;
+  * the groups after the last layer's (the head: final norm, output projection) are
+    waited with ``keep=True``: their whole parameters are kept for their backward, which
+    runs first (FSDP2 keeps its root module's alike).
 
 Guarantees: the same values and gradients (a reduce-scatter of a concatenation is the
 concatenation of the reduce-scatters). In flight, one more layer's whole parameters. The
 compiled model runs an eager program inside ``runtime.RegatherSaved``, so the whole
 parameters are not kept from forward to backward: backward gathers each layer again
-(FSDP2's default); under ``torch.compile`` they are saved for backward.
+(FSDP2's default), but the head's; under ``torch.compile`` they are saved for backward.
 """
 from __future__ import annotations
 
@@ -127,6 +130,7 @@ def prefetch_params(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
     # (a layer's gathers on two mesh axes make two groups); outside any indexed module, a run
     # of consecutive gathers (the embedding at the start, the head at the end: not one group)
     groups: list[list[fx.Node]] = []
+    blocks: dict[int, str] = {}  # id(group) -> its layer ("" outside any indexed module)
     open_groups: dict = {}
     block = None
     for n in sorted(gathers, key=first_use):
@@ -137,11 +141,15 @@ def prefetch_params(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
         if key not in open_groups:
             open_groups[key] = []
             groups.append(open_groups[key])
+            blocks[id(open_groups[key])] = b
         open_groups[key].append(n)
     mode = fake_mode_of(gm)
     previous_wait = None
     groups.sort(key=lambda members: min(first_use(n) for n in members))
-    for members in groups:
+    # the head: the groups after the last layer's (none in a model without indexed layers)
+    layered = [i for i, members in enumerate(groups) if blocks[id(members)]]
+    head = set(range(layered[-1] + 1, len(groups))) if layered else set()
+    for k, members in enumerate(groups):
         shards = [n.args[0] for n in members]
         dims = [n.kwargs["dim"] for n in members]
         group, grad = members[0].kwargs["group"], members[0].kwargs.get("grad", "rs")
@@ -159,7 +167,8 @@ def prefetch_params(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
                               "grad": grad, "coalesced": len(members), "flat_numel": numel}
         with gm.graph.inserting_before(first):
             wait = gm.graph.call_function(runtime.gather_wait,
-                                          (start, [list(s.meta["val"].shape) for s in shards], dims, group))
+                                          (start, [list(s.meta["val"].shape) for s in shards], dims, group),
+                                          {"keep": True} if k in head else {})
             wait.meta["val"] = tuple(n.meta["val"] for n in members)
             for i, n in enumerate(members):
                 got = gm.graph.call_function(operator.getitem, (wait, i))

@@ -93,7 +93,8 @@ def _regather(rank, world):
         with param_gather.RegatherSaved() if regather else contextlib.nullcontext() as ctx:
             (f1,) = runtime.gather_wait(runtime.gather_start([w1], group), [tuple(w1.shape)], [0], group)
             h = torch.tanh(x @ f1.t())  # saves the whole weight (a view of it) for backward
-            (f2,) = runtime.gather_wait(runtime.gather_start([w2], group), [tuple(w2.shape)], [0], group)
+            # (the second layer's kept for backward, as prefetch_params marks the head's)
+            (f2,) = runtime.gather_wait(runtime.gather_start([w2], group), [tuple(w2.shape)], [0], group, keep=True)
             loss = (h @ f2.t()).pow(2).sum()
             refs = [StorageWeakRef(f1.untyped_storage()), StorageWeakRef(f2.untyped_storage())]
             del f1, f2
@@ -108,22 +109,23 @@ def _regather(rank, world):
 
 def test_regather_saved_frees_whole_parameters_after_forward_and_gathers_again_in_backward():
     """FSDP2's reshard-after-forward: under RegatherSaved the whole weights are gone once
-    forward is done (only a note of each saved view is kept); backward gathers each layer
-    again (the last layer first, the one before it issued ahead) and computes the very
-    same gradients."""
+    forward is done (only a note of each saved view is kept), but for a gather made with
+    ``keep`` (the head's, whose backward comes first: FSDP2's root module keeps its own
+    alike); backward gathers the others again (the one before the kept layer issued ahead,
+    as the kept one's backward begins) and computes the very same gradients."""
     for r in spawn(_regather, 2, timeout_s=120):
         keep, free = r[False], r[True]
-        # the first layer's weights are gone once the second layer's gather has run (the last
-        # gather's buffer may outlive forward inside the collective's bookkeeping)
-        assert keep["alive"] == [True, True] and free["alive"][0] is False, r
+        # the first layer's weights are gone once the second layer's gather has run; the
+        # second's, gathered with keep, are kept for its backward
+        assert keep["alive"] == [True, True] and free["alive"] == [False, True], r
         assert free["notes"] == [1, 1], free  # each layer's saved weight kept as a note, not a tensor
         for a, b in zip(keep["grads"], free["grads"]):
             assert torch.equal(a, b)
-        # backward: layer 2 gathered again and layer 1's gather issued ahead (two gathers, then
-        # their waits), before and beside the gradients' reduce-scatters
+        # backward: layer 1 gathered again, issued first (ahead of layer 2's backward, which
+        # reads the kept copy), before and beside the gradients' reduce-scatters
         assert keep["backward_calls"].count("all_gather_into_tensor") == 0, keep
-        assert free["backward_calls"].count("all_gather_into_tensor") == 2, free
-        assert free["backward_calls"][:2] == ["all_gather_into_tensor", "all_gather_into_tensor"], free
+        assert free["backward_calls"].count("all_gather_into_tensor") == 1, free
+        assert free["backward_calls"][0] == "all_gather_into_tensor", free
 
 
 def _compiled_gathers(rank, world, plans):
@@ -168,8 +170,9 @@ def test_a_zero2_plan_gathers_once_per_step_and_a_zero3_plan_again_in_backward()
             assert r[name]["forward"].count("all_gather_into_tensor") > 0, r
             assert r[name]["backward"].count("reduce_scatter_tensor") > 0, r
         assert r["zero2"]["backward"].count("all_gather_into_tensor") == 0, r
+        # every layer gathered again but the one gathered last, kept for its backward
         assert r["zero3"]["backward"].count("all_gather_into_tensor") == r["zero3"]["forward"].count(
-            "all_gather_into_tensor"), r
+            "all_gather_into_tensor") - 1, r
 
 
 def test_a_plan_kept_over_one_axis_gathers_again_only_over_the_others():
@@ -195,5 +198,6 @@ def test_a_plan_kept_over_one_axis_gathers_again_only_over_the_others():
     for r in spawn(_compiled_gathers, 4, plans, timeout_s=300):
         fwd, bwd = ({k: r[k][ph].count("all_gather_into_tensor") for k in plans} for ph in ("forward", "backward"))
         assert fwd["()"] == fwd["(0,)"] == fwd["(0, 1)"] > 0, r
+        # (the head's weights are whole here: no head group to keep)
         assert bwd["()"] == fwd["()"] and bwd["(0, 1)"] == 0, r
         assert 0 < bwd["(0,)"] < fwd["(0,)"], r

@@ -45,6 +45,13 @@ def test_zero_gathers_coalesce_per_layer_and_prefetch():
         if k:
             assert order[waits[k - 1]] < order[start] < min(order[u] for g in waits[k - 1].users for u in g.users)
         assert start.meta["comm"]["flat_numel"] == sum(s.meta["val"].numel() for s in start.args[0])
+    # the head's gathers (after the last layer's: the final norm and the output projection)
+    # are kept for their backward, which runs first; no layer's, nor the embedding's
+    kept = [{s.name for s in start.args[0]} for start, wait in zip(starts, waits) if wait.kwargs.get("keep")]
+    assert kept and set().union(*kept) >= {"p_norm_weight", "p_lm_head_weight"}, per_layer
+    assert not any(name.startswith(("p_layers_", "p_embed")) for group in kept for name in group), kept
+    last_layer = max(k for k, v in per_layer.items() if any(n.startswith("p_layers_1_") for n in v))
+    assert all(bool(w.kwargs.get("keep")) == (k > last_layer) for k, w in enumerate(waits)), per_layer
     verify(gm, plan)  # every rank issues the same coalesced gathers
 
 

@@ -67,6 +67,39 @@ def _backward_extra(tg, plan, mesh, staging):
     return extra + sum(_nbytes(nodes[k].meta["val"], plan.nodes[k].out, mesh) for k in head_params)
 
 
+def _kept_head(tg, plan, mesh):
+    """(held, freed by the head's backward) bytes of the head's ZeRO-3 weights, kept whole from
+    forward for their backward (passes.prefetch_params): each head op's (after the last
+    indexed layer) weight, per mesh axis it is stored split on and read whole (R or P) there
+    and not kept gathered over, its copy gathered over that axis; freed unless an op outside
+    the head saves it (an embedding saves its indices, not its weight)."""
+    nodes = {n.name: n for n in tg.graph.nodes}
+    order = {n.name: k for k, n in enumerate(tg.graph.nodes)}
+    layer = {n.name: int(m.group(1)) if (m := re.search(r"\.(\d+)(\.|$)", n.meta.get("module") or "")) else None
+             for n in tg.graph.nodes}
+    last = max((v for v in layer.values() if v is not None), default=None)
+    if last is None:
+        return 0, 0
+    end = max(order[k] for k, v in layer.items() if v == last)
+    params, kept_axes = set(tg.param_fqns), set(plan.stats.get("keep_gathered", ()))
+    head = {k for k, v in plan.nodes.items() if v.role == "decision" and layer[k] is None and order[k] > end}
+    saved_elsewhere = {o.name for n in tg.graph.nodes if n.op == "call_function" and n.name not in head
+                       and n.target in SAVES_INPUTS and n.target is not torch.ops.aten.embedding.default
+                       for o in tensor_operands(n)}
+    held = freed = 0
+    for name in head:
+        for o, want in zip(tensor_operands(nodes[name]), plan.nodes[name].ins):
+            if o.name not in params:
+                continue
+            stored = plan.nodes[o.name].out
+            for a in range(len(mesh)):
+                if mesh[a] > 1 and a not in kept_axes and stored[a][0] not in "RP" and want[a][0] in "RP":
+                    b = _nbytes(o.meta["val"], tuple("R" if c == a else t for c, t in enumerate(stored)), mesh)
+                    held += b
+                    freed += 0 if o.name in saved_elsewhere else b
+    return held, freed
+
+
 def _head_extra(tg, plan, mesh, staging):
     """What the head's gradient reduction adds to the end of forward less what the head saved:
     each head op's (after the last indexed layer) weight gradients as it reads the weights,
@@ -200,12 +233,14 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
     # temporary per element of the parameters this device steps)
     scratch = sum(_nbytes(nodes[k].meta["val"], v.out, mesh) // nodes[k].meta["val"].element_size() * 4
                   for k, v in plan.nodes.items() if v.role == "param" and k not in tg.tied_copies())
-    # (the end of forward holds no gradients: 4 B of the 16 per element)
-    forward = static * (bpp - 4) // bpp + act + trans
+    # (the end of forward holds no gradients: 4 B of the 16 per element; it holds the head's
+    # ZeRO-3 weights whole, kept for their backward, which frees them)
+    kept, freed = _kept_head(tg, plan, mesh)
+    forward = static * (bpp - 4) // bpp + act + trans + kept
     staging = get_cluster(plan.cluster).gather_staging
-    backward = forward - trans + trans_last - head_act + _backward_extra(tg, plan, mesh, staging)
+    backward = forward - trans + trans_last - head_act - freed + _backward_extra(tg, plan, mesh, staging)
     head_extra = _head_extra(tg, plan, mesh, staging)
-    head_phase = 0 if head_extra is None else forward - trans - head_act + head_extra
+    head_phase = 0 if head_extra is None else forward - trans - head_act - freed + head_extra
     return max(forward, head_phase, backward, static + scratch)
 
 
@@ -421,6 +456,39 @@ def test_a_tensor_only_a_p2x2_op_saves_is_not_held():
     spatial = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=Hints(temporal=False))
     assert all(e.table.get((e.ucls[spatial.solved.choice[e.u]], e.vcls[spatial.solved.choice[e.v]]), 0) == 0
                for e in spatial.solved.problem.saved_edges)
+
+
+def test_a_zero3_plans_head_weights_are_kept_from_forward_for_their_backward():
+    # FSDP on 4, a wide vocabulary: the head's weights are gathered in forward and kept for
+    # their backward, which runs first (passes.prefetch_params waits their gather with keep,
+    # as FSDP2 keeps its root module's): the end of forward holds their whole copy, the
+    # phases after the head's backward (its gradients' reduction, the last layer's backward)
+    # do not, and no gather of them is charged in backward
+    from stpc.planner.hints import fsdp_tp
+    tg = _meta_trace("gpt-tiny", batch=4, seq=16, vocab=8192)
+    cm = CostModel(get_cluster("cpu-local"), (4,))
+    plan = plan_graph(tg, cm, hints=fsdp_tp((4,), dp_axis=0))
+    p, ch = plan.solved.problem, plan.solved.choice
+
+    def at(edges):
+        return sum(e.table.get((e.ucls[ch[e.u]], e.vcls[ch[e.v]]), 0) for e in edges)
+
+    w = 8192 * 32 * 4  # the head's weight (gpt-tiny: d_model 32), whole
+    assert plan.nodes["p_lm_head_weight"].out[0][0] == "S"  # (stored split: ZeRO-3)
+    held = at([e for e in p.saved_edges if min(e.table.values()) > 0])
+    assert held == w + 2 * 32 * 4  # (and the final norm's weight and bias)
+    assert -at([e for e in p.head_edges if max(e.table.values()) < 0]) == held
+    assert -at([e for e in p.mem_edges if max(e.table.values()) < 0]) == held
+    fwd, head, bwd, _ = p.phase_peaks(ch)
+    bd = breakdown(plan)
+    assert (bd["forward_peak_bytes"], bd["head_backward_peak_bytes"], bd["backward_peak_bytes"]) == (fwd, head, bwd)
+    assert recompute_peak(tg, plan) == pytest.approx(plan.peak_memory_bytes, rel=1e-6)
+    # the time: the head's weight gathered once (forward), the last layer's twice
+    from stpc.planner.costs import axis_reshard_phases
+    nbytes = w
+    once = axis_reshard_phases(cm, 0, "S0", "R", nbytes, True, True, regather=False)
+    twice = axis_reshard_phases(cm, 0, "S0", "R", nbytes, True, True, regather=True)
+    assert twice[1] > once[1] and twice[0] == once[0]
 
 
 def test_a_zero3_plan_peaks_in_the_last_layers_backward():

@@ -452,6 +452,38 @@ class Builder:
                                     tuple([cmap[c] for c in vcls]), table))
         return out
 
+    def _kept_head_edges(self) -> tuple[list[Edge], list[Edge]]:
+        """The head's ZeRO-3 parameters, kept whole from forward for their backward
+        (``passes.prefetch_params`` waits the head's gathers with ``keep``; FSDP2 keeps its
+        root module's alike): per (parameter, head op reading it whole on a mesh axis it is
+        stored split on, not kept gathered over), the copy gathered over that axis (split as
+        stored on the others). Returns (held from the end of forward on: ``saved_edges``;
+        the same negated, for the phases after the head's backward freed it: ``head_edges``
+        and ``mem_edges``; none for a parameter an op outside the head also keeps)."""
+        held, freed = [], []
+        for src, dst, i in self.facts.edge_uses:
+            if src.kind != "param" or dst not in self.facts.head or src.node not in self.rg:
+                continue
+            val = src.node.meta["val"]
+            nbytes = val.numel() * val.element_size()
+            place, strategies = self.place[src], self.groups[dst.group].strategies
+            producer = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))
+            consumer = self._shared_result(("vcls", id(strategies), i), lambda: self._consumer_classes(strategies, i))
+            for a, n in enumerate(self.mesh):
+                if n == 1 or a in self.hints.keep_gathered:
+                    continue
+                (ucls, ukeys), (vcls, vkeys) = producer[a], consumer[a]
+                table = {(pc, qc): int(round(nbytes / sf))
+                         for pc, (tok, sf) in enumerate(ukeys) if tok[0] not in "RP"
+                         for qc, (q, _) in enumerate(vkeys) if q[0] in "RP"}
+                if table:
+                    rmap, cmap, table = _merge_classes(len(ukeys), len(vkeys), table)
+                    u, v = tuple([rmap[c] for c in ucls]), tuple([cmap[c] for c in vcls])
+                    held.append(Edge(src.group, dst.group, u, v, table))
+                    if src in self._freed_by_head:
+                        freed.append(Edge(src.group, dst.group, u, v, {k: -b for k, b in table.items()}))
+        return held, freed
+
     def _saved_edges(self) -> list[Edge]:
         """Memory edges of the tensors forward saves (``Problem.saved_edges``): a tensor kept
         for backward only because one op saves it, and that op under a P(2^k x 2^k) strategy
@@ -628,9 +660,10 @@ class Builder:
             win = self._windows(dst, i)
             layer = self._layer_bytes.get(src.node, 0.0)
             inline = self.recompute and dst in self.facts.layer_items
-            key = ("param-edge", id(place), nbytes, layer, rg, id(strategies), i, id(win), inline)
+            kept = dst in self.facts.head  # (the head's gathers are kept for backward: not made again)
+            key = ("param-edge", id(place), nbytes, layer, rg, id(strategies), i, id(win), inline, kept)
             return self._shared_result(key, lambda: self._param_edge(place, nbytes, layer, rg, strategies, i, win,
-                                                                     inline))
+                                                                     inline, kept))
         replayed = self.recompute and (src, dst, i) in self.facts.replayed_edges
         key = ("edges", id(place), nbytes, rg, id(strategies), i, replayed)
         return self._shared_result(key, lambda: [
@@ -653,7 +686,7 @@ class Builder:
         return self._shared_result(("windows", id(strategies), id(timer), scale), lambda: [
             (f * scale, b * scale) for f, b in map(timer.windows, strategies)])
 
-    def _param_edge(self, place, nbytes, layer, rg, strategies, i, win, inline=False):
+    def _param_edge(self, place, nbytes, layer, rg, strategies, i, win, inline=False, kept=False):
         """Per-axis edges from a parameter to its consumer: on each axis the reshard's forward
         and backward parts, each overlapped with the consumer's compute of that phase
         (``CostModel.overlapped``, windows from :meth:`_windows`). Its collectives ride in
@@ -662,20 +695,21 @@ class Builder:
         (``layer``: the layer's parameter bytes, split on the other axes as this one is).
         ``inline``: the consumer sits in a recomputed layer (``passes.recompute``), whose
         ZeRO gathers stay the parameter's own, waited where they stand and replayed in
-        backward (the regather): charged whole, as an activation's reshard is."""
+        backward (the regather): charged whole, as an activation's reshard is. ``kept``: the
+        consumer is in the head, whose gathers are kept for backward (no regather)."""
         edges = []
         for a in range(len(self.mesh)):
             ucls, ukeys = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))[a]
             vcls, vkeys = self._shared_result(("vcls-win", id(strategies), i, id(win)), lambda: (
                 self._consumer_window_classes(strategies, i, win)))[a]
             sig = self.cm.axis_signature(a)
-            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, layer, rg, inline)
+            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, layer, rg, inline, kept)
             merged = self._axis_tables.get(key)
             if merged is None:
                 need, col = _classes([(q, split) for q, split, _ in vkeys])  # the reshards, without windows
                 phases = np.zeros((2, len(ukeys), len(col)))
                 copies = np.zeros((len(ukeys), len(col)))  # (on the rank's own thread: not overlapped)
-                regather = a not in self.hints.keep_gathered
+                regather = a not in self.hints.keep_gathered and not kept
                 for pc, (tok, sf) in enumerate(ukeys):
                     for qc, (q, split) in enumerate(col):
                         gathered = inline and tok[0] not in "RP" and q[0] in "RP"
@@ -792,6 +826,7 @@ class Builder:
             else:
                 self._derived(it)
         self._saved_memory()
+        kept_held, kept_freed = self._kept_head_edges() if edges else ([], [])
         return Problem(cost=[np.rint(g.cost * NS).astype(np.int64).tolist() for g in self.groups],
                        mem=[np.rint(g.mem).astype(np.int64).tolist() for g in self.groups],
                        transient=[[int(round(t)) for t in g.transient] for g in self.groups],
@@ -800,19 +835,20 @@ class Builder:
                        step_mem=[np.rint(g.step_mem).astype(np.int64).tolist() for g in self.groups],
                        step_transient=[[int(round(t)) for t in g.step_transient] for g in self.groups],
                        bwd_mem=[np.rint(g.bwd_mem).astype(np.int64).tolist() for g in self.groups],
-                       mem_edges=self._regather_edges() if edges else [],
+                       mem_edges=self._regather_edges() + kept_freed if edges else [],
                        bwd_transient=[[int(round(t)) for t in (g.bwd_transient or [0.0] * len(g.transient))]
                                       for g in self.groups],
                        head_mem=[np.rint(g.head_mem).astype(np.int64).tolist() for g in self.groups]
                        if self.facts.head else None,
-                       head_edges=self._head_reduction_edges() if edges else [],
-                       saved_edges=self._saved_edges() if edges else [],
+                       head_edges=self._head_reduction_edges() + kept_freed if edges else [],
+                       saved_edges=self._saved_edges() + kept_held if edges else [],
                        transient_edges=self._transient_edges() if edges else [])
 
     def add_memory_edges(self, problem: Problem) -> Problem:
-        problem.mem_edges = self._regather_edges()
-        problem.head_edges = self._head_reduction_edges()
-        problem.saved_edges = self._saved_edges()
+        kept_held, kept_freed = self._kept_head_edges()
+        problem.mem_edges = self._regather_edges() + kept_freed
+        problem.head_edges = self._head_reduction_edges() + kept_freed
+        problem.saved_edges = self._saved_edges() + kept_held
         problem.transient_edges = self._transient_edges()
         return problem
 

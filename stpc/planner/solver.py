@@ -255,7 +255,8 @@ def _build(p: Problem, minimise_memory: bool):
         phases.append(_phase_memory(m, x, p.mem, None, "head", p.head_mem) + _edge_sum(m, x, p.head_edges, "h") + held)
     if minimise_memory:
         top = sum(sum(max(0, max(r)) for r in rows) for rows in _memory_rows(p))  # (head_mem may be negative)
-        top += sum(max(e.table.values(), default=0) for e in (*p.mem_edges, *p.head_edges, *p.transient_edges))
+        top += sum(max(0, max(e.table.values(), default=0))
+                   for e in (*p.mem_edges, *p.head_edges, *p.transient_edges, *p.saved_edges))
         peak = m.NewIntVar(0, top, "peak")
         for ph in phases:
             m.Add(peak >= ph)

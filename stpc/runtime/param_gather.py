@@ -21,8 +21,13 @@ Inside :class:`RegatherSaved` (the compiled model runs its eager programs in one
 whole parameters are not kept from forward to backward, as FSDP2 does by default
 (``reshard_after_forward``): what autograd saves of them is replaced by a note of where
 it lies, and backward gathers the layer again when it first needs it, issuing the
-previous layer's gather at the same time (backward prefetch). A layer's whole parameters
-live while it computes, forward or backward, plus the next one's in flight.
+previous layer's gather at the same time (backward prefetch). The exception is a gather
+made with ``keep=True`` (``passes.prefetch_params`` marks the head's, after the last
+layer, whose backward runs first): its whole parameters are kept for backward, as FSDP2
+keeps its root module's (gathered again, they would come back the moment forward freed
+them, their buffer in flight beside the loss's gradient and the prefetched layer's). A
+layer's whole parameters live while it computes, forward or backward, plus the next
+one's in flight.
 
 Plain differentiable distributed functions of local tensors; they know nothing of plans.
 """
@@ -82,7 +87,7 @@ class _GatherStart(torch.autograd.Function):
 
 class _GatherWait(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, shapes, dims, group):
+    def forward(ctx, out, shapes, dims, group, keep):
         n = _size(group)
         ctx.shapes, ctx.dims, ctx.n, ctx.like = shapes, dims, n, (out.dtype, out.device)
         # eager: this gather's start node, so backward can launch its reduce-scatter early (a
@@ -95,7 +100,7 @@ class _GatherWait(torch.autograd.Function):
             if isinstance(start, _GatherStart._backward_cls):
                 ctx.start = start if start.grad == "rs" else None
                 if _ACTIVE:
-                    _ACTIVE[-1].note(start.shards, group, shapes, dims, [buf, *fulls])
+                    _ACTIVE[-1].note(start.shards, group, shapes, dims, [buf, *fulls], keep)
         return tuple(fulls)
 
     @staticmethod
@@ -104,13 +109,13 @@ class _GatherWait(torch.autograd.Function):
         flat = _rank_major(grads, ctx.shapes, ctx.dims, n, *ctx.like)
         start, ctx.start = ctx.start, None
         if start is None:
-            return flat, None, None, None
+            return flat, None, None, None, None
         # launch the layer's reduce-scatter now: it travels while backward computes the earlier
         # layers, and the start node (run later by the engine) waits for it; autograd gets a
         # stand-in of the right shape (no memory), which the start node ignores
         start.pending = _guarded("reduce_scatter (coalesced parameter gradients)", _c10d.reduce_scatter_tensor,
                                  ctx.group, flat, "sum", n, ctx.group)
-        return torch.zeros((), dtype=flat.dtype, device=flat.device).expand(flat.shape), None, None, None
+        return torch.zeros((), dtype=flat.dtype, device=flat.device).expand(flat.shape), None, None, None, None
 
 
 def _rank_major(grads, shapes, dims, n: int, dtype, device) -> Tensor:
@@ -170,6 +175,7 @@ class _Gathered:
     saved: int = 0                 # notes autograd holds and has not handed back yet
     tensors: list | None = None    # [buffer, *whole parameters] while backward uses them
     pending: object = None         # a re-gather issued ahead (backward prefetch)
+    kept: list | None = None       # [buffer, *whole parameters] kept from forward (``keep``)
 
 
 @dataclass(frozen=True, eq=False)
@@ -189,9 +195,12 @@ class RegatherSaved:
     gathers the layer again at the first note it hands back (issuing the previous
     layer's gather then), cut exactly as in forward, so every saved view is rebuilt with
     the same size, strides and offset. Every rank runs the same backward in the same
-    order, so the re-gathers match across ranks. ``groups``: the process groups whose
-    gathers this applies to (None: every one); a gather on another group is kept from
-    forward to backward as autograd saves it (ZeRO-2 on that mesh axis)."""
+    order, so the re-gathers match across ranks. A gather made with ``keep`` is not made
+    again: its whole parameters are kept from forward for backward (FSDP2's root module),
+    and backward's first note of them issues the previous group's gather. ``groups``: the
+    process groups whose gathers this applies to (None: every one); a gather on another
+    group is kept from forward to backward as autograd saves it (ZeRO-2 on that mesh
+    axis)."""
 
     def __init__(self, groups=None):
         self.groups = groups            # the process groups whose gathers backward makes again (None: all)
@@ -209,7 +218,7 @@ class RegatherSaved:
         _ACTIVE.remove(self)
         return False
 
-    def note(self, shards, group: str, shapes, dims, tensors: list[Tensor]) -> None:
+    def note(self, shards, group: str, shapes, dims, tensors: list[Tensor], keep: bool = False) -> None:
         if self.groups is not None and group not in self.groups:
             return  # (a group kept gathered, ZeRO-2: autograd saves the whole parameters themselves)
         g = _Gathered(len(self.gathered), tuple(shards), group, list(shapes), list(dims))
@@ -217,6 +226,8 @@ class RegatherSaved:
         for which, t in enumerate(tensors):
             st = t.untyped_storage()
             self.by_storage[st._cdata] = (StorageWeakRef(st), g, which)
+        if keep:  # (held by the notes' hooks: as long as the graph that will use them)
+            g.kept = [_holding(tensors[0], tensors[1:]), *tensors[1:]]
 
     def _pack(self, t: Tensor):
         hit = self.by_storage.get(t.untyped_storage()._cdata) if isinstance(t, Tensor) else None
@@ -231,10 +242,11 @@ class RegatherSaved:
             return x
         g = x.gathered
         if g.tensors is None:
-            self._issue(g)
+            if g.kept is None:
+                self._issue(g)
             if g.index > 0:  # backward runs the layers in reverse: the previous one is next
                 self._issue(self.gathered[g.index - 1])
-            g.tensors = self._wait(g)
+            g.tensors, g.kept = (g.kept if g.kept is not None else self._wait(g)), None
         out = g.tensors[x.which].as_strided(x.size, x.stride, x.offset)
         g.saved -= 1
         if g.saved <= 0:  # every view handed back: the layer's whole parameters can go
@@ -247,7 +259,7 @@ class RegatherSaved:
         return torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1).contiguous()
 
     def _issue(self, g: _Gathered) -> None:
-        if g.saved > 0 and g.tensors is None and g.pending is None:
+        if g.saved > 0 and g.tensors is None and g.kept is None and g.pending is None:
             g.pending = _guarded("all_gather (parameters again for backward)", _start, g.group, self._flat(g),
                                  _size(g.group), g.group)
 
@@ -266,7 +278,8 @@ def gather_start(shards: list[Tensor], group: str, grad: str = "rs") -> Tensor:
     return _GatherStart.apply(group, grad, *shards)
 
 
-def gather_wait(out: Tensor, shapes: list, dims: list[int], group: str) -> tuple[Tensor, ...]:
+def gather_wait(out: Tensor, shapes: list, dims: list[int], group: str, keep: bool = False) -> tuple[Tensor, ...]:
     """The whole parameters from ``out`` (of :func:`gather_start`): parameter i's shard has
-    shape ``shapes[i]`` and is split on dim ``dims[i]`` over ``group``."""
-    return _GatherWait.apply(out, [tuple(s) for s in shapes], list(dims), group)
+    shape ``shapes[i]`` and is split on dim ``dims[i]`` over ``group``. ``keep``: inside
+    :class:`RegatherSaved`, keep them for backward instead of gathering them again there."""
+    return _GatherWait.apply(out, [tuple(s) for s in shapes], list(dims), group, keep)
