@@ -302,7 +302,8 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
     missed = [r for r in rows if not (r["time_met"] and r["memory_met"])]
     lines.append("What differs between the two sides, by construction (the code, not this run): stpc's "
                  "ZeRO/FSDP programs, like FSDP2, free a layer's gathered weights after forward and gather "
-                 "them again in backward (the previous layer's issued ahead), but the gathers are stpc's own "
+                 "them again in backward (the previous layer's issued ahead; the head's, after the last layer, "
+                 "kept for its backward, as FSDP2 keeps its root module's), but the gathers are stpc's own "
                  "coalesced per-layer collectives on DTensor shards; stpc computes the global mean loss inside the step (a scalar all-reduce, and the "
                  "target count's, issued at the step's start) where the torch engines reduce the loss after "
                  "backward; stpc's parameters are DTensors for every plan, DDP's are plain tensors. The "
