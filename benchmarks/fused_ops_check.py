@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from stpc.cli._common import TORCH_DTYPES  # noqa: E402
-from stpc.cli.bench_kernel import layer_linears  # noqa: E402
+from stpc.cli.bench_kernel import cuda_median_s, layer_linears  # noqa: E402
 from stpc.runtime.launch import spawn  # noqa: E402
 from stpc.runtime.ops import kernels  # noqa: E402
 from stpc.runtime.ops.ring import ring_allgather_matmul, ring_matmul_reducescatter  # noqa: E402
@@ -72,21 +71,7 @@ def op_shapes(model: str, ranks: int, tokens: int) -> list[dict]:
 
 def _timer(dev: torch.device):
     if dev.type == "cuda":
-        def median_s(fn, warmup, iters):
-            for _ in range(warmup):
-                fn()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(iters):
-                dist.barrier()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            return statistics.median(times)
+        median_s = cuda_median_s
     else:
         def median_s(fn, warmup, iters):
             for _ in range(warmup):

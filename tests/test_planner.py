@@ -33,17 +33,23 @@ def _nbytes(val, placement, mesh):
     return math.prod(local_shape(tuple(val.shape), tuple(placement), mesh)) * val.element_size()
 
 
+def _layers(tg):
+    """The graph's nodes by name, their order, the indexed layer of each (from its module
+    path; None outside any) and the last layer's index (None: no layers)."""
+    nodes = {n.name: n for n in tg.graph.nodes}
+    order = {n.name: k for k, n in enumerate(tg.graph.nodes)}
+    layer = {n.name: int(m.group(1)) if (m := re.search(r"\.(\d+)(\.|$)", n.meta.get("module") or "")) else None
+             for n in tg.graph.nodes}
+    return nodes, order, layer, max((v for v in layer.values() if v is not None), default=None)
+
+
 def _backward_extra(tg, plan, mesh, staging):
     """What the last layer's backward adds to the end of forward, from the plan's placements
     and the graph's module paths: the head's (the decision ops after the last indexed layer)
     parameter gradients as placed; each last-layer op's weight gradients as it reads the
     weights, and per mesh axis a weight is stored split on and read whole (R or P) there, its
     copy gathered over that axis, (3 + staging) times (cost_models.memory.REGATHER_COPIES)."""
-    nodes = {n.name: n for n in tg.graph.nodes}
-    order = {n.name: k for k, n in enumerate(tg.graph.nodes)}
-    layer = {n.name: int(m.group(1)) if (m := re.search(r"\.(\d+)(\.|$)", n.meta.get("module") or "")) else None
-             for n in tg.graph.nodes}
-    last = max((v for v in layer.values() if v is not None), default=None)  # (None: no layers, all is the last)
+    nodes, order, layer, last = _layers(tg)  # (None: no layers, all is the last)
     end = max((order[k] for k, v in layer.items() if v == last and last is not None), default=len(order))
     params = set(tg.param_fqns)
     extra, head_params = 0, set()
@@ -73,11 +79,7 @@ def _kept_head(tg, plan, mesh):
     indexed layer) weight, per mesh axis it is stored split on and read whole (R or P) there
     and not kept gathered over, its copy gathered over that axis; freed unless an op outside
     the head saves it (an embedding saves its indices, not its weight)."""
-    nodes = {n.name: n for n in tg.graph.nodes}
-    order = {n.name: k for k, n in enumerate(tg.graph.nodes)}
-    layer = {n.name: int(m.group(1)) if (m := re.search(r"\.(\d+)(\.|$)", n.meta.get("module") or "")) else None
-             for n in tg.graph.nodes}
-    last = max((v for v in layer.values() if v is not None), default=None)
+    nodes, order, layer, last = _layers(tg)
     if last is None:
         return 0, 0
     end = max(order[k] for k, v in layer.items() if v == last)
@@ -107,11 +109,7 @@ def _head_extra(tg, plan, mesh, staging):
     split on (ZeRO), the gradient's rank-major copy, ``staging`` more and the reduced shard;
     read as stored and whole on an axis the op splits its work on (data parallelism), the
     bucket's copy."""
-    nodes = {n.name: n for n in tg.graph.nodes}
-    order = {n.name: k for k, n in enumerate(tg.graph.nodes)}
-    layer = {n.name: int(m.group(1)) if (m := re.search(r"\.(\d+)(\.|$)", n.meta.get("module") or "")) else None
-             for n in tg.graph.nodes}
-    last = max((v for v in layer.values() if v is not None), default=None)
+    nodes, order, layer, last = _layers(tg)
     if last is None:
         return None
     end = max(order[k] for k, v in layer.items() if v == last)

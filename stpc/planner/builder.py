@@ -421,18 +421,15 @@ class Builder:
         return [Edge(u, v, ucls, vcls, {k: int(round(c * NS)) for k, c in t.items() if c})
                 for (u, v, ucls, vcls), t in merged.items()]
 
-    def _regather_edges(self) -> list[Edge]:
-        """The backward phase's memory edges (``Problem.mem_edges``): a parameter an op of the
-        last layer reads whole (R or P) on a mesh axis it is stored split on, and does not
-        keep gathered (ZeRO-3), is gathered again for that op's backward; on each such axis
-        the edge holds ``MemoryModel.regathered_bytes`` of its copy gathered over the axis
-        (split as stored on the others). One layer's worth, whatever the tied count.
-        Parameters read through a shared read are not charged (none are: parameters keep
-        their edges, ``analysis._share_reads``)."""
-        staging = self.cm.cluster.gather_staging
+    def _gathered_copy_edges(self, readers: set, copy_bytes) -> list[tuple[Item, Edge]]:
+        """Per parameter, op of ``readers`` reading it whole (R or P) on a mesh axis it is
+        stored split on and not kept gathered over (ZeRO-3), and that axis: an edge holding
+        ``copy_bytes(b)``, ``b`` the bytes of its copy gathered over the axis (split as stored
+        on the others); with the parameter's Item. Parameters read through a shared read
+        are not charged (none are: parameters keep their edges, ``analysis._share_reads``)."""
         out = []
         for src, dst, i in self.facts.edge_uses:
-            if src.kind != "param" or dst not in self.facts.last_layer or src.node not in self.rg:
+            if src.kind != "param" or dst not in readers or src.node not in self.rg:
                 continue
             val = src.node.meta["val"]
             nbytes = val.numel() * val.element_size()
@@ -443,45 +440,38 @@ class Builder:
                 if n == 1 or a in self.hints.keep_gathered:
                     continue
                 (ucls, ukeys), (vcls, vkeys) = producer[a], consumer[a]
-                table = {(pc, qc): int(round(self.memory.regathered_bytes(nbytes / sf, staging)))
+                table = {(pc, qc): int(round(copy_bytes(nbytes / sf)))
                          for pc, (tok, sf) in enumerate(ukeys) if tok[0] not in "RP"
                          for qc, (q, _) in enumerate(vkeys) if q[0] in "RP"}
                 if table:  # (classes alike in every entry merged: a few pairs, not placements squared)
                     rmap, cmap, table = _merge_classes(len(ukeys), len(vkeys), table)
-                    out.append(Edge(src.group, dst.group, tuple([rmap[c] for c in ucls]),
-                                    tuple([cmap[c] for c in vcls]), table))
+                    out.append((src, Edge(src.group, dst.group, tuple([rmap[c] for c in ucls]),
+                                          tuple([cmap[c] for c in vcls]), table)))
         return out
+
+    def _regather_edges(self) -> list[Edge]:
+        """The backward phase's memory edges (``Problem.mem_edges``): a parameter an op of the
+        last layer reads whole on a mesh axis it is stored split on (ZeRO-3) is gathered
+        again for that op's backward; on each such axis the edge holds
+        ``MemoryModel.regathered_bytes`` of its copy gathered over the axis. One layer's
+        worth, whatever the tied count."""
+        staging = self.cm.cluster.gather_staging
+        return [e for _, e in self._gathered_copy_edges(
+            self.facts.last_layer, lambda b: self.memory.regathered_bytes(b, staging))]
 
     def _kept_head_edges(self) -> tuple[list[Edge], list[Edge]]:
         """The head's ZeRO-3 parameters, kept whole from forward for their backward
         (``passes.prefetch_params`` waits the head's gathers with ``keep``; FSDP2 keeps its
         root module's alike): per (parameter, head op reading it whole on a mesh axis it is
-        stored split on, not kept gathered over), the copy gathered over that axis (split as
-        stored on the others). Returns (held from the end of forward on: ``saved_edges``;
-        the same negated, for the phases after the head's backward freed it: ``head_edges``
-        and ``mem_edges``; none for a parameter an op outside the head also keeps)."""
+        stored split on), its copy gathered over that axis. Returns (held from the end of
+        forward on: ``saved_edges``; the same negated, for the phases after the head's
+        backward freed it: ``head_edges`` and ``mem_edges``; none for a parameter an op
+        outside the head also keeps)."""
         held, freed = [], []
-        for src, dst, i in self.facts.edge_uses:
-            if src.kind != "param" or dst not in self.facts.head or src.node not in self.rg:
-                continue
-            val = src.node.meta["val"]
-            nbytes = val.numel() * val.element_size()
-            place, strategies = self.place[src], self.groups[dst.group].strategies
-            producer = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))
-            consumer = self._shared_result(("vcls", id(strategies), i), lambda: self._consumer_classes(strategies, i))
-            for a, n in enumerate(self.mesh):
-                if n == 1 or a in self.hints.keep_gathered:
-                    continue
-                (ucls, ukeys), (vcls, vkeys) = producer[a], consumer[a]
-                table = {(pc, qc): int(round(nbytes / sf))
-                         for pc, (tok, sf) in enumerate(ukeys) if tok[0] not in "RP"
-                         for qc, (q, _) in enumerate(vkeys) if q[0] in "RP"}
-                if table:
-                    rmap, cmap, table = _merge_classes(len(ukeys), len(vkeys), table)
-                    u, v = tuple([rmap[c] for c in ucls]), tuple([cmap[c] for c in vcls])
-                    held.append(Edge(src.group, dst.group, u, v, table))
-                    if src in self._freed_by_head:
-                        freed.append(Edge(src.group, dst.group, u, v, {k: -b for k, b in table.items()}))
+        for src, e in self._gathered_copy_edges(self.facts.head, lambda b: b):
+            held.append(e)
+            if src in self._freed_by_head:
+                freed.append(Edge(e.u, e.v, e.ucls, e.vcls, {k: -b for k, b in e.table.items()}))
         return held, freed
 
     def _saved_edges(self) -> list[Edge]:
