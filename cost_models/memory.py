@@ -5,6 +5,7 @@
 
     peak = max(end of forward, last layer's backward, optimizer step)
     end of forward  = weights + optimizer state + saved activations + the largest transient
+                      (+ a ZeRO-3 plan's head weights, kept whole for their backward)
     last layer's backward = the end of forward less the activations only the head saved,
                       with that layer's own largest working set for the transient, + the
                       gradients the head and the last layer compute + ZeRO-3 parameters
