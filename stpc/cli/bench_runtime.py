@@ -234,13 +234,17 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                             bool(cfg.get("progress")) and rank == 0):
         dist.barrier()
         t0 = time.perf_counter()
-        loss = _step(engines[i][2], opts[i])
-        dt = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step is the slowest rank's
+        opts[i].zero_grad(set_to_none=True)  # (_step, with a clock between its parts)
+        loss = engines[i][2].forward_backward()
+        t1 = time.perf_counter()
+        opts[i].step()
+        t2 = time.perf_counter()
+        dt = torch.tensor([t2 - t0, t1 - t0, t2 - t1], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step (and each part) is the slowest rank's
         if r == 0:
             first_loss[i] = float(loss)
         if r >= cfg["warmup"]:
-            times[i].append(float(dt))
+            times[i].append(dt.tolist())
     peaks = []
     for i, (_, _, e) in enumerate(engines):
         dist.barrier()
@@ -250,7 +254,10 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     if rank != 0:
         return {}
     return {"engines": [{"pair": pair, "side": side, "name": e.name, "layout": e.layout,
-                         "median_step_s": statistics.median(times[i]), "steps_s": times[i],
+                         "median_step_s": statistics.median(t[0] for t in times[i]),
+                         "steps_s": [t[0] for t in times[i]],
+                         "median_fwd_bwd_s": statistics.median(t[1] for t in times[i]),
+                         "median_optimizer_s": statistics.median(t[2] for t in times[i]),
                          "peak_bytes": peaks[i], "first_loss": first_loss[i]}
                         for i, (pair, side, e) in enumerate(engines)]}
 
@@ -299,6 +306,18 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
                      f"{'yes' if row['time_met'] else 'NO'} | {s['peak_bytes'] / 2**20:.1f} | "
                      f"{t['peak_bytes'] / 2**20:.1f} | {'yes' if row['memory_met'] else 'NO'} |")
     lines.append("")
+    parts = [row for row in rows if "median_fwd_bwd_s" in row["stpc"] and "median_fwd_bwd_s" in row["torch"]]
+    if parts:  # where each side's step goes (medians of the same rounds, each the slowest rank's)
+        lines += ["Where the step goes (medians over the same rounds; each part the slowest rank's, so the parts "
+                  "need not add up to the step):", "",
+                  "| pair | stpc forward + backward s | torch forward + backward s | stpc / torch | stpc optimizer s "
+                  "| torch optimizer s | stpc / torch |", "|---|---|---|---|---|---|---|"]
+        for row in parts:
+            s_, t = row["stpc"], row["torch"]
+            lines.append(f"| {row['pair']} | {s_['median_fwd_bwd_s']:.3f} | {t['median_fwd_bwd_s']:.3f} | "
+                         f"{s_['median_fwd_bwd_s'] / t['median_fwd_bwd_s']:.3f} | {s_['median_optimizer_s']:.4f} | "
+                         f"{t['median_optimizer_s']:.4f} | {s_['median_optimizer_s'] / t['median_optimizer_s']:.3f} |")
+        lines.append("")
     missed = [r for r in rows if not (r["time_met"] and r["memory_met"])]
     lines.append("What differs between the two sides, by construction (the code, not this run): stpc's "
                  "ZeRO/FSDP programs, like FSDP2, free a layer's gathered weights after forward and gather "
