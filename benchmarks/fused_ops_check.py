@@ -137,6 +137,10 @@ def _worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         if dev.type == "cuda" and kernels.HAS_TRITON:
             variants.append(("stpc_ring_triton", ours, "triton"))
         fused, why = _torch_fused(ring, x, w, group_name)
+        ran = torch.tensor([int(fused is not None)], device=dev)
+        dist.all_reduce(ran, op=dist.ReduceOp.MIN)  # (every rank times it, or none: no rank left waiting)
+        if fused is not None and not ran.item():
+            fused, why = None, "symmetric memory could not be set up on every rank"
         if fused is not None:
             variants.append(("torch_fused", fused, None))
         else:

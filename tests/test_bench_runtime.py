@@ -61,7 +61,7 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert max(losses) - min(losses) <= 1e-4 * abs(losses[0])
     assert all(e["median_step_s"] > 0 and e["peak_bytes"] > 0 for e in engines)
     # each step's parts, the slowest rank's: neither alone longer than the step's slowest
-    assert all(0 < e["median_fwd_bwd_s"] <= max(e["steps_s"]) and 0 < e["median_optimizer_s"] < e["median_fwd_bwd_s"] * 10
+    assert all(0 < e["median_fwd_bwd_s"] <= max(e["steps_s"]) and 0 < e["median_optimizer_s"] <= max(e["steps_s"])
                for e in engines)
     text = open(md).read()
     assert "<!-- bench:runtime -->" in text and "| data parallel |" in text and "agree" in text

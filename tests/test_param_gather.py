@@ -5,6 +5,8 @@ wait's backward (before the autograd engine reaches the start) and waited in the
 Real gloo ranks."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -99,6 +101,11 @@ def _regather(rank, world):
             refs = [StorageWeakRef(f1.untyped_storage()), StorageWeakRef(f2.untyped_storage())]
             del f1, f2
         forward_calls = len(calls)
+        # (a completed gather's output can stay referenced by its work object until gloo's
+        # worker thread drops it: under load that lags; a freed one is freed within the wait)
+        deadline = time.monotonic() + 5.0
+        while regather and not refs[0].expired() and time.monotonic() < deadline:
+            time.sleep(0.01)
         alive = [not r.expired() for r in refs]
         notes = [g.saved for g in ctx.gathered] if regather else []
         loss.backward()

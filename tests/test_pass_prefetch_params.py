@@ -93,3 +93,26 @@ def test_a_parameter_split_over_two_axes_is_gathered_once_over_both():
         for got, src in zip(sorted(wait.users, key=lambda u: u.args[1]), wait.args[0].args[0]):
             assert got.meta["val"].shape == whole[src.name]  # each parameter whole after one gather
     verify(gm, plan)  # every rank of each joint group issues the same gathers
+
+
+def test_the_heads_gathers_are_kept_where_no_layers_weights_are_gathered():
+    # only the head's weight stored split and read whole (data parallel on 4, every other
+    # weight replicated): the head's group is still the head's (its reader comes after the
+    # last layer's last op), so it is kept, as the planner charges it (Builder._kept_head_edges)
+    import torch
+    from _graphs import B, S
+    from stpc import models, trace
+    from stpc.planner import Hints, search
+
+    with torch.device("meta"):
+        tg = trace(models.build("llama-tiny"), models.example_inputs("llama-tiny", B, S))
+    hints = Hints(force=[(r"^linear", lambda s: s.kind == "spatial" and all(t == "R" for t in s.ins[1]))],
+                  param_force=[(r"^lm_head\.weight$", lambda p: p[0][0] == "S"),
+                               (r"^(?!lm_head\.)", lambda p: p[0] == "R")], temporal=False)
+    plan = search(tg, (4,), "cpu-local", hints=hints)
+    gm = cleanup(ring_decompose(insert_collectives(shard_params(tg.gm, plan, groups=["g0"]), plan), plan), plan)
+    assert {n.args[0].name for n in _param_gathers(gm)} == {"p_lm_head_weight"}
+    gm = prefetch_params(gm, plan)
+    waits = [n for n in gm.graph.nodes if n.target is runtime.gather_wait]
+    assert len(waits) == 1 and waits[0].kwargs.get("keep") is True
+    assert [s.name for s in waits[0].args[0].args[0]] == ["p_lm_head_weight"]

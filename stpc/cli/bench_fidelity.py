@@ -100,7 +100,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from stpc.cli._common import Parser, add_flags, verb, write_json
 from stpc.cli._progress import SearchStatus, Status
-from stpc.cli.bench_runtime import StpcEngine, _live_bytes, _live_storages, _peak_of_step, interleaved, memory_timeline
+from stpc.cli.bench_runtime import (StpcEngine, _live_bytes, _live_storages, _peak_of_step, interleaved,
+                                    memory_timeline, timed_step)
 from stpc.compile import compile as stpc_compile
 from stpc.compile import trace
 from stpc.cost_models.profile import world_cluster
@@ -455,19 +456,11 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
     first_loss = [None] * len(engines)
     for r, i in interleaved(len(engines), cfg["warmup"], cfg["steps"], "[bench fidelity] rounds",
                             bool(cfg.get("progress")) and rank == 0):
-        dist.barrier()
-        t0 = time.perf_counter()
-        opts[i].zero_grad(set_to_none=True)   # bench_runtime._step, with a clock between the parts
-        loss = engines[i].forward_backward()
-        t1 = time.perf_counter()
-        opts[i].step()
-        t2 = time.perf_counter()
-        dt = torch.tensor([t2 - t0, t1 - t0, t2 - t1], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        loss, dt = timed_step(engines[i], opts[i])
         if r == 0:
             first_loss[i] = float(loss)
         if r >= cfg["warmup"]:
-            times[i].append(dt.tolist())
+            times[i].append(dt)
     held = [{k: (str(tuple(t.placements)) if hasattr(t, "placements") else "plain",
                  (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes())
              for k, t in ((k, p.detach()) for k, p in e.model.named_parameters())} for e in engines]

@@ -197,6 +197,21 @@ def _step(engine: Engine, opt) -> torch.Tensor:
     return loss
 
 
+def timed_step(engine: Engine, opt) -> tuple[torch.Tensor, list[float]]:
+    """:func:`_step` with a clock between its parts, every rank from a barrier: (the loss,
+    [step, forward + backward, optimizer step] seconds, each the slowest rank's)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss = engine.forward_backward()
+    t1 = time.perf_counter()
+    opt.step()
+    t2 = time.perf_counter()
+    dt = torch.tensor([t2 - t0, t1 - t0, t2 - t1], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return loss, dt.tolist()
+
+
 def _peak_of_step(engine: Engine, opt) -> int:
     """Live bytes at the step's start (after ``zero_grad``) plus the highest the allocator
     climbed during the step (``memory_timeline``). (The profiler reports no free of a block
@@ -232,19 +247,11 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     first_loss = [None] * len(engines)
     for r, i in interleaved(len(engines), cfg["warmup"], cfg["steps"], "[bench runtime] rounds",
                             bool(cfg.get("progress")) and rank == 0):
-        dist.barrier()
-        t0 = time.perf_counter()
-        opts[i].zero_grad(set_to_none=True)  # (_step, with a clock between its parts)
-        loss = engines[i][2].forward_backward()
-        t1 = time.perf_counter()
-        opts[i].step()
-        t2 = time.perf_counter()
-        dt = torch.tensor([t2 - t0, t1 - t0, t2 - t1], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step (and each part) is the slowest rank's
+        loss, dt = timed_step(engines[i][2], opts[i])
         if r == 0:
             first_loss[i] = float(loss)
         if r >= cfg["warmup"]:
-            times[i].append(dt.tolist())
+            times[i].append(dt)
     peaks = []
     for i, (_, _, e) in enumerate(engines):
         dist.barrier()
