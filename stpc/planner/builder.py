@@ -816,23 +816,18 @@ class Builder:
             else:
                 self._derived(it)
         self._saved_memory()
-        kept_held, kept_freed = self._kept_head_edges() if edges else ([], [])
-        return Problem(cost=[np.rint(g.cost * NS).astype(np.int64).tolist() for g in self.groups],
-                       mem=[np.rint(g.mem).astype(np.int64).tolist() for g in self.groups],
-                       transient=[[int(round(t)) for t in g.transient] for g in self.groups],
-                       edges=self._solver_edges() if edges else [], budget=None if budget is None else int(budget),
-                       shares=self._shares() if edges else [],
-                       step_mem=[np.rint(g.step_mem).astype(np.int64).tolist() for g in self.groups],
-                       step_transient=[[int(round(t)) for t in g.step_transient] for g in self.groups],
-                       bwd_mem=[np.rint(g.bwd_mem).astype(np.int64).tolist() for g in self.groups],
-                       mem_edges=self._regather_edges() + kept_freed if edges else [],
-                       bwd_transient=[[int(round(t)) for t in (g.bwd_transient or [0.0] * len(g.transient))]
-                                      for g in self.groups],
-                       head_mem=[np.rint(g.head_mem).astype(np.int64).tolist() for g in self.groups]
-                       if self.facts.head else None,
-                       head_edges=self._head_reduction_edges() + kept_freed if edges else [],
-                       saved_edges=self._saved_edges() + kept_held if edges else [],
-                       transient_edges=self._transient_edges() if edges else [])
+        problem = Problem(cost=[np.rint(g.cost * NS).astype(np.int64).tolist() for g in self.groups],
+                          mem=[np.rint(g.mem).astype(np.int64).tolist() for g in self.groups],
+                          transient=[[int(round(t)) for t in g.transient] for g in self.groups],
+                          budget=None if budget is None else int(budget),
+                          step_mem=[np.rint(g.step_mem).astype(np.int64).tolist() for g in self.groups],
+                          step_transient=[[int(round(t)) for t in g.step_transient] for g in self.groups],
+                          bwd_mem=[np.rint(g.bwd_mem).astype(np.int64).tolist() for g in self.groups],
+                          bwd_transient=[[int(round(t)) for t in (g.bwd_transient or [0.0] * len(g.transient))]
+                                         for g in self.groups],
+                          head_mem=[np.rint(g.head_mem).astype(np.int64).tolist() for g in self.groups]
+                          if self.facts.head else None)
+        return self.add_edges(problem) if edges else problem
 
     def add_memory_edges(self, problem: Problem) -> Problem:
         kept_held, kept_freed = self._kept_head_edges()

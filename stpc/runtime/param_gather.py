@@ -242,8 +242,7 @@ class RegatherSaved:
             return x
         g = x.gathered
         if g.tensors is None:
-            if g.kept is None:
-                self._issue(g)
+            self._issue(g)  # (not a kept group's: it needs none)
             if g.index > 0:  # backward runs the layers in reverse: the previous one is next
                 self._issue(self.gathered[g.index - 1])
             g.tensors, g.kept = (g.kept if g.kept is not None else self._wait(g)), None
