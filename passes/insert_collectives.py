@@ -23,6 +23,8 @@ model's values under the plan's placements:
     its rows and divides by the all-reduced count of targets that count (the
     ignored ones need not fall evenly), a scalar added to a Partial tensor is
     divided by n;
+  * a LayerNorm the plan keeps in a grid block layout becomes
+    ``runtime.grid_layer_norm`` (its statistics exchanged along the grid row);
   * temporal (spatial-temporal) linears are emitted as their *spatial
     equivalent*, a collective next to an ordinary matmul, each tagged
     ``meta["ring"]`` so ``ring_decompose`` can fuse it into the P2P ring:
@@ -341,7 +343,9 @@ class _Lowering:
             raise fail(node, f"{len(ops)} tensor operands but the plan lists {len(s.ins)}",
                        "re-plan: the plan was made for another graph")
         _replace_operands(node, [self.reshard(o, q, split, node) for o, q in zip(ops, s.ins)])
-        if np.kind in ("spatial", "replicate-fallback"):
+        if node.target is aten.layer_norm.default and any(t[0] == "B" for t in out):
+            self.lower_grid_norm(node, out)
+        elif np.kind in ("spatial", "replicate-fallback"):
             self.local_args(node, out)
             set_local(node, out, self.mesh, self.mode, self.device)
             self.check(node)
@@ -487,6 +491,23 @@ class _Lowering:
         node.meta["ring"] = {"kind": "p2x2", "axis": a}
         node.meta["comm"] = {"op": "grid_linear", "axis": a, "group": self.groups[a], "edge": (x.name, node.name)}
         set_local(node, s.out, self.mesh, self.mode, self.device)
+
+    def lower_grid_norm(self, node: fx.Node, out) -> None:
+        """A LayerNorm kept in a grid block layout: ``runtime.grid_layer_norm`` normalises
+        this device's block, its statistics exchanged along the grid row (the weight and
+        bias arrive whole; the op reads its grid column's slice)."""
+        a = next(i for i, t in enumerate(out) if t[0] == "B")
+        args = list(node.args) + [None, None, 1e-5][len(node.args) - 2:]
+        x, shape, w, b, eps = (args + [None])[:5]
+        if len(shape) != 1:
+            raise fail(node, "a grid layout through a LayerNorm over more than the last dim",
+                       "re-plan: the planner keeps a grid layout only through a norm of the last dim")
+        node.target = runtime.grid_layer_norm
+        node.args = (x, w, b, node.kwargs.get("eps", eps))
+        node.kwargs = {"group": self.groups[a]}
+        node.meta["comm"] = {"op": "grid_layer_norm", "axis": a, "group": self.groups[a],
+                             "edge": (x.name, node.name)}
+        set_local(node, out, self.mesh, self.mode, self.device)
 
     def lower_output(self, node: fx.Node) -> None:
         def target(p):

@@ -49,7 +49,7 @@ _BWD = {
     ("shard_slice", None): "all_gather", ("to_partial", None): None,
     ("grad_all_reduce", None): "all_reduce", ("grid_gather", "rs"): "reduce_scatter",
     ("grid_gather", "slice"): None, ("grid_slice", None): "all_gather",
-    ("redistribute", None): "redistribute",
+    ("redistribute", None): "redistribute", ("grid_layer_norm", None): "grid_layer_norm",
 }
 _FWD_NONE = {"shard_slice", "to_partial", "grad_all_reduce", "grid_slice"}  # local forward
 

@@ -116,14 +116,17 @@ def test_judge_targets_are_parameters():
 
 
 def test_plan_specs():
-    assert DEFAULT_PLANS == ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "recompute")
+    assert DEFAULT_PLANS == ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "grid", "recompute")
     assert plan_spec("recompute", 4)[1].recompute == "full"
     assert plan_spec("megatron", 4) == (4, "megatron")
     assert plan_spec("solved", 4) == (4, None)
     mesh, hints = plan_spec("p2x2", 4)
     assert mesh == (4,) and hints.name == "p2x2"
-    with pytest.raises(ValueError, match="axis of 4"):
-        plan_spec("p2x2", 8)
+    mesh, hints = plan_spec("grid", 4)
+    assert mesh == (4,) and hints.name == "grid" and len(hints.force) == 2
+    for name in ("p2x2", "grid"):
+        with pytest.raises(ValueError, match="axis of 4"):
+            plan_spec(name, 8)
     with pytest.raises(ValueError, match="unknown plan"):
         plan_spec("nope", 4)
 
@@ -237,6 +240,7 @@ def test_end_to_end_tiny(tmp_path):
         assert r["mesh"] and r["families"] and r["cluster"]
     fams = {r["plan"]: r["families"] for r in recs}
     assert fams["p2x2"].get("p2x2") and fams["ag_rs"].get("ag_ring") and fams["ag_rs"].get("rs_ring")
+    assert fams["grid"].get("p2x2") == fams["p2x2"]["p2x2"]
     assert "dp" in recs[0]["layout"]          # the megatron preset's chosen layout is named
     # every plan trained the same model from the same weights
     losses = [r["first_loss"] for r in recs]

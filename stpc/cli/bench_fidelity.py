@@ -14,6 +14,9 @@ plan                       mesh                                 how it is obtain
                                                                 the RS ring (the classic pairing)
 ``p2x2``                   ``(N,)`` (an axis of 4: PrimePar's   every linear forced to P(2x2); GPT built
                            2x2 grid)                            with ``bias=False`` (a grid has no bias rule)
+``grid``                   ``(N,)`` (an axis of 4)              every linear P(2x2) and every LayerNorm kept in
+                                                                the grid layout (``runtime.grid_layer_norm``):
+                                                                a layer in grid layout between its linears
 ``recompute``              the planner's choice of shape        ``search(hints=Hints(recompute="full"))``:
                                                                 stpc's own plan, every layer recomputed
 ``ag_ring`` ``rs_ring``    ``(N,)``                             optional (``--plans``): every linear forced
@@ -23,8 +26,8 @@ plan                       mesh                                 how it is obtain
 Size: issue 12's GPT (d_model 1024, 4 layers, 16 heads, ffn 4096, seq 512, the ``gpt-50m``
 config overridden: 59 M parameters, vocab 8192) at a global batch of 4. The batch is the one
 reduction: on the 2-core development VM, 4 ranks share 2 cores, a step takes 4-10 s at
-batch 4 and all of a run (6 plans x (2 warm-up + 10 timed + 3 profiled steps) plus
-compiling) about 10 minutes; batch 8 would double that.
+batch 4 and all of a run (7 plans x (2 warm-up + 10 timed + 3 profiled steps) plus
+compiling) about 11 minutes; batch 8 would double that.
 
 Every plan is planned once, in this process, on ``--cluster`` (a ``python -m stpc
 calibrate`` profile of this machine, so the cost model speaks of this hardware), then
@@ -116,7 +119,7 @@ PEAK_STEPS = 3  # profiled steps whose highest peak is the measured one (after a
 
 MEMORY_TARGET = 0.05   # |predicted - measured| / measured peak, at most, on every plan
 TIME_TARGET = 0.25     # |predicted - measured| / measured step time, at most, on every plan
-DEFAULT_PLANS = ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "recompute")
+DEFAULT_PLANS = ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "grid", "recompute")
 KNOWN_PLANS = DEFAULT_PLANS + ("ag_ring", "rs_ring", "dp", "spatial")
 
 # The default model: a GPT of d 1024, 4 layers, seq 512 (issue 12's size) at batch 4.
@@ -144,10 +147,13 @@ def plan_spec(name: str, n: int):
     if name == "ag_rs":             # the classic pairing (tests/_multirank.family_hints)
         return (n,), Hints(force=[(COLUMN, lambda s: s.kind == "ag_ring"), (ROW, lambda s: s.kind == "rs_ring")],
                            name="ag_rs")
+    if name in ("p2x2", "grid") and n != 4:
+        raise ValueError(f"the {name} plan needs a mesh axis of 4 devices (--ranks 4)")
     if name in ("ag_ring", "rs_ring", "p2x2"):
-        if name == "p2x2" and n != 4:
-            raise ValueError("the p2x2 plan needs a mesh axis of 4 devices (--ranks 4)")
         return (n,), Hints(force=[(r"^linear", lambda s, k=name: s.kind == k)], name=name)
+    if name == "grid":
+        return (n,), Hints(force=[(r"^linear", lambda s: s.kind == "p2x2"),
+                                  (r"^layer_norm", lambda s: any(t[0] == "B" for t in s.out))], name=name)
     raise ValueError(f"unknown plan {name!r}; known: {', '.join(KNOWN_PLANS)}")
 
 
@@ -729,8 +735,9 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
     for p in plans:
         if p not in KNOWN_PLANS:
             ap.error(f"unknown plan {p!r}; known: {', '.join(KNOWN_PLANS)}. Fix: give --plans from those")
-    if "p2x2" in plans and args.ranks != 4:
-        ap.error("the p2x2 plan needs a mesh axis of 4 devices. Fix: --ranks 4, or leave p2x2 out of --plans")
+    for p in ("p2x2", "grid"):
+        if p in plans and args.ranks != 4:
+            ap.error(f"the {p} plan needs a mesh axis of 4 devices. Fix: --ranks 4, or leave {p} out of --plans")
     cfg = {k: getattr(args, k) for k in ("model", "layers", "d_model", "heads", "ffn", "batch", "seq", "ranks",
                                          "steps", "warmup", "cluster")}
     cfg["plans"], cfg["timeout_s"] = plans, args.timeout

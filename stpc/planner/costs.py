@@ -189,6 +189,22 @@ class NodeTimer:
         fwd, bwd, grad = self.phases(_work_split(s, self.mesh))  # (memoised per split)
         return fwd, bwd + grad
 
+    def grid_statistics(self, s: Strategy, forward_only: bool = False) -> float:
+        """A LayerNorm kept in a grid layout (``runtime.grid_layer_norm``) exchanges per-row
+        statistics along the grid row: an all-gather over the axis of 2 values per local row
+        forward (mean, M2) and again backward (two sums), each waited on where it runs."""
+        if self.node.target is not aten.layer_norm.default:
+            return 0.0
+        for a, tok in enumerate(s.out):
+            if tok[0] == "B":
+                val = self.node.meta["val"]
+                # this device's rows: its share less the grid columns' split of the last dim
+                rows = val.numel() // val.shape[-1] * math.isqrt(self.mesh[a]) / shard_factor(s.out, self.mesh)
+                width = max(4, val.element_size())  # (statistics in fp32 at least)
+                stats = self.cm.blocking(self.cm.all_gather(self.mesh[a] * rows * 2 * width, a))
+                return stats * (1 if forward_only or not self.needs_bwd else 2)
+        return 0.0
+
     def __call__(self, s: Strategy) -> float:
         return self._time(s, forward_only=False)
 
@@ -200,13 +216,13 @@ class NodeTimer:
     def _time(self, s: Strategy, forward_only: bool) -> float:
         mesh, cm = self.mesh, self.cm
         if forward_only and (s.kind == "spatial" or s.kind == "replicate-fallback"):
-            return self.phases(_work_split(s, mesh))[0]
+            return self.phases(_work_split(s, mesh))[0] + self.grid_statistics(s, forward_only=True)
         split = s.split_axes()
         if s.kind == "spatial" or s.kind == "replicate-fallback":  # a function of the split alone
             got = self._spatial.get(split)
             if got is None:
                 got = self._spatial[split] = sum(self.phases(_work_split(s, mesh)))
-            return got
+            return got + self.grid_statistics(s)
         a = s.axis
         n = mesh[a]
         x_local = self._arg_bytes(0) / shard_factor(s.ins[0], mesh)

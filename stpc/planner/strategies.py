@@ -9,7 +9,9 @@ enumerator takes the product over mesh axes of the per-axis options:
   shard label L        operands holding L get S(dim of L), the output S(dim of L)
   contract label L     operands holding L get S(dim of L), the output P
   partial pass-through linear elementwise ops keep a Partial input Partial
-  block (2-D)          elementwise ops on a 4^k axis keep PrimePar's B layout
+  block (2-D)          elementwise ops on a 4^k axis keep PrimePar's B layout, and so
+                       does a LayerNorm over the last dim (its statistics exchanged
+                       along the grid row: ``runtime.grid_layer_norm``)
 
 Matmul-like nodes (aten.linear) also get the spatial-temporal families of
 shared/DESIGN.md on one axis: ``ag_ring`` (all-gather fused into the matmul),
@@ -72,6 +74,9 @@ class OpSpec:
     fixed: frozenset = frozenset()      # never split (normalised dims, softmax dims, ...)
     partial: str = ""                   # "all": P in all operands -> P out; "first": P in operand 0 only
     grid: bool = False                  # may keep PrimePar's B layout over the last two dims
+    grid_norm: bool = False             # a norm over the last dim that keeps the B layout: its
+                                        # statistics exchanged along the grid row, its 1-D
+                                        # operands whole (runtime.grid_layer_norm)
     kind: str = "spatial"
     additive: tuple = ()                # operands added to the output (a linear's bias): they
                                         # must be Partial when the output is (added once in the sum)
@@ -187,7 +192,7 @@ def op_spec(node: fx.Node) -> OpSpec | None:
         x = _labels("d", len(_shape(ops[0])))
         norm = frozenset(x[-nd:])
         ins = [x] + [x[-nd:]] * (len(ops) - 1)
-        return OpSpec(ins=ins, out=x, fixed=norm)
+        return OpSpec(ins=ins, out=x, fixed=norm, grid_norm=nd == 1 and len(x) >= 2)
     if t is aten.embedding.default:
         idx = _labels("i", len(_shape(ops[1])))
         # Splitting the vocabulary is Megatron's vocab-parallel embedding: a masked
@@ -283,16 +288,16 @@ def _axis_options(spec: OpSpec, shapes_in, out_shape, axis_size: int):
     elif spec.partial == "first" and spec.ins:
         opts.append((PARTIAL, (PARTIAL,) + tuple(REPLICATE for _ in spec.ins[1:])))
     g = math.isqrt(axis_size)
-    if spec.grid and g * g == axis_size and len(spec.out) >= 2:
+    if (spec.grid or spec.grid_norm) and g * g == axis_size and len(spec.out) >= 2:
         i, j = len(spec.out) - 2, len(spec.out) - 1
         li, lj = spec.out[i], spec.out[j]
-        if li not in spec.fixed and lj not in spec.fixed:
+        if li not in spec.fixed and (lj not in spec.fixed or spec.grid_norm):
             ins = []
             for l in spec.ins:
                 if li in l and lj in l:
                     ins.append(block("B", l.index(li), l.index(lj)))
-                elif li not in l and lj not in l:
-                    ins.append(REPLICATE)
+                elif li not in l and (lj not in l or spec.grid_norm):
+                    ins.append(REPLICATE)  # (a grid norm's weight and bias: whole, sliced locally)
                 else:
                     ins = None
                     break
@@ -446,7 +451,7 @@ def enumerate_strategies(node: fx.Node, mesh: tuple[int, ...], temporal: bool = 
     key = None
     if cache is not None:
         n = math.prod(mesh)
-        key = (tuple(spec.ins), spec.out, spec.contract, spec.fixed, spec.partial, spec.grid, spec.kind,
+        key = (tuple(spec.ins), spec.out, spec.contract, spec.fixed, spec.partial, spec.grid, spec.grid_norm, spec.kind,
                spec.additive, tuple(mesh), temporal,
                tuple(tuple(math.gcd(d, n) for d in sh) for sh in [*shapes_in, out_shape]))
         got = cache.get(key)

@@ -1,0 +1,136 @@
+"""A transformer layer kept in PrimePar's grid layout between its linears (issue 14, item 1).
+
+P(2x2) linears leave their outputs in the block layout B (rows over the grid's rows, the
+hidden dim over its columns); residual adds and elementwise ops keep it, and a LayerNorm
+keeps it by exchanging per-row statistics along the grid row (``runtime.grid_layer_norm``).
+So from one layer's o_proj to the next layer's q/k/v projections, and through the whole
+MLP, no activation is gathered, reduce-scattered or exchanged all-to-all: each P(2x2)
+linear is fed by one P2P skew (Cannon's initial alignment). Checked here on the planned
+and lowered graph (Before: the plan's placements, After: the passes' communication), and
+on real gloo ranks against the single-device model (20 AdamW steps): 4 ranks (a 2x2 grid),
+8 ranks (data parallelism over a 2-axis composed with the 2x2 grid) and, in the slow run,
+16 ranks (a 4x4 grid).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _graphs import traced_and_plan  # noqa: E402
+from _multirank import family_hints, run_cases  # noqa: E402
+from test_multirank_models import _check  # noqa: E402
+
+import stpc  # noqa: E402
+from stpc import models, runtime  # noqa: E402
+from stpc.compile import run_passes  # noqa: E402
+from stpc.cost_models import CostModel, get_cluster  # noqa: E402
+from stpc.planner import Hints, search  # noqa: E402
+from stpc.planner.costs import NodeTimer  # noqa: E402
+from stpc.planner.strategies import enumerate_strategies  # noqa: E402
+from stpc.runtime.launch import spawn  # noqa: E402
+
+aten = torch.ops.aten
+B, S = 4, 16
+
+
+def _norm_node(tg, name="layer_norm_1"):
+    return next(n for n in tg.gm.graph.nodes if n.name == name)
+
+
+def test_a_layer_norm_over_the_last_dim_may_keep_the_grid_layout_with_whole_weights():
+    tg, _ = traced_and_plan("gpt-tiny", "4", "p2x2", bias=False)
+    ln = _norm_node(tg)
+    on4 = {s.out: s.ins for s in enumerate_strategies(ln, (4,))[0]}
+    assert on4[("B1.2",)] == (("B1.2",), ("R",), ("R",))  # weight and bias whole, sliced by the op
+    # a grid needs a square axis: none on 2 devices, and none when the norm spans two dims
+    assert not any(s.out[0][0] == "B" for s in enumerate_strategies(ln, (2,))[0])
+
+
+def test_the_grid_norm_is_charged_its_two_statistics_exchanges():
+    tg, _ = traced_and_plan("gpt-tiny", "4", "p2x2", bias=False)
+    ln = _norm_node(tg)
+    cm = CostModel(get_cluster("cpu-local"), (4,))
+    by_out = {s.out: s for s in enumerate_strategies(ln, (4,))[0]}
+    timer = NodeTimer(ln, cm, [True, True, True])
+    rows = B * S // 2  # this device's rows: a grid row's half of the batch's B*S
+    stats = cm.blocking(cm.all_gather(4 * rows * 2 * 4, 0))  # (mean, M2) of every row, gathered over 4
+    # the same local work as a sequence split of 4, plus one exchange forward, one backward
+    assert timer(by_out[("B1.2",)]) == pytest.approx(timer(by_out[("S1",)]) + 2 * stats)
+    assert timer.forward(by_out[("B1.2",)]) == pytest.approx(timer.forward(by_out[("S1",)]) + stats)
+
+
+def _grid_program():
+    tg, plan = traced_and_plan("gpt-tiny", "4", "p2x2-grid", bias=False)
+    return plan, run_passes(tg.gm, plan)
+
+
+def test_a_layer_planned_in_grid_layout_keeps_it_from_o_proj_to_the_next_q_projection():
+    plan, gm = _grid_program()
+    # Before: every residual add, norm and linear output of the layers in the block layout
+    for name, node in plan.nodes.items():
+        if name.startswith(("add_", "layer_norm", "linear")):
+            assert node.out == ["B1.2"], (name, node.out)
+    # After: between layer 0's o_proj and layer 1's q projection (residual add, ln2, fc1,
+    # gelu, fc2, residual add, ln1) only P2P and the norms' statistics: no activation moves
+    # through an all-gather, reduce-scatter, all-to-all or redistribution
+    pp = [n for n in gm.graph.nodes if n.target is torch.ops.stpc.primepar_linear.default]
+    nodes = list(gm.graph.nodes)
+    span = nodes[nodes.index(pp[3]) + 1:nodes.index(pp[6])]  # after o_proj (the 4th), to q (the 7th)
+    comm = [(n.meta["comm"]["op"], n.meta["comm"].get("edge", (n.args[0].name,))[0]) for n in span if n.meta.get("comm")]
+    moves_activation = [c for c in comm if not c[1].startswith("p_")]  # (p_*: a parameter's edge)
+    assert [op for op, _ in moves_activation] == ["grid_layer_norm", "grid_skew", "primepar_linear", "grid_skew",
+                                                  "primepar_linear", "grid_layer_norm", "grid_skew"], comm
+    assert {op for op, src in comm if src.startswith("p_")} == {"grad_all_reduce"}  # the norms' whole weights
+    assert sum(n.target is runtime.grid_layer_norm for n in gm.graph.nodes) == 5
+
+
+def test_every_rank_schedules_the_norms_statistics_exchanges_forward_and_backward():
+    from stpc.passes.verify import comm_schedule
+
+    plan, gm = _grid_program()
+    for rank in range(4):
+        ev = [(e["op"], e["phase"]) for e in comm_schedule(gm, plan, rank) if e["op"] == "grid_layer_norm"]
+        assert ev == [("grid_layer_norm", "fwd")] * 5 + [("grid_layer_norm", "bwd")] * 5
+
+
+# ----------------------------------------------------------------------------- on real ranks
+
+
+def _grid_hints(dp_axis: int | None):
+    """Every linear P(2x2) and every norm kept in the block layout (``p2x2-grid``); with
+    ``dp_axis``, the batch split over that axis too (data parallelism composed with the grid)."""
+    if dp_axis is None:
+        return family_hints("p2x2-grid")
+    dp = lambda s: s.out[dp_axis] == "S0"  # noqa: E731
+    return Hints(force=[(r"^linear", lambda s: s.kind == "p2x2" and dp(s)),
+                        (r"^layer_norm", lambda s: any(t[0] == "B" for t in s.out) and dp(s)),
+                        (r"^scaled_dot_product_attention", dp)], name="p2x2-grid+dp")
+
+
+def _grid_case(mesh: str, world: int, dp_axis: int | None = None):
+    with torch.device("meta"):
+        m = models.build("gpt-tiny", bias=False)
+    tg = stpc.trace(m, models.example_inputs("gpt-tiny", B, S))
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_node=world)  # (cpu-local has 4)
+    plan = search(tg, mesh, cluster=cluster, hints=_grid_hints(dp_axis))
+    norms = [n for k, n in plan.nodes.items() if k.startswith("layer_norm")]
+    assert norms and all(any(t[0] == "B" for t in n.out) for n in norms)
+    if dp_axis is not None:
+        assert all(n.out[dp_axis] == "S0" for n in norms)
+    return dict(id=f"gpt-tiny/p2x2-grid/{mesh}", model="gpt-tiny", overrides={"bias": False},
+                plan=plan.to_json(), batch=B, seq=S, steps=20, opt="adamw")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mesh,world,dp_axis", [
+    pytest.param("4", 4, None, id="2x2-grid"),
+    pytest.param("2x4", 8, 0, id="dp2-x-2x2-grid"),
+    pytest.param("16", 16, None, id="4x4-grid", marks=pytest.mark.slow)])
+def test_a_layer_in_grid_layout_matches_single_device_for_twenty_adamw_steps(mesh, world, dp_axis):
+    cases = [_grid_case(mesh, world, dp_axis)]
+    _check(spawn(run_cases, world, cases, timeout_s=590), cases)

@@ -1,0 +1,91 @@
+"""``runtime.grid_layer_norm``: a LayerNorm over a P(2x2) block layout on 4 real gloo ranks,
+against ``torch.nn.functional.layer_norm`` of the whole tensor on one device.
+
+Each rank holds its B(1, 2) block of a [2, 8, 12] input (rows over the grid's rows, the
+normalised dim over its columns); its output must be its block of the single-device result,
+its input gradient its block of the single-device gradient, and the weight and bias
+gradients, summed over the four ranks (the reduction a Replicate parameter read by a split
+op gets), the single-device ones. fp64, so the comparison is tight; and the only
+communication is the statistics' all-gathers (2 values per local row), never the activation.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stpc.runtime.launch import spawn
+from stpc.runtime.reshard import shard_tensor
+
+FULL = (2, 8, 12)
+TOK = ("B1.2",)
+
+
+def _worker(rank, world, affine):
+    import torch.distributed as dist
+
+    import stpc.runtime.reshard as reshard
+    from stpc.runtime import grid_layer_norm
+
+    name = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(FULL, generator=gen, dtype=torch.float64) * 3 + 1
+    dy = torch.randn(FULL, generator=gen, dtype=torch.float64)
+    w = torch.randn(FULL[-1], generator=gen, dtype=torch.float64) if affine else None
+    b = torch.randn(FULL[-1], generator=gen, dtype=torch.float64) if affine else None
+
+    ref_x = x.clone().requires_grad_()
+    ref_w = w.clone().requires_grad_() if affine else None
+    ref_b = b.clone().requires_grad_() if affine else None
+    ref = F.layer_norm(ref_x, FULL[-1:], ref_w, ref_b, 1e-5)
+    ref.backward(dy)
+
+    gathered = []
+    real_ag = reshard._ag
+
+    def recording_ag(t, dim, group):
+        gathered.append(tuple(t.shape))
+        return real_ag(t, dim, group)
+
+    import stpc.runtime.grid_norm as grid_norm
+    grid_norm._ag = recording_ag
+    try:
+        lx = shard_tensor(x, TOK, (world,), (rank,)).clone().requires_grad_()
+        lw = w.clone().requires_grad_() if affine else None
+        lb = b.clone().requires_grad_() if affine else None
+        out = grid_layer_norm(lx, lw, lb, 1e-5, name)
+        out.backward(shard_tensor(dy, TOK, (world,), (rank,)))
+    finally:
+        grid_norm._ag = real_ag
+    res = {"out": (out.detach() - shard_tensor(ref.detach(), TOK, (world,), (rank,))).abs().max().item(),
+           "dx": (lx.grad - shard_tensor(ref_x.grad, TOK, (world,), (rank,))).abs().max().item(),
+           "gathered": gathered}
+    if affine:
+        for key, local, whole in (("dw", lw.grad, ref_w.grad), ("db", lb.grad, ref_b.grad)):
+            total = local.clone()
+            dist.all_reduce(total)
+            res[key] = (total - whole).abs().max().item()
+    return res
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["affine", "no-affine"])
+def results(request):
+    return request.param, spawn(_worker, 4, request.param, timeout_s=120)
+
+
+def test_each_rank_gets_its_block_of_the_single_device_layer_norm_and_gradients(results):
+    affine, res = results
+    for rank, r in enumerate(res):
+        assert r["out"] < 1e-12, f"rank {rank}: output off by {r['out']}"
+        assert r["dx"] < 1e-12, f"rank {rank}: input gradient off by {r['dx']}"
+        if affine:
+            assert r["dw"] < 1e-12 and r["db"] < 1e-12, f"rank {rank}: weight/bias gradients off ({r['dw']}, {r['db']})"
+
+
+def test_only_per_row_statistics_move(results):
+    _, res = results
+    local_rows = FULL[0] * FULL[1] // 2  # this rank's rows: a grid row's half of dim 1
+    for rank, r in enumerate(res):
+        # one exchange forward (mean, M2), one backward (two sums): 2 values per local row
+        assert r["gathered"] == [(1, FULL[0], FULL[1] // 2, 2)] * 2, f"rank {rank}: {r['gathered']}"
+        assert all(2 * local_rows == s[1] * s[2] * s[3] for s in r["gathered"])
