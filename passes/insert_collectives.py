@@ -31,7 +31,8 @@ model's values under the plan's placements:
       ag_ring:  all_gather(x, seq dim) -> linear(x, w S0, b S0)
       rs_ring:  linear(x, w S1) -> reduce_scatter(seq dim) -> + b
       p2x2:     runtime.grid_linear(x, w) (gathers a grid row of x and a grid
-                column of w; the step schedule replaces it)
+                column of w; the step schedule replaces it) [-> runtime.grid_bias_add(b),
+                the whole bias's grid-column slice]
     so the graph between the two passes still runs and is still correct;
   * the outputs are made Replicate (every rank returns the full loss/output), or,
     with ``replicate_outputs=False``, only those DTensor cannot describe (Partial,
@@ -481,16 +482,19 @@ class _Lowering:
 
     def lower_p2x2(self, node: fx.Node, s: Strategy) -> None:
         a = s.axis
-        if len(node.args) > 2 and node.args[2] is not None:
-            raise fail(node, "a P2x2 linear with a bias", "build the model without biases or forbid "
-                       "p2x2 on this node with stpc.planner.Hints")
         x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else None
         node.target = runtime.grid_linear
         node.args = (x, w)
         node.kwargs = {"group": self.groups[a]}
         node.meta["ring"] = {"kind": "p2x2", "axis": a}
         node.meta["comm"] = {"op": "grid_linear", "axis": a, "group": self.groups[a], "edge": (x.name, node.name)}
         set_local(node, s.out, self.mesh, self.mode, self.device)
+        if bias is not None:  # whole on the grid axis: each device adds its grid column's slice
+            add = self._after(node, runtime.grid_bias_add, (node, bias), {"group": self.groups[a]}, s.out,
+                              node.meta["global_val"])
+            node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+            carry_taps(add, node)
 
     def lower_grid_norm(self, node: fx.Node, out) -> None:
         """A LayerNorm kept in a grid block layout: ``runtime.grid_layer_norm`` normalises

@@ -166,3 +166,22 @@ def test_surface_help_and_usage_errors(bench, capsys):
         assert main(["bench", bench, *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and "Fix: " in err[0], err
+
+
+def test_primepar_plans_its_worked_example_both_ways(tmp_path):
+    # OPT-175B's fc2 on 8 devices: Megatron's {B, N, N} on 2x2x2 and PrimePar's {N, P2x2} on
+    # 2x4, each the best plan with every layer's fc2 so (one layer, a small batch: quick)
+    out, results = tmp_path / "pp.json", tmp_path / "RESULTS.md"
+    argv = ["--models", "opt-175b", "--sizes", "8", "--layers", "1", "--batch", "2", "--seq", "64", "--clusters",
+            "primepar-v100:fp16", "--inter-node-gbs", "--json", str(out), "--results", str(results), "-q"]
+    assert main_primepar(argv, machine_line, write_section) == 0
+    ex = json.loads(out.read_text())["example"]
+    assert ex["model"] == "opt-175b" and ex["devices"] == 8 and ex["layers"] == 1
+    own, meg, pp, best_pp = ex["rows"]
+    assert meg["mesh"] == "2x2x2" and meg["strategy"].startswith("(S0,S2,S2)") and meg["strategy"].endswith("(S0,P,P)")
+    assert pp["mesh"] == "2x4" and pp["strategy"].startswith("p2x2@1 (S2,X1.2)")
+    assert best_pp["strategy"].startswith("p2x2") and best_pp["step_s"] <= pp["step_s"]
+    for r in ex["rows"]:  # each a plan's full effect: no better than stpc's own for the cell
+        assert r["step_s"] >= own["step_s"] * (1 - 1e-9) and r["fc2_s"] > 0
+    text = results.read_text()
+    assert "PrimePar's worked example" in text and "{N, P2x2}" in text and "p2x2@1" in text

@@ -7,13 +7,15 @@ So from one layer's o_proj to the next layer's q/k/v projections, and through th
 MLP, no activation is gathered, reduce-scattered or exchanged all-to-all: each P(2x2)
 linear is fed by one P2P skew (Cannon's initial alignment). Checked here on the planned
 and lowered graph (Before: the plan's placements, After: the passes' communication), and
-on real gloo ranks against the single-device model (20 AdamW steps): 4 ranks (a 2x2 grid),
+on real gloo ranks against the single-device model (20 AdamW steps, gpt-tiny with its biases:
+each P2x2 linear adds its grid column's slice of the whole bias): 4 ranks (a 2x2 grid),
 8 ranks (data parallelism over a 2-axis composed with the 2x2 grid) and, in the slow run,
 16 ranks (a 4x4 grid).
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import sys
 
@@ -49,6 +51,19 @@ def test_a_layer_norm_over_the_last_dim_may_keep_the_grid_layout_with_whole_weig
     assert on4[("B1.2",)] == (("B1.2",), ("R",), ("R",))  # weight and bias whole, sliced by the op
     # a grid needs a square axis: none on 2 devices, and none when the norm spans two dims
     assert not any(s.out[0][0] == "B" for s in enumerate_strategies(ln, (2,))[0])
+
+
+def test_a_biased_linear_runs_p2x2_with_its_bias_whole():
+    tg, _ = traced_and_plan("gpt-tiny", "4", "p2x2")
+    fc2 = next(n for n in tg.gm.graph.nodes if n.name == "linear_5")
+    assert len(fc2.args) == 3  # (x, w, bias)
+    p2 = [s for s in enumerate_strategies(fc2, (4,))[0] if s.kind == "p2x2"]
+    assert [s.ins for s in p2] == [(("X1.2",), ("W0.1",), ("R",))] and p2[0].out == ("B1.2",)
+    tg, plan = traced_and_plan("gpt-tiny", "4", "p2x2")
+    gm = run_passes(tg.gm, plan)
+    adds = [n for n in gm.graph.nodes if n.target is runtime.grid_bias_add]
+    assert len(adds) == plan.strategy_counts()["p2x2"] - 1  # every P2x2 linear but the bias-free lm_head
+    assert all(a.args[0].target is operator.getitem for a in adds)  # right after the step schedule
 
 
 def test_the_grid_norm_is_charged_its_two_statistics_exchanges():
@@ -101,6 +116,23 @@ def test_every_rank_schedules_the_norms_statistics_exchanges_forward_and_backwar
 # ----------------------------------------------------------------------------- on real ranks
 
 
+@pytest.mark.multirank
+def test_primepars_n_by_p2x2_partition_matches_single_device_on_8_ranks():
+    """PrimePar's worked example's partition, {N, P2x2}: every linear's contraction dim split
+    over an axis of 2 (a partial sum there, its bias too) beside P(2x2) on the axis of 4."""
+    with torch.device("meta"):
+        m = models.build("gpt-tiny")
+    tg = stpc.trace(m, models.example_inputs("gpt-tiny", B, S))
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_node=8)
+    hints = Hints(force=[(r"^linear", lambda s: s.kind == "p2x2" and s.axis == 1 and s.ins[0][0] == "S2")])
+    plan = search(tg, "2x4", cluster=cluster, hints=hints)
+    fc2 = plan.nodes["linear_5"]
+    assert fc2.out == ["P", "B1.2"] and fc2.ins[2] == ["P", "R"]  # (x, w, bias)
+    cases = [dict(id="gpt-tiny/n-x-p2x2/2x4", model="gpt-tiny", overrides={}, plan=plan.to_json(), batch=B, seq=S,
+                  steps=5, opt="adamw")]
+    _check(spawn(run_cases, 8, cases, timeout_s=590), cases)
+
+
 def _grid_hints(dp_axis: int | None):
     """Every linear P(2x2) and every norm kept in the block layout (``p2x2-grid``); with
     ``dp_axis``, the batch split over that axis too (data parallelism composed with the grid)."""
@@ -114,7 +146,7 @@ def _grid_hints(dp_axis: int | None):
 
 def _grid_case(mesh: str, world: int, dp_axis: int | None = None):
     with torch.device("meta"):
-        m = models.build("gpt-tiny", bias=False)
+        m = models.build("gpt-tiny")  # (with biases: each P2x2 linear adds its grid column's slice)
     tg = stpc.trace(m, models.example_inputs("gpt-tiny", B, S))
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_node=world)  # (cpu-local has 4)
     plan = search(tg, mesh, cluster=cluster, hints=_grid_hints(dp_axis))
@@ -122,7 +154,7 @@ def _grid_case(mesh: str, world: int, dp_axis: int | None = None):
     assert norms and all(any(t[0] == "B" for t in n.out) for n in norms)
     if dp_axis is not None:
         assert all(n.out[dp_axis] == "S0" for n in norms)
-    return dict(id=f"gpt-tiny/p2x2-grid/{mesh}", model="gpt-tiny", overrides={"bias": False},
+    return dict(id=f"gpt-tiny/p2x2-grid/{mesh}", model="gpt-tiny", overrides={},
                 plan=plan.to_json(), batch=B, seq=S, steps=20, opt="adamw")
 
 

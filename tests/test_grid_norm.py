@@ -89,3 +89,28 @@ def test_only_per_row_statistics_move(results):
         # one exchange forward (mean, M2), one backward (two sums): 2 values per local row
         assert r["gathered"] == [(1, FULL[0], FULL[1] // 2, 2)] * 2, f"rank {rank}: {r['gathered']}"
         assert all(2 * local_rows == s[1] * s[2] * s[3] for s in r["gathered"])
+
+
+def _bias_worker(rank, world):
+    import torch.distributed as dist
+
+    from stpc.runtime import grid_bias_add
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(FULL, generator=gen, dtype=torch.float64)
+    b = torch.randn(FULL[-1], generator=gen, dtype=torch.float64)
+    dy = torch.randn(FULL, generator=gen, dtype=torch.float64)
+    lx, lb = shard_tensor(x, TOK, (world,), (rank,)).clone().requires_grad_(), b.clone().requires_grad_()
+    out = grid_bias_add(lx, lb, dist.group.WORLD.group_name)
+    out.backward(shard_tensor(dy, TOK, (world,), (rank,)))
+    total = lb.grad.clone()
+    dist.all_reduce(total)
+    return (torch.equal(out.detach(), shard_tensor(x + b, TOK, (world,), (rank,))),
+            torch.equal(lx.grad, shard_tensor(dy, TOK, (world,), (rank,))),
+            (total - dy.sum((0, 1))).abs().max().item())
+
+
+def test_a_whole_bias_adds_its_grid_column_slice_and_its_gradient_sums_whole():
+    for rank, (value_ok, dx_ok, db_err) in enumerate(spawn(_bias_worker, 4, timeout_s=120)):
+        assert value_ok and dx_ok, f"rank {rank}: wrong block (value {value_ok}, gradient {dx_ok})"
+        assert db_err < 1e-12, f"rank {rank}: the bias gradient, summed over ranks, is off by {db_err}"

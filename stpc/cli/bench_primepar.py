@@ -25,6 +25,10 @@ Sensitivity: the cells of the first ``--clusters`` entry at the largest ``--size
 planned again with the inter-node link at each ``--inter-node-gbs`` (GB/s per node, split
 evenly over the node's devices, as the presets do).
 
+PrimePar's worked example (``stpc.cli.primepar_example``): where the run has the cell of
+OPT-175B on 8 devices of the first ``--clusters`` entry, its fc2 planned under Megatron's
+{B, N, N} and PrimePar's {N, P2x2} partitions, each the best plan with it (full effect).
+
 Traced graphs are cached per (model, layers, dtype) within a run.
 """
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from stpc.cli._common import Parser, UsageError, add_flags, meta_trace, verb, write_json
+from stpc.cli import primepar_example
 from stpc.cli._progress import bar
 from stpc.cost_models import CLUSTERS, Link, bytes_per_param, get_cluster
 from stpc.frontend import models
@@ -360,7 +365,8 @@ def states_line(cells: list[dict], top: int) -> list[str]:
             + f" exceed {top} devices' budgets together ({total / GIB:,.0f} GiB): no layout fits them.", ""]
 
 
-def report(cfg: dict, cells: list[dict], sens: list[dict], machine: str, command: str, wall_s: float) -> str:
+def report(cfg: dict, cells: list[dict], sens: list[dict], machine: str, command: str, wall_s: float,
+           example: dict | None = None) -> str:
     baselines = cfg["baselines"]
     top = max(cfg["sizes"])
     budget_note = (f"{cfg['budget_gib']:g} GiB per device (--budget-gib)" if cfg["budget_gib"] else
@@ -394,6 +400,8 @@ def report(cfg: dict, cells: list[dict], sens: list[dict], machine: str, command
             lines.append(f"At {g:g} GB/s per node: geo-mean speedup {_s(geo_mean(got), '.3f')}x over "
                          f"{len(got)} cells (modelled).")
         lines.append("")
+    if example is not None:
+        lines += primepar_example.section(example) + [""]
     lines.append(f"Wall time of this run: {wall_s:.0f} s (tracing, depth search and planning).")
     return "\n".join(lines) + "\n"
 
@@ -436,6 +444,19 @@ def run(cfg: dict, targets: list[Target], progress: bool = False) -> tuple[list[
     return cells, sens
 
 
+def run_example(cfg: dict, cells: list[dict], target: Target) -> dict | None:
+    """PrimePar's worked example (``primepar_example``) on ``target`` at the depth its cell
+    (opt-175b on 8 devices) was planned at; None where the run has no such cell or it fits
+    nothing."""
+    cell = next((c for c in cells if c["model"] == primepar_example.MODEL and c["devices"] == primepar_example.DEVICES
+                 and c["cluster"] == target.cluster.name and c["dtype"] == target.dtype and not c["infeasible"]), None)
+    if cell is None:
+        return None
+    budget = cfg["budget_gib"] * GIB if cfg["budget_gib"] else target.cluster.default_budget_bytes
+    return primepar_example.worked_example(TraceCache(cfg["batch"], cfg["seq"]), target, budget, cell["layers"],
+                                           OPTIMIZER_LAYOUT[target.dtype])
+
+
 @verb
 def main_primepar(argv: list[str], machine_line, write_section) -> int:
     ap = Parser("python -m stpc bench primepar", __doc__)
@@ -471,17 +492,18 @@ def main_primepar(argv: list[str], machine_line, write_section) -> int:
            "inter_node_gbs": args.inter_node_gbs, "sensitivity_preset_gbs": inter_node_gbs(targets[0].cluster)}
     t0 = time.perf_counter()
     cells, sens = run(cfg, targets, progress=not args.quiet)
+    example = run_example(cfg, cells, targets[0])
     wall = time.perf_counter() - t0
     command = ("python -m stpc bench primepar " + " ".join(argv)).strip()
-    text = report(cfg, cells, sens, machine_line(), command, wall)
+    text = report(cfg, cells, sens, machine_line(), command, wall, example)
     print(quiet_line(cfg, cells) if args.quiet else text)
     if args.json:
-        write_json(args.json, {"config": cfg, "cells": cells, "sensitivity": sens, "wall_s": wall,
+        write_json(args.json, {"config": cfg, "cells": cells, "sensitivity": sens, "example": example, "wall_s": wall,
                                "primepar_geomean_32": {"value": PRIMEPAR_GEOMEAN_32, "source": PRIMEPAR_SOURCE}})
     if args.results:
         write_section(args.results, "primepar", text)
     return 0
 
 
-__all__ = ["main_primepar", "plan_cell", "best_fitting", "greatest_fitting_depth", "compare", "TraceCache",
+__all__ = ["main_primepar", "run_example", "plan_cell", "best_fitting", "greatest_fitting_depth", "compare", "TraceCache",
            "parse_target", "with_inter_node", "geo_mean", "report", "run", "why", "PRIMEPAR_MODELS", "Target"]

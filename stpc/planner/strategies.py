@@ -417,11 +417,11 @@ def _linear_temporal(node: fx.Node, spatial: list[Strategy], mesh, shapes_in, ou
         ]
         g = math.isqrt(n)
         if g * g == n and g > 1:
+            # P2x2: the bias whole, its grid column's slice added to the output block
+            # (runtime.grid_bias_add)
             fams.append(("p2x2", block("B", m_dim, k_dim),
-                         (block("X", m_dim, x_nd - 1), block("W", 0, 1)) + (("S0",) if has_bias else ())))
+                         (block("X", m_dim, x_nd - 1), block("W", 0, 1)) + ((REPLICATE,) if has_bias else ())))
         for kind, otok, itoks in fams:
-            if kind == "p2x2" and has_bias:
-                continue  # the P2x2 op has no bias term; a biased linear keeps the other families
             for s in base:
                 if not _ring_nests(kind, a, s, m_dim, k_dim):
                     continue

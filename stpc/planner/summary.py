@@ -168,6 +168,21 @@ class Solved:
         self._ranked[key] = out
         return out
 
+    def best_where(self, g: int, accept, exact_budget: bool = True, time_limit_s: float = 20.0) -> Alternative | None:
+        """The best plan in which group ``g`` takes a strategy ``accept(strategy)`` holds for
+        (the rest re-solved, as :meth:`ranked` does); None if none does or none fits the budget."""
+        choices = self.b.groups[g].strategies
+        keep = [c for c in range(len(choices)) if accept(choices[c])]
+        if not keep:
+            return None
+        if self.choice[g] in keep:
+            return Alternative(self.label(g, self.choice[g]), self.choice[g], self.objective_ns / NS,
+                               float(self.peak), "chosen")
+        alt = self._best_with(g, keep, exact_budget, time_limit_s)
+        if alt is not None:
+            alt.label = self.label(g, alt.choice)
+        return alt
+
     def _best_with(self, g: int, keep: list[int], exact_budget: bool, time_limit_s: float) -> Alternative | None:
         """The best plan with group ``g`` limited to ``keep``; None if none fits the budget."""
         q = restrict(self.problem, g, keep)

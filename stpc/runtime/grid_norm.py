@@ -1,4 +1,5 @@
-"""grid_norm: a LayerNorm over a PrimePar grid layout, statistics reduced across the grid row.
+"""grid_norm: whole 1-D operands over a PrimePar grid layout: a LayerNorm (statistics reduced
+across the grid row) and a bias add.
 
 A P(2^k x 2^k) linear leaves its output in the block layout ``B(i, j)``: rows (dim i) split
 over the grid's rows, the normalised dim (j, the last) over its columns. To normalise that
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from stpc.runtime.reshard import _ag, _rank, _size
 
-__all__ = ["grid_layer_norm"]
+__all__ = ["grid_layer_norm", "grid_bias_add"]
 
 
 def _row_sums(stats: Tensor, group: str) -> Tensor:
@@ -107,3 +108,27 @@ def grid_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
         raise ValueError(f"grid_layer_norm needs an axis group of 4, 16, 64, ... ranks (a 2^k x 2^k grid); "
                          f"this one has {_size(group)}")
     return _GridLayerNorm.apply(x, weight, bias, float(eps), group)
+
+
+class _GridBiasAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, group):
+        width = x.shape[-1]
+        ctx.group, ctx.width, ctx.bias_shape = group, width, bias.shape
+        return x + _column_slice(bias, group, width)
+
+    @staticmethod
+    def backward(ctx, g):
+        db = None
+        if ctx.needs_input_grad[1]:
+            db = g.new_zeros(ctx.bias_shape)
+            _column_slice(db, ctx.group, ctx.width).copy_(g.sum(tuple(range(g.dim() - 1))))
+        return g, db, None
+
+
+def grid_bias_add(x: Tensor, bias: Tensor, group: str) -> Tensor:
+    """``x + bias`` where ``x`` is this device's block of a grid layout whose last dim is split
+    over the grid's columns (a P(2^k x 2^k) linear's output) and ``bias`` is whole: the slice
+    of this device's grid column is added. Its gradient comes back whole-sized, zero outside
+    that slice (summed over the axis group, as a Replicate operand's is, it is complete)."""
+    return _GridBiasAdd.apply(x, bias, group)
