@@ -166,3 +166,16 @@ def _grid_case(mesh: str, world: int, dp_axis: int | None = None):
 def test_a_layer_in_grid_layout_matches_single_device_for_twenty_adamw_steps(mesh, world, dp_axis):
     cases = [_grid_case(mesh, world, dp_axis)]
     _check(spawn(run_cases, world, cases, timeout_s=590), cases)
+
+
+@pytest.mark.multirank
+def test_a_layer_in_grid_layout_compiles_without_graph_breaks():
+    """The grid program through torch.compile (aot_eager and inductor): the norms' statistics
+    all-gathers are functional collectives, the grid skews' P2P one opaque custom op
+    (``stpc::p2p_exchange``; ``batch_isend_irecv`` traced in place broke the graph at each)."""
+    plan = _grid_case("4", 4)["plan"]
+    cases = [dict(id=f"gpt-tiny/p2x2-grid/4/{b}", model="gpt-tiny", overrides={}, plan=plan, batch=B, seq=S, steps=3,
+                  opt="adamw", backend=b) for b in ("aot_eager", "inductor")]
+    results = spawn(run_cases, 4, cases, timeout_s=590)
+    _check(results, cases)
+    assert all(c["graph_breaks"] == 0 for r in results for c in r), [[c["graph_breaks"] for c in r] for r in results]

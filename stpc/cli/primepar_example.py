@@ -9,7 +9,8 @@ depth): on each mesh shape, the best plan in which every layer's fc2 takes that 
 everything else re-solved (``plan.solved.best_where``: full effect, as ``plan.explain``
 ranks), beside stpc's own plan for the cell and the best P2x2 partition of fc2 that stpc's
 space holds on the 2x4 mesh; with fc2's own modelled time (forward, backward and gradient
-phases, its ring transfers included) under each.
+phases, its ring transfers included) under each. Where no plan with a partition fits the
+budget, its row is the best plan ignoring memory, marked, with its peak.
 """
 from __future__ import annotations
 
@@ -54,9 +55,12 @@ def _row(plan, what: str, accept) -> dict:
     alt = sv.best_where(g, accept)
     row = {"mesh": "x".join(map(str, plan.mesh_shape)), "partition": what, "node": name}
     if alt is None:
-        held = any(accept(s) for s in sv.b.groups[g].strategies)
-        row["missing"] = "fits no plan under the budget" if held else "not in stpc's strategy space"
-        return row
+        if not any(accept(s) for s in sv.b.groups[g].strategies):
+            row["missing"] = "not in stpc's strategy space"
+            return row
+        # no plan with it fits the budget: the best ignoring memory, with the peak it needs
+        alt = sv.best_where(g, accept, exact_budget=False)
+        row["over_budget"] = True
     s = sv.b.groups[g].strategies[alt.choice]
     node = next(n for n in sv.b.graph.nodes if n.name == name)
     timer = NodeTimer(node, sv.b.cm, [True, True])  # (the cost model the plan was solved on)
@@ -101,14 +105,18 @@ def section(ex: dict) -> list[str]:
         if "missing" in r:
             lines.append(f"| {r['mesh']} | {r['partition']} | {r['missing']} | - | - | - |")
             continue
-        lines.append(f"| {r['mesh']} | {r['partition']} | `{r['strategy']}` | {r['fc2_s']:.4f} | {r['step_s']:.4f} | "
-                     f"{r['peak_bytes'] / gib:.1f} |")
+        over = " (over the budget: no plan with it fits; the best ignoring memory)" if r.get("over_budget") else ""
+        lines.append(f"| {r['mesh']} | {r['partition']}{over} | `{r['strategy']}` | {r['fc2_s']:.4f} | "
+                     f"{r['step_s']:.4f} | {r['peak_bytes'] / gib:.1f} |")
     own, meg = ex["rows"][0], ex["rows"][1]
     pp = next((r for r in ex["rows"][2:] if "missing" not in r), None)
     if "missing" not in meg and pp is not None:
+        budget = (f", though no plan with it fits the budget (the fastest, ignoring memory, peaks at "
+                  f"{pp['peak_bytes'] / gib:.1f} GiB)"
+                  if pp.get("over_budget") else "")
         lines += ["", f"Under the model, {pp['partition']} on {pp['mesh']} gives a step "
                       f"{meg['step_s'] / pp['step_s']:.3f}x as fast as Megatron's {{B, N, N}} "
-                      f"(fc2 alone {meg['fc2_s'] / pp['fc2_s']:.3f}x), and stpc's own plan "
+                      f"(fc2 alone {meg['fc2_s'] / pp['fc2_s']:.3f}x){budget}; stpc's own plan for the cell, "
                       f"{meg['step_s'] / own['step_s']:.3f}x."]
     return lines
 

@@ -485,6 +485,9 @@ def skew_peers(rank: int, n: int, inverse: bool = False) -> tuple[int, int]:
     return (frm, to) if inverse else (to, frm)
 
 
+# A custom op, as the ring ops are: torch.compile treats it as one opaque call (dynamo cannot
+# trace ``batch_isend_irecv``, which broke the graph at every grid skew and relayout).
+@torch.library.custom_op("stpc::p2p_exchange", mutates_args=())
 def _p2p_impl(x: Tensor, group: str, send_to: int, recv_from: int) -> Tensor:
     pg = _pg(group)
     x = x.contiguous()
@@ -496,6 +499,11 @@ def _p2p_impl(x: Tensor, group: str, send_to: int, recv_from: int) -> Tensor:
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     return out
+
+
+@_p2p_impl.register_fake
+def _(x, group, send_to, recv_from):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _p2p_exchange(x: Tensor, group: str, send_to: int, recv_from: int) -> Tensor:
