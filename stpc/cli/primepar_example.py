@@ -58,7 +58,7 @@ def _row(plan, what: str, accept) -> dict:
         if not any(accept(s) for s in sv.b.groups[g].strategies):
             row["missing"] = "not in stpc's strategy space"
             return row
-        # no plan with it fits the budget: the best ignoring memory, with the peak it needs
+        # no plan with it fits the budget: the best ignoring memory, with its peak
         alt = sv.best_where(g, accept, exact_budget=False)
         row["over_budget"] = True
     s = sv.b.groups[g].strategies[alt.choice]
