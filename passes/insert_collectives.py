@@ -501,8 +501,7 @@ class _Lowering:
         this device's block, its statistics exchanged along the grid row (the weight and
         bias arrive whole; the op reads its grid column's slice)."""
         a = next(i for i, t in enumerate(out) if t[0] == "B")
-        args = list(node.args) + [None, None, 1e-5][len(node.args) - 2:]
-        x, shape, w, b, eps = (args + [None])[:5]
+        x, shape, w, b, eps = (list(node.args) + [None, None, 1e-5][len(node.args) - 2:])[:5]
         if len(shape) != 1:
             raise fail(node, "a grid layout through a LayerNorm over more than the last dim",
                        "re-plan: the planner keeps a grid layout only through a norm of the last dim")

@@ -51,6 +51,10 @@ def test_a_layer_norm_over_the_last_dim_may_keep_the_grid_layout_with_whole_weig
     assert on4[("B1.2",)] == (("B1.2",), ("R",), ("R",))  # weight and bias whole, sliced by the op
     # a grid needs a square axis: none on 2 devices, and none when the norm spans two dims
     assert not any(s.out[0][0] == "B" for s in enumerate_strategies(ln, (2,))[0])
+    with torch.device("meta"):
+        two = stpc.trace(torch.nn.LayerNorm([S, 32]), (torch.empty(B, S, 32),))
+    ln2 = next(n for n in two.gm.graph.nodes if n.target is aten.layer_norm.default)
+    assert {s.out for s in enumerate_strategies(ln2, (4,))[0]} == {("R",), ("S0",)}
 
 
 def test_a_biased_linear_runs_p2x2_with_its_bias_whole():

@@ -84,11 +84,10 @@ def test_each_rank_gets_its_block_of_the_single_device_layer_norm_and_gradients(
 
 def test_only_per_row_statistics_move(results):
     _, res = results
-    local_rows = FULL[0] * FULL[1] // 2  # this rank's rows: a grid row's half of dim 1
     for rank, r in enumerate(res):
-        # one exchange forward (mean, M2), one backward (two sums): 2 values per local row
+        # one exchange forward (mean, M2), one backward (two sums): 2 values for each of this
+        # rank's rows (its grid row's half of dim 1), never a block of the activation
         assert r["gathered"] == [(1, FULL[0], FULL[1] // 2, 2)] * 2, f"rank {rank}: {r['gathered']}"
-        assert all(2 * local_rows == s[1] * s[2] * s[3] for s in r["gathered"])
 
 
 def _bias_worker(rank, world):
@@ -114,3 +113,24 @@ def test_a_whole_bias_adds_its_grid_column_slice_and_its_gradient_sums_whole():
     for rank, (value_ok, dx_ok, db_err) in enumerate(spawn(_bias_worker, 4, timeout_s=120)):
         assert value_ok and dx_ok, f"rank {rank}: wrong block (value {value_ok}, gradient {dx_ok})"
         assert db_err < 1e-12, f"rank {rank}: the bias gradient, summed over ranks, is off by {db_err}"
+
+
+def _not_a_grid_worker(rank, world):
+    import torch.distributed as dist
+
+    from stpc.runtime import grid_bias_add, grid_layer_norm
+
+    name, x, w = dist.group.WORLD.group_name, torch.ones(2, 4, 6), torch.ones(12)
+    said = []
+    for call in (lambda: grid_layer_norm(x, w, w, 1e-5, name), lambda: grid_bias_add(x, w, name)):
+        try:
+            call()
+        except ValueError as e:
+            said.append(str(e))
+    return said
+
+
+def test_a_group_that_forms_no_grid_is_an_error_before_any_exchange():
+    # 2 ranks are no 2^k x 2^k grid: both ops say so on every rank, none waits on a collective
+    for rank, said in enumerate(spawn(_not_a_grid_worker, 2, timeout_s=60)):
+        assert len(said) == 2 and all("4, 16, 64" in s and "has 2" in s for s in said), (rank, said)

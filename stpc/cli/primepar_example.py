@@ -42,7 +42,7 @@ CANDIDATES = (("2x2x2", "Megatron's {B, N, N}", _megatron),
 
 
 def _fc2(plan) -> str:
-    names = [k for k, n in plan.nodes.items() if n.module == MODULE and n.op.split(".")[-2:-1] == ["linear"]]
+    names = [k for k, n in plan.nodes.items() if n.module == MODULE and n.op == "linear.default"]
     if not names:
         raise LookupError(f"no linear of module {MODULE!r} in the {MODEL} plan")
     return names[0]

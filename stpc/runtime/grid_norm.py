@@ -40,6 +40,16 @@ def _row_sums(stats: Tensor, group: str) -> Tensor:
     return everyone.narrow(0, r * q, q)
 
 
+def _grid_side(group: str, what: str) -> int:
+    """The side of the 2^k x 2^k grid axis group ``group`` forms; an error (before any
+    collective, so no rank waits on it) if it forms none."""
+    n = _size(group)
+    q = math.isqrt(n)
+    if q * q != n or q < 2:
+        raise ValueError(f"{what} needs an axis group of 4, 16, 64, ... ranks (a 2^k x 2^k grid); this one has {n}")
+    return q
+
+
 def _acc(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
@@ -103,10 +113,7 @@ def grid_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
     """``layer_norm`` over the last dim of ``x``, held in a grid block layout (last dim split
     over the grid's columns of axis group ``group``, a 2^k x 2^k grid): this device's block
     of the result. ``weight``/``bias``: whole. Differentiable (see the module docstring)."""
-    q = math.isqrt(_size(group))
-    if q * q != _size(group) or q < 2:
-        raise ValueError(f"grid_layer_norm needs an axis group of 4, 16, 64, ... ranks (a 2^k x 2^k grid); "
-                         f"this one has {_size(group)}")
+    _grid_side(group, "grid_layer_norm")
     return _GridLayerNorm.apply(x, weight, bias, float(eps), group)
 
 
@@ -131,4 +138,5 @@ def grid_bias_add(x: Tensor, bias: Tensor, group: str) -> Tensor:
     over the grid's columns (a P(2^k x 2^k) linear's output) and ``bias`` is whole: the slice
     of this device's grid column is added. Its gradient comes back whole-sized, zero outside
     that slice (summed over the axis group, as a Replicate operand's is, it is complete)."""
+    _grid_side(group, "grid_bias_add")
     return _GridBiasAdd.apply(x, bias, group)
