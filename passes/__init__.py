@@ -27,7 +27,7 @@ from .defer_grad_sync import defer_grad_sync
 from .insert_collectives import insert_collectives, reshard_steps
 from .issue_early import issue_early
 from .prefetch_params import prefetch_params
-from .recompute import Recompute, recompute
+from .recompute import Recompute, SelectiveMismatch, recompute
 from .ring_decompose import ring_decompose
 from .shard_params import shard_params
 from .tap_hooks import tap_hooks
@@ -38,6 +38,6 @@ PIPELINE = ("shard_params", "insert_collectives", "ring_decompose", "cleanup", "
             "issue_early", "verify")
 
 __all__ = ["LoweringError", "shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync",
-           "recompute", "Recompute", "prefetch_params", "issue_early", "tap_hooks",
+           "recompute", "Recompute", "SelectiveMismatch", "prefetch_params", "issue_early", "tap_hooks",
            "verify", "VerifyError",
            "comm_schedule", "reshard_steps", "PIPELINE"]

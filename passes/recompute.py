@@ -2,8 +2,9 @@
 its ops saved (activation checkpointing, at graph level).
 
 Expects: a graph after ``cleanup`` (and ``defer_grad_sync``), before ``prefetch_params``.
-Runs only for a plan that asks for it (``plan.stats["recompute"] == "full"``, written by
-the search, ``Hints.recompute``); any other plan's graph is returned unchanged.
+Runs only for a plan that asks for it (``plan.stats["recompute"]`` is ``"full"`` or
+``"selective"``, written by the search, ``Hints.recompute``); any other plan's graph is
+returned unchanged.
 
 For each layer (the nodes whose module path names an indexed module such as
 ``layers.3``: ``planner.analysis.layer_of``), the span of the graph from its first node to
@@ -23,6 +24,19 @@ FSDP's regather; ``prefetch_params`` sees the top-level graph only, so those gat
 neither coalesced nor issued a layer ahead (the cost model charges them so:
 ``planner.builder``).
 
+Under ``"selective"`` the checkpoint caches the outputs of the nodes the plan names
+(``plan.stats["recompute_kept"]``: the layers' plain matmuls and fused attentions whose
+outputs backward keeps anyway, ``planner.analysis.kept_when_selective``): kept from
+forward to backward, not computed again. The replay reruns everything else (norms,
+activations, the other matmuls, communication) to rebuild what the span's ops saved
+(``torch.utils.checkpoint``'s selective checkpointing). Its policy names the kernels by
+their order: each node that can be kept runs one ``mm``/``addmm`` or fused-attention
+kernel, so the span's k-th such kernel is the k-th such node's; a span that runs another
+number of them fails (``SelectiveMismatch``: an attention that fell back to bmm + softmax
+runs none) rather than cache the wrong outputs. The order holds under ``torch.compile`` too,
+whose partitioner saves what the policy marks. A ring's custom op is replayed whole, its
+transfers too.
+
 Guarantees: the same values and gradients (the replay reruns the same ops on the same
 inputs); every rank runs the same spans and replays the same collectives in the same
 order (the graph is one SPMD program). The span's nodes keep their names inside the
@@ -30,31 +44,81 @@ submodule (``inline`` restores the flat graph, e.g. for ``verify``).
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
 
-from ._common import fail, finish
-from stpc.planner.analysis import layer_of
+from ._common import LoweringError, fail, finish
+from stpc.planner.analysis import kept_when_selective, layer_of
+
+
+aten = torch.ops.aten
+# the kernels a kept node's output comes from
+_KERNELS = {aten.mm.default, aten.addmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default}
+
+
+class SelectiveMismatch(RuntimeError):
+    """A span ran another number of matmul/attention kernels than its plan lists."""
+
+
+def _selective_contexts(keep: tuple[bool, ...], layer: int, seen: dict | None = None):
+    """Selective checkpointing's contexts for one run of layer ``layer``'s span: the k-th
+    matmul or fused-attention kernel it runs (forward, and again in the replay) is cached if
+    ``keep[k]``, replayed otherwise; every other op is replayed. ``seen``: counts the
+    kernels per pass (``is_recompute`` False/True), for the caller's check."""
+    seen = {False: 0, True: 0} if seen is None else seen
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func not in _KERNELS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        k = seen[ctx.is_recompute]
+        seen[ctx.is_recompute] = k + 1
+        if k >= len(keep):
+            raise SelectiveMismatch(_mismatch(layer, len(keep), f"more than {len(keep)}"))
+        return CheckpointPolicy.MUST_SAVE if keep[k] else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _mismatch(layer: int, listed: int, ran) -> str:
+    return (f"stpc: selective recomputation of layer {layer}: its span ran {ran} matmul/attention kernels, "
+            f"its plan lists {listed} (one per linear, matmul and maskless attention: an attention that "
+            f"fell back to bmm + softmax runs none). Fix: Hints(recompute='full'), or report the model")
 
 
 class Recompute(nn.Module):
-    """One layer's span: run under non-reentrant checkpointing where autograd records."""
+    """One layer's span: run under non-reentrant checkpointing where autograd records.
+    ``keep`` (selective recomputation): per matmul or fused-attention kernel the span runs,
+    in order, whether its output is cached rather than replayed (None: full)."""
 
-    def __init__(self, body: fx.GraphModule, layer: int):
+    def __init__(self, body: fx.GraphModule, layer: int, keep: tuple[bool, ...] | None = None):
         super().__init__()
-        self.body, self.layer = body, layer
+        self.body, self.layer, self.keep = body, layer, keep
+
+    @property
+    def selective(self) -> bool:
+        return self.keep is not None
 
     def forward(self, *args):
         if not torch.is_grad_enabled():
             return self.body(*args)
         if torch.compiler.is_compiling():  # traced whole: AOTAutograd replays the span in the backward graph
-            return checkpoint(self.body, *args, use_reentrant=False)
+            kw = {"context_fn": functools.partial(_selective_contexts, self.keep, self.layer)} if self.selective else {}
+            return checkpoint(self.body, *args, use_reentrant=False, **kw)
+        seen = {False: 0, True: 0}
+        kw = {"context_fn": functools.partial(_selective_contexts, self.keep, self.layer, seen)} if self.selective else {}
         with set_checkpoint_early_stop(False):  # replay every collective of the span
-            return checkpoint(self.body, *args, use_reentrant=False)
+            out = checkpoint(self.body, *args, use_reentrant=False, **kw)
+        if self.selective and seen[False] != len(self.keep):
+            raise SelectiveMismatch(_mismatch(self.layer, len(self.keep), seen[False]))
+        return out
 
 
 def _spans(gm: fx.GraphModule) -> dict[int, tuple[int, int]]:
@@ -68,10 +132,14 @@ def _spans(gm: fx.GraphModule) -> dict[int, tuple[int, int]]:
     return spans
 
 
-def _outline(gm: fx.GraphModule, region: list[fx.Node], layer: int) -> None:
+def _outline(gm: fx.GraphModule, region: list[fx.Node], layer: int, kept: set[str] | None) -> None:
+    """Move ``region`` into a :class:`Recompute` submodule called in its place; ``kept``
+    (selective): the names of the nodes whose outputs it caches."""
     inside = set(region)
     inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
     outputs = [n for n in region if any(u not in inside for u in n.users)]
+    # (a node runs one such kernel where the planner could keep its output: ``kept_when_selective``)
+    keep = None if kept is None else tuple(n.name in kept for n in region if kept_when_selective(n))
     body = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for a in inputs:
@@ -81,7 +149,7 @@ def _outline(gm: fx.GraphModule, region: list[fx.Node], layer: int) -> None:
         env[n] = body.node_copy(n, env.__getitem__)
     body.output(tuple(env[o] for o in outputs))
     name = f"recompute_layer{layer}"
-    gm.add_submodule(name, Recompute(fx.GraphModule(gm, body, class_name=f"Layer{layer}"), layer))
+    gm.add_submodule(name, Recompute(fx.GraphModule(gm, body, class_name=f"Layer{layer}"), layer, keep))
     with gm.graph.inserting_after(region[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
     call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
@@ -99,8 +167,10 @@ def _outline(gm: fx.GraphModule, region: list[fx.Node], layer: int) -> None:
 
 def recompute(gm: fx.GraphModule, plan) -> fx.GraphModule:
     """Outline each layer's span into a :class:`Recompute` submodule (module docstring), for
-    a plan with ``stats["recompute"] == "full"``; other plans' graphs are returned as they are."""
-    if (plan.stats or {}).get("recompute") != "full":
+    a plan with ``stats["recompute"]`` ``"full"`` or ``"selective"``; other plans' graphs are
+    returned as they are."""
+    level = (plan.stats or {}).get("recompute")
+    if level not in ("full", "selective"):
         return gm
     spans = sorted(_spans(gm).items(), key=lambda kv: kv[1])
     for (la, (_, end)), (lb, (start, _)) in zip(spans, spans[1:]):
@@ -108,9 +178,14 @@ def recompute(gm: fx.GraphModule, plan) -> fx.GraphModule:
             node = list(gm.graph.nodes)[start]
             raise fail(node, f"layers {la} and {lb} interleave in the program, so neither is one span to "
                              f"recompute", "plan without recompute (Hints(recompute='none'))")
+    kept = set(plan.stats.get("recompute_kept", ())) if level == "selective" else None
     nodes = list(gm.graph.nodes)
+    if kept is not None and (lost := kept - {n.name for n in nodes}):
+        raise LoweringError(f"stpc: the plan's selective recomputation keeps the outputs of {len(lost)} nodes "
+                            f"this program lacks ({', '.join(sorted(lost)[:3])}): a plan of another model. "
+                            f"Fix: plan this model (stpc.compile does), or Hints(recompute='full')")
     for layer, (a, b) in spans:
-        _outline(gm, [n for n in nodes[a:b + 1] if n.op == "call_function"], layer)
+        _outline(gm, [n for n in nodes[a:b + 1] if n.op == "call_function"], layer, kept)
     gm.delete_all_unused_submodules()
     return finish(gm)
 
@@ -141,4 +216,4 @@ def inline(gm: fx.GraphModule) -> fx.Graph:
     return flat
 
 
-__all__ = ["recompute", "Recompute", "inline"]
+__all__ = ["recompute", "Recompute", "SelectiveMismatch", "inline"]

@@ -178,16 +178,17 @@ def make_plan(model: str, mesh, family: str, batch: int, seq: int, **overrides):
     tg = stpc.trace(m, models.example_inputs(model, batch, seq))
     if isinstance(mesh, str):  # "4" -> (4,), "2x2" -> (2, 2): a fixed shape, not a search over shapes
         mesh = tuple(int(x) for x in mesh.split("x"))
-    if family.endswith("+recompute"):  # the family's plan, its layers recomputed in backward
+    base, _, level = family.partition("+")
+    if level in ("recompute", "selective"):  # the family's plan, its layers recomputed in backward
         import dataclasses
 
         from stpc.planner import Hints, preset
-        base = family.removesuffix("+recompute")
         hints = family_hints(base)
         if base in ("megatron", "megatron-sp", "megatron-zero"):
             hints = _megatron_hints(base, mesh)
         hints = preset(hints, mesh) if isinstance(hints, str) else (hints or Hints())
-        return search(tg, mesh, cluster="cpu-local", hints=dataclasses.replace(hints, recompute="full"))
+        level = "full" if level == "recompute" else level
+        return search(tg, mesh, cluster="cpu-local", hints=dataclasses.replace(hints, recompute=level))
     cluster = {"solved-h100": "dgx-h100", "solved-v100": "primepar-v100"}.get(family, "cpu-local")
     budget = None
     if family == "solved-budget":  # a third of what the unconstrained plan needs: the solver must shard

@@ -116,8 +116,9 @@ def test_judge_targets_are_parameters():
 
 
 def test_plan_specs():
-    assert DEFAULT_PLANS == ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "grid", "recompute")
+    assert DEFAULT_PLANS == ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "grid", "recompute", "selective")
     assert plan_spec("recompute", 4)[1].recompute == "full"
+    assert plan_spec("selective", 4)[1].recompute == "selective"
     assert plan_spec("megatron", 4) == (4, "megatron")
     assert plan_spec("solved", 4) == (4, None)
     mesh, hints = plan_spec("p2x2", 4)

@@ -123,17 +123,18 @@ def test_unknown_model_is_a_usage_error(capsys):
 
 
 def test_plan_cli_recompute(tmp_path):
-    """``--recompute full`` plans every layer recomputed (the layout and the summary say so,
-    and the peak is lower than ``--recompute none``'s)."""
+    """``--recompute full`` plans every layer recomputed, ``selective`` all but the outputs it
+    keeps (the layout and the summary say so, and the peaks order full < selective < none)."""
     peaks = {}
-    for mode in ("none", "full"):
+    for mode in ("none", "selective", "full"):
         out = tmp_path / f"{mode}.json"
         r = subprocess.run([sys.executable, "-m", "stpc", "plan", "--model", "llama-tiny", "--mesh", "4",
                             "--cluster", "cpu-local", "--batch", "8", "--seq", "64", "--recompute", mode,
                             "--json", str(out)], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         d = json.loads(out.read_text())
-        assert bool((d["layout"] or {}).get("recompute")) == (mode == "full")
-        assert ("layers recomputed in backward" in r.stdout) == (mode == "full")
+        assert (d["layout"] or {}).get("recompute") == (None if mode == "none" else mode)
+        assert ("layers recomputed in backward" in r.stdout) == (mode != "none")
+        assert ("but for their matmuls" in r.stdout) == (mode == "selective")
         peaks[mode] = d["peak_memory_bytes"]
-    assert peaks["full"] < peaks["none"]
+    assert peaks["full"] < peaks["selective"] < peaks["none"]

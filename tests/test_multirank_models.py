@@ -153,6 +153,21 @@ def test_recomputed_layers_match_single_device(matrix):
     _check(spawn(run_cases, 4, cases, timeout_s=590), cases)
 
 
+# Selective recomputation (``Hints.recompute == "selective"``): the replay reruns all but the
+# kept matmuls and attentions, whose outputs come from the checkpoint's cache.
+SELECTIVE_4 = [("gpt-tiny", "megatron+selective", "4"), ("llama-tiny", "dp+selective", "2x2"),
+               ("llama-tiny", "zero+selective", "4"), ("gpt-tiny", "p2x2+selective", "4")]
+
+
+@pytest.mark.parametrize("matrix", [pytest.param(SELECTIVE_4[:2], id="default"),
+                                    pytest.param(SELECTIVE_4[2:], id="rest", marks=pytest.mark.slow)])
+def test_selectively_recomputed_layers_match_single_device(matrix):
+    cases = [_case(m, f, mesh, steps=20, opt="adamw") for m, f, mesh in matrix]
+    plans = [Plan.from_json(c["plan"]) for c in cases]
+    assert all(p.stats["recompute"] == "selective" and p.stats["recompute_kept"] for p in plans)
+    _check(spawn(run_cases, 4, cases, timeout_s=590), cases)
+
+
 @pytest.mark.parametrize("pairs", [
     pytest.param((("llama-tiny", "solved-budget"),), id="default"),
     pytest.param((("gpt-tiny", "megatron"), ("llama-tiny", "megatron"), ("gpt-tiny", "solved-budget")), id="rest",
@@ -197,9 +212,11 @@ def test_torch_compile_backends_match_single_device(backend):
     ZeRO's coalesced parameter gathers traced (no graph break at any of them: reading an
     autograd node's ``grad_fn`` while tracing broke the graph 7 times and, under inductor,
     gave wrong gradients), inductor generating the CPU kernels; recomputed layers traced as
-    checkpoint regions (the eager path's early-stop switch broke the graph there)."""
+    checkpoint regions (the eager path's early-stop switch broke the graph there), selectively
+    recomputed ones with their policy (a ``functools.partial`` dynamo takes as a constant)."""
     cases = [{**_case("llama-tiny", family, "2", steps=3), "backend": backend,
-              "id": f"llama-tiny/{family}/2/{backend}"} for family in ("ag_rs", "zero", "megatron+recompute")]
+              "id": f"llama-tiny/{family}/2/{backend}"}
+             for family in ("ag_rs", "zero", "megatron+recompute", "megatron+selective")]
     results = spawn(run_cases, 2, cases, timeout_s=590)
     _check(results, cases)
     assert all(c["graph_breaks"] == 0 for r in results for c in r), [[c["graph_breaks"] for c in r] for r in results]

@@ -6,16 +6,24 @@ replayed communication listed for ``verify``; run for real, the same loss and gr
 with far fewer tensors kept from forward to backward.
 """
 import copy
+import dataclasses
 
 import pytest
 import torch
+import torch.fx as fx
 from _graphs import traced_and_plan
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import stpc
 from stpc import models
 from stpc.passes import (LoweringError, Recompute, cleanup, comm_schedule, insert_collectives, recompute,
                          ring_decompose, shard_params, verify)
-from stpc.passes.recompute import inline
+from stpc.passes.recompute import _KERNELS, SelectiveMismatch, inline
+from stpc.planner import search
 from stpc.planner.analysis import layer_of
 
 
@@ -128,3 +136,120 @@ def test_one_process_same_gradients_and_less_kept():
     assert torch.equal(l0, l1)
     assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
     assert kept1 < kept0 / 3, (kept0, kept1)
+
+
+class _LiveAfter(TorchDispatchMode):
+    """Tracks the storages ops create under it; ``live_bytes()``: those still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made += [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+                      for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def live_bytes(self) -> int:
+        return sum(dict((w.cdata, n) for w, n in self.made if not w.expired()).values())
+
+
+class _KernelCount(TorchDispatchMode):
+    """Counts the matmul and fused-attention kernels that run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in _KERNELS
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_keeps_the_named_kernels_outputs_and_replays_the_rest():
+    """Selective recomputation on the traced single-device program: the same loss and
+    gradients as without recomputation; what forward keeps lies between full recomputation's
+    and none's; and backward runs exactly one matmul or attention kernel fewer per node the
+    plan keeps than full recomputation's replay does (those outputs come from the cache)."""
+    torch.manual_seed(0)
+    model = models.build("llama-tiny", n_layers=3)
+    idx, tgt = models.example_inputs("llama-tiny", 4, 32, device="cpu")
+    tg = stpc.trace(model, (idx, tgt))
+    plan = search(tg, (2,), hints="dp", recompute="selective")
+    kept = plan.stats["recompute_kept"]
+    assert plan.stats["recompute"] == "selective" and len({layer_of(n) for n in tg.graph.nodes if n.name in kept}) == 3
+    params = dict(model.named_parameters())
+    runs = {}
+    for level in ("none", "selective", "full"):
+        gm = copy.deepcopy(tg.gm)
+        if level != "none":
+            gm = recompute(gm, dataclasses.replace(plan, stats={**plan.stats, "recompute": level}))
+            assert {gm.get_submodule(c.target).selective for c in _calls(gm)} == {level == "selective"}
+        leaves = {k: p.detach().clone().requires_grad_() for k, p in params.items()}
+        args = [leaves[tg.param_fqns[n.name]] if n.name in tg.param_fqns else {"idx": idx, "targets": tgt}[n.name]
+                for n in gm.graph.nodes if n.op == "placeholder"]
+        with _LiveAfter() as made:  # (what forward leaves alive for backward: saved and cached)
+            out = gm(*args)
+        nbytes = made.live_bytes()
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        with _KernelCount() as count:
+            loss.backward()
+        runs[level] = (loss.detach(), {k: v.grad for k, v in leaves.items()}, nbytes, count.n)
+    (l0, g0, none_kept, _), (l1, g1, sel_kept, sel_n), (_, _, full_kept, full_n) = runs.values()
+    assert torch.equal(l0, l1) and g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
+    assert full_kept < sel_kept < none_kept, (full_kept, sel_kept, none_kept)
+    assert full_n - sel_n == len(kept), (full_n, sel_n, kept)
+    # through torch.compile the policy marks the same kernels: the backward graph the
+    # partitioner cuts runs no more of them than the eager replay does (full's: more)
+    for level in ("selective", "full"):
+        gm = recompute(copy.deepcopy(tg.gm), dataclasses.replace(plan, stats={**plan.stats, "recompute": level}))
+        backward = []
+
+        def bw(g, _):
+            backward.append(sum(n.op == "call_function" and n.target in _KERNELS for n in g.graph.nodes))
+            return make_boxed_func(g.forward)
+        torch._dynamo.reset()
+        fn = torch.compile(gm, backend=aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward),
+                                                   bw_compiler=bw, partition_fn=min_cut_rematerialization_partition))
+        leaves = {k: p.detach().clone().requires_grad_() for k, p in params.items()}
+        args = [leaves[tg.param_fqns[n.name]] if n.name in tg.param_fqns else {"idx": idx, "targets": tgt}[n.name]
+                for n in gm.graph.nodes if n.op == "placeholder"]
+        out = fn(*args)
+        (out[0] if isinstance(out, (tuple, list)) else out).backward()
+        assert torch.allclose((out[0] if isinstance(out, (tuple, list)) else out), l0)
+        runs[level] = backward
+    assert runs["selective"][0] <= sel_n < runs["full"][0], (runs["selective"], sel_n, runs["full"])
+
+
+def test_selective_refuses_a_plan_naming_nodes_the_program_lacks():
+    plan, gm = _lowered()
+    plan.stats.update(recompute="selective", recompute_kept=["linear_99"])
+    with pytest.raises(LoweringError, match=r"keeps the outputs of 1 nodes this program lacks \(linear_99\).*Fix"):
+        recompute(gm, plan)
+
+
+def _two_linears():
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    h = g.call_function(torch.ops.aten.linear.default, (x, w))
+    g.output((g.call_function(torch.ops.aten.linear.default, (torch.relu(fx.Proxy(h)).node, w)),))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("keep", [(True,), (True, False, True)])
+def test_a_span_running_another_number_of_kernels_than_listed_fails(keep):
+    """The policy names kernels by their order: a span that runs more or fewer matmuls than
+    its plan lists fails by name instead of caching the wrong outputs."""
+    span = Recompute(_two_linears(), 3, keep)
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    ran = "more than 1" if len(keep) == 1 else "2"
+    with pytest.raises(SelectiveMismatch, match=r"layer 3: its span ran %s matmul/attention kernels, its plan "
+                                                r"lists %d .*Fix: Hints\(recompute='full'\)" % (ran, len(keep))):
+        span(x, w)
+    # listed right, it runs, and backward replays only the one not kept (relu's input is
+    # the first linear's output, kept; the second linear's is replayed for nothing else)
+    (out,) = Recompute(_two_linears(), 3, (True, False))(x, w)
+    with _KernelCount() as count:
+        out.sum().backward()
+    assert count.n == 1 + 4  # the second linear again, and each linear's two gradient matmuls

@@ -82,12 +82,64 @@ def test_the_search_recomputes_only_where_the_budget_binds(gpt):
     assert "layers recomputed in backward" in describe_layout(tight.stats["layout"])
 
 
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)])
+@pytest.mark.parametrize("family", ["own", "megatron", "fsdp-tp"])
+def test_selective_lies_between_none_and_full(model, mesh, family):
+    """Selective recomputation replays a subset of what full recomputation replays and keeps a
+    subset of what no recomputation keeps: every family's plan is as slow as or slower than
+    without it and faster than with full recomputation, and keeps less than without it and
+    more than with full."""
+    tg = _traced(model)
+    base = {"own": Hints, "megatron": lambda: megatron(mesh),
+            "fsdp-tp": lambda: fsdp_tp(mesh, 0, 1 if len(mesh) > 1 else None)}[family]()
+    plans = {r: search(tg, mesh, hints=dataclasses.replace(base, recompute=r)) for r in ("none", "selective", "full")}
+    time = {r: p.modelled_step_time_s for r, p in plans.items()}
+    act = {r: breakdown(p)["activation_bytes"] for r, p in plans.items()}
+    assert time["none"] < time["selective"] < time["full"], time
+    assert act["full"] < act["selective"] < act["none"], act
+    sel = plans["selective"]
+    assert sel.stats["recompute"] == "selective" and "layers recomputed in backward but for" in describe_layout(
+        sel.stats["layout"] | {"recompute": "selective"})
+    # what it keeps: plain matmuls and attentions inside the layers, each an output backward keeps anyway
+    facts = analyse(tg)
+    kept = {n for n in tg.graph.nodes if n.name in sel.stats["recompute_kept"]}
+    assert kept and all(layer_of(n) is not None and facts.node_item[n] in facts.saved_uses for n in kept)
+    assert all(sel.nodes[n.name].kind in ("spatial", "replicate-fallback") for n in kept)
+
+
+def test_the_search_tries_selective_before_full():
+    """Where no recomputation does not fit, selective is tried first, and full only where
+    selective's fastest assignment does not fit either. llama-tiny on 4: with the budget just
+    above selective's memory-blind peak, the search picks selective (full not even built);
+    under selective's least budget, full."""
+    llama = _traced("llama-tiny")
+    free = {r: search(llama, 4, hints=Hints(recompute=r)) for r in ("none", "selective")}
+    assert free["selective"].peak_memory_bytes < free["none"].peak_memory_bytes
+    mid = search(llama, 4, budget_bytes=free["selective"].peak_memory_bytes * 1.001)
+    assert mid.stats["recompute"] == "selective" and mid.stats["layout"]["recompute"] == "selective"
+    assert mid.modelled_step_time_s == pytest.approx(free["selective"].modelled_step_time_s)
+    assert "full" not in {t["layout"].get("recompute") for t in mid.stats["mesh_shapes_tried"]}
+    least = {}
+    for r in ("selective", "full"):
+        with pytest.raises(InfeasibleBudget) as e:
+            search(llama, 4, budget_bytes=1, hints=Hints(recompute=r))
+        least[r] = e.value.min_budget
+    assert least["full"] < least["selective"]
+    low = search(llama, 4, budget_bytes=(least["full"] + least["selective"]) / 2)
+    assert low.stats["recompute"] == "full"
+    assert {"selective", "full"} <= {t["layout"].get("recompute") for t in low.stats["mesh_shapes_tried"]}
+
+
 def test_recompute_is_part_of_a_plans_identity(gpt):
     plan = search(gpt, (4,), hints=Hints(recompute="none"))
     twin = dataclasses.replace(plan, stats={**plan.stats, "recompute": "full"})
     assert twin.hash() != plan.hash()
-    keys = {plan_key(gpt, (4,), "cpu-local", None, Hints(recompute=r), True) for r in (None, "none", "full")}
-    assert len(keys) == 3
+    keys = {plan_key(gpt, (4,), "cpu-local", None, Hints(recompute=r), True)
+            for r in (None, "none", "selective", "full")}
+    assert len(keys) == 4
+    with pytest.raises(ValueError, match="Hints.recompute='some'.: one of None, 'none', 'selective', 'full'"):
+        Hints(recompute="some")
 
 
 @pytest.mark.parametrize("family,mesh", [("megatron", "4"), ("megatron", "2x2"), ("ag_rs", "2x2"), ("zero", "4"),

@@ -19,6 +19,9 @@ plan                       mesh                                 how it is obtain
                                                                 a layer in grid layout between its linears
 ``recompute``              the planner's choice of shape        ``search(hints=Hints(recompute="full"))``:
                                                                 stpc's own plan, every layer recomputed
+``selective``              the planner's choice of shape        ``Hints(recompute="selective")``: every
+                                                                layer recomputed but for the matmuls and
+                                                                attentions whose outputs it keeps
 ``ag_ring`` ``rs_ring``    ``(N,)``                             optional (``--plans``): every linear forced
 ``dp`` ``spatial``         ``(N,)`` / the planner's             optional: data parallel; temporal families off
 =========================  ===================================  ===========================================
@@ -26,8 +29,8 @@ plan                       mesh                                 how it is obtain
 Size: issue 12's GPT (d_model 1024, 4 layers, 16 heads, ffn 4096, seq 512, the ``gpt-50m``
 config overridden: 59 M parameters, vocab 8192) at a global batch of 4. The batch is the one
 reduction: on the 2-core development VM, 4 ranks share 2 cores, a step takes 4-10 s at
-batch 4 and all of a run (7 plans x (2 warm-up + 10 timed + 3 profiled steps) plus
-compiling) about 11 minutes; batch 8 would double that.
+batch 4 and all of a run (8 plans x (2 warm-up + 10 timed + 3 profiled steps) plus
+compiling) about 13 minutes; batch 8 would double that.
 
 Every plan is planned once, in this process, on ``--cluster`` (a ``python -m stpc
 calibrate`` profile of this machine, so the cost model speaks of this hardware), then
@@ -119,7 +122,7 @@ PEAK_STEPS = 3  # profiled steps whose highest peak is the measured one (after a
 
 MEMORY_TARGET = 0.05   # |predicted - measured| / measured peak, at most, on every plan
 TIME_TARGET = 0.25     # |predicted - measured| / measured step time, at most, on every plan
-DEFAULT_PLANS = ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "grid", "recompute")
+DEFAULT_PLANS = ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "grid", "recompute", "selective")
 KNOWN_PLANS = DEFAULT_PLANS + ("ag_ring", "rs_ring", "dp", "spatial")
 
 # The default model: a GPT of d 1024, 4 layers, seq 512 (issue 12's size) at batch 4.
@@ -142,6 +145,8 @@ def plan_spec(name: str, n: int):
         return n, None
     if name == "recompute":         # the layers' activations recomputed in backward (passes.recompute)
         return n, Hints(recompute="full", name="recompute")
+    if name == "selective":         # ... all but the matmuls' and attentions' outputs it keeps
+        return n, Hints(recompute="selective", name="selective")
     if name == "dp":
         return (n,), "dp"
     if name == "ag_rs":             # the classic pairing (tests/_multirank.family_hints)

@@ -104,9 +104,10 @@ def main_plan(argv: list[str]) -> int:
     p.add_argument("--hints", default=None, choices=HINTS, help="plan a preset instead: megatron, fsdp-tp, spatial "
                    "(baselines, each the best of its own layout space), dp")
     p.add_argument("--no-temporal", action="store_true", help="spatial strategies only (Alpa-like)")
-    p.add_argument("--recompute", default="auto", choices=("auto", "none", "full"),
+    p.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
                    help="recompute the layers' activations in backward: auto (where the budget binds), none, "
-                        "full (default: %(default)s)")
+                        "selective (all but their matmuls' and fused attentions' outputs), full "
+                        "(default: %(default)s)")
     p.add_argument("--dump", default=None, metavar="FILE", help="write the per-node plan table here (+ .dot)")
     p.add_argument("--brief", action="store_true", help="print the header lines only, not the plan's summary")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write FILE-memory.png (memory over the step) "

@@ -101,7 +101,8 @@ def describe_layout(layout: dict | None) -> str:
         return ""
     if layout.get("recompute"):
         rest = {k: v for k, v in layout.items() if k != "recompute"}
-        return describe_layout(rest) + ", layers recomputed in backward"
+        return describe_layout(rest) + {"selective": ", layers recomputed in backward but for their matmuls"}.get(
+            layout["recompute"], ", layers recomputed in backward")
     if "dp" in layout:
         return Layout(**layout).describe()
     kept = layout.get("kept")

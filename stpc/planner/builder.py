@@ -35,6 +35,9 @@ a reshard between two ops of one layer its forward collective again; a ZeRO gath
 a layer's op whole and blocking), the end of forward keeps only what ops outside the
 layers save and the layers' inputs (``GraphFacts.kept_saved``), and the last layer's
 backward holds what its replay saves again (``replay_saved``) and its ops' own blocks.
+Under ``"selective"`` the same, except that a layer's plain matmuls and fused attentions
+(``analysis.kept_when_selective``) keep their local outputs from forward to backward
+instead of running again (``Builder._selective_kept``).
 
 Resharding is costed on the inputs of decision nodes: one solver edge per consumer,
 except where several consumers read one tensor (``GraphFacts.shared``): a
@@ -56,7 +59,7 @@ import torch
 from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, MemoryModel, bytes_per_param, optimizer_step_time
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, fits, shard, shard_factor
-from stpc.planner.analysis import GraphFacts, Item, analyse, layer_of, layer_param_bytes
+from stpc.planner.analysis import GraphFacts, Item, analyse, kept_when_selective, layer_of, layer_param_bytes
 from stpc.planner.costs import (RESHARD_COPIES, NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, grad_bytes,
                                grad_reduction_bytes, kept_gathered_bytes, param_copy_phases, reshard_cost,
                                stash_bytes, transient_bytes)
@@ -139,7 +142,10 @@ class Builder:
             src for src, dst, i in self.facts.edge_uses if dst not in self.facts.head
             and dst.node.target in SAVES_INPUTS and not (dst.node.target is aten.embedding.default and i == 0)}
         self._sp_nodes = sequence_parallel_nodes(self.graph) if self.hints.sequence_parallel is not None else set()
-        self.recompute = self.hints.recompute == "full"
+        # (selective recomputation is full recomputation less the replay of the matmuls and
+        # fused attentions it keeps the outputs of: ``analysis.kept_when_selective``)
+        self.recompute = self.hints.recompute in ("full", "selective")
+        self.selective = self.hints.recompute == "selective"
         self._tied_copies = self.tg.tied_copies()
         self._layer_bytes = layer_param_bytes(self.graph)
 
@@ -271,11 +277,16 @@ class Builder:
                                        lambda: grad_bytes(node, strategies, self.mesh, grads))
             tr = [max(a, b) for a, b in zip(tr, back)]
         replayed = self.recompute and it in self.facts.layer_items
+        mem = stash  # (the op's own saved blocks: forward memory)
         if replayed:  # its forward runs again in backward; what it keeps lives only during its layer's
             fwd = self._shared_result(("replay", it.signature, id(strategies)), lambda: [timer.forward(s) for s in strategies])
+            mem = [0.0] * len(stash)
+            if self.selective and it in self.facts.saved_uses:  # ... unless selective recomputation
+                fwd, mem = self._shared_result(("selective", it.signature, id(strategies)),  # keeps its output
+                                               lambda: self._selective_kept(node, strategies, fwd))
             cost = [c + f for c, f in zip(cost, fwd)]
-        self._open_group(it, strategies, cost, [0.0] * len(stash) if replayed else stash, tr)  # (the op's own
-        self.place[it] = place                                                 # saved blocks: forward memory)
+        self._open_group(it, strategies, cost, mem, tr)
+        self.place[it] = place
         self.timers[it.group] = timer
         if it in self.facts.head:
             self.groups[it.group].head_mem += self._weight_grad_bytes(it, strategies)
@@ -284,6 +295,29 @@ class Builder:
             self.groups[it.group].bwd_transient = list(tr)
             if replayed:
                 self.groups[it.group].bwd_mem += np.asarray(stash, dtype=float)
+
+    def _selective_kept(self, node, strategies, fwd) -> tuple[list[float], list[float]]:
+        """Per strategy, (replayed forward seconds, bytes kept from forward to backward) of an
+        op inside a layer, whose output backward keeps anyway (``GraphFacts.saved_uses``),
+        under selective recomputation: a strategy that runs it as a plain matmul or fused
+        attention (``kept_when_selective``) keeps its local output (the checkpoint's cache,
+        the bytes a plan without recomputation keeps of it) and is not replayed; any other is
+        replayed and keeps nothing. (A matmul whose output no op saves, such as a row-parallel
+        linear's partial sum, is replayed: caching it would keep more than no recomputation.)"""
+        val = node.meta["val"]
+        nbytes = val.numel() * val.element_size()
+        kept = [kept_when_selective(node, s.kind) for s in strategies]
+        return ([0.0 if k else f for k, f in zip(kept, fwd)],
+                [self.memory.saved_bytes(nbytes, shard_factor(s.out, self.mesh)) if k else 0.0
+                 for k, s in zip(kept, strategies)])
+
+    def _selective_names(self, choice: list[int]) -> list[str]:
+        """The nodes whose outputs selective recomputation keeps under ``choice`` (in graph
+        order: ``passes.recompute`` keeps exactly these kernels' outputs)."""
+        f = self.facts
+        return [n.name for n, it in f.node_item.items()
+                if it.kind == "decision" and it in f.layer_items and it in f.saved_uses
+                and kept_when_selective(n, self.groups[it.group].strategies[choice[it.group]].kind)]
 
     def _weight_grad_bytes(self, it: Item, strategies) -> np.ndarray:
         """Per strategy, the gradients of the parameters the op reads, as its backward
@@ -866,7 +900,8 @@ class Builder:
                     dtype=meta.get("dtype", "fp32"), budget_bytes=meta.get("budget"), nodes=nodes,
                     modelled_step_time_s=sol.objective_ns / NS, peak_memory_bytes=float(sol.peak_bytes),
                     stats={**meta.get("stats", {}), **({"keep_gathered": sorted(self.hints.keep_gathered)} if self.hints.keep_gathered else {}),
-                           **({"recompute": "full"} if self.recompute else {})},
+                           **({"recompute": self.hints.recompute} if self.recompute else {}),
+                           **({"recompute_kept": self._selective_names(choice)} if self.selective else {})},
                     alternatives=self._alternatives(choice))
 
     def _node_fields(self, it: Item, c: int, edge_s: dict) -> tuple:

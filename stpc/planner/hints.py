@@ -26,6 +26,10 @@ class HintUnsatisfiable(ValueError):
     """A hint leaves some node without a strategy on this mesh."""
 
 
+# (None: the search decides; ``Hints.recompute``)
+RECOMPUTE_LEVELS = (None, "none", "selective", "full")
+
+
 @dataclass
 class Hints:
     """Constraints on the search.
@@ -56,9 +60,12 @@ class Hints:
 
     ``recompute``: activation recomputation of the repeated layers (``passes.recompute``:
     each layer's forward replayed in backward, keeping only its inputs). ``"full"``:
-    always; ``"none"``: never; None: the search decides, trying it wherever the plan
-    without it does not fit the budget at its memory-blind optimum (with it every plan is
-    slower, so it can only win where the budget binds). A recomputed layer's weights are
+    always; ``"selective"``: always, but each layer's plain matmuls and fused attentions
+    keep their outputs and are not replayed (``analysis.kept_when_selective``; the norms,
+    activations and communication between them are); ``"none"``: never; None: the search
+    decides, trying selective and then full wherever the plan without it does not fit the
+    budget at its memory-blind optimum (with it every plan is slower, so it can only win
+    where the budget binds). A recomputed layer's weights are
     gathered again by its replay whatever ``keep_gathered`` says (it still holds outside the layers).
     """
 
@@ -71,6 +78,11 @@ class Hints:
     keep_gathered: tuple[int, ...] = ()
     sequence_parallel: int | None = None
     recompute: str | None = None
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE_LEVELS:
+            raise ValueError(f"Hints(recompute={self.recompute!r}): one of "
+                             f"{', '.join(map(repr, RECOMPUTE_LEVELS))}")
 
 
 COLUMN = r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj|lm_head)$"

@@ -19,8 +19,10 @@ chosen.
 
 Activation recomputation (``Hints.recompute``) makes every assignment slower, so a point
 whose memory-blind optimum fits the budget never gains from it: only a point where the
-budget binds (or that no assignment fits) is built a second time with its layers
-recomputed, a candidate of its own (``"recompute": "full"`` in its layout record).
+budget binds (or that no assignment fits) is built again with its layers recomputed,
+selectively (their matmuls' and fused attentions' outputs kept) and, where that does not
+fit either, in full: each a candidate of its own (``"recompute": "selective"`` or
+``"full"`` in its layout record).
 
 Two phases. First every candidate's problem is built, its smallest feasible memory
 checked against the budget, and its objective minimised without the memory rows
@@ -51,7 +53,7 @@ from stpc.frontend.trace import TracedGraph
 from stpc.planner import baselines
 from stpc.planner.analysis import analyse
 from stpc.planner.builder import NS, Builder, build_problem, make_plan
-from stpc.planner.hints import HintUnsatisfiable, Hints, preset
+from stpc.planner.hints import RECOMPUTE_LEVELS, HintUnsatisfiable, Hints, preset
 from stpc.planner.plan import Plan
 from stpc.planner.report import indivisible
 from stpc.planner.solver import (InfeasibleBudget, NoBetterPlan, Problem, eliminated, memory_blind_optimum,
@@ -167,11 +169,11 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
     ``dp`` constrains each mesh shape. None (stpc's own space) tries each shape with sharded
     weights regathered in backward and kept from forward (``baselines.own_points``); a
     ``Hints`` given is one point per shape, its own ``keep_gathered`` as it says. ``progress``: called with a :class:`SearchProgress`
-    as the search goes (module docstring). ``recompute``: ``"full"`` or ``"none"`` sets
+    as the search goes (module docstring). ``recompute``: ``"full"``, ``"selective"`` or ``"none"`` sets
     ``Hints.recompute`` on every point (a preset's too); None leaves each point's own (the
     presets' and stpc's own: recompute where the budget binds)."""
-    if recompute not in (None, "none", "full"):
-        raise ValueError(f"recompute={recompute!r}: one of None, 'none', 'full'")
+    if recompute not in RECOMPUTE_LEVELS:
+        raise ValueError(f"recompute={recompute!r}: one of {', '.join(map(repr, RECOMPUTE_LEVELS))}")
     with _no_gc():
         return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress, recompute)
 
@@ -294,11 +296,16 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             h = dataclasses.replace(h, temporal=False)  # (the caller's Hints stay as they were)
         if recompute is not None:
             h = dataclasses.replace(h, recompute=recompute)
-            layout = {**layout, "recompute": "full"} if recompute == "full" else layout
+            layout = {**layout, "recompute": recompute} if recompute != "none" else layout
         # Recomputing the layers makes every assignment slower: it can only win where the
-        # budget binds on the point without it (then it is a point of its own).
+        # budget binds on the point without it (then it is a point of its own). Selective
+        # recomputation is slower than none and faster than full for every assignment
+        # (it replays a subset of what full replays), and keeps more than full: full is
+        # tried only where selective's memory-blind optimum does not fit either.
         if not build(idx, s, h, layout) and h.recompute is None:
-            build(idx, s, dataclasses.replace(h, recompute="full"), {**layout, "recompute": "full"})
+            for level in ("selective", "full"):
+                if build(idx, s, dataclasses.replace(h, recompute=level), {**layout, "recompute": level}):
+                    break
     best = None  # (objective ns, shape index, plan): the fastest wins, ties (``_better``) to the smaller
     ordered = sorted(candidates, key=lambda c: (c.bound, c.index))
     rest = [c.bound if c.choice is not None else None for c in ordered]  # elimination's bounds (None: too wide)

@@ -544,8 +544,9 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
             f"  gradients      {_bytes(bd['grad_bytes']):>12}",
             f"  optimizer      {_bytes(bd['optimizer_bytes']):>12}  optimizer state (and fp32 master weights)",
             f"  activations    {_bytes(bd['activation_bytes']):>12}  kept for backward"
-            + (" (layers recomputed in backward: only their inputs and the head's)"
-               if plan.stats.get("recompute") else ""),
+            + {"full": " (layers recomputed in backward: only their inputs and the head's)",
+               "selective": " (layers recomputed in backward but for their matmuls and fused attentions: "
+                            "their inputs, those outputs and the head's)"}.get(plan.stats.get("recompute"), ""),
             f"  transient      {_bytes(bd['transient_bytes']):>12}  the largest working set of one op"]
         if "step_peak_bytes" not in bd:  # (a plan saved before the optimizer step's phase was modelled)
             lines.append("  the peak is at the end of forward, all of these alive at once: they add up to it")
