@@ -9,7 +9,7 @@ from stpc.cli.bench import BENCHES, machine_line, main_bench, write_section
 from stpc.cli.bench_kernel import main_kernel, ring_step_shapes, step_gemms
 from stpc.cli.bench_planner import large_target, main_planner, primepar_search_s
 from stpc.cli.bench_primepar import (best_fitting, compare, greatest_fitting_depth, inter_node_gbs, main_primepar,
-                                     parse_target, why, with_inter_node)
+                                     parse_target, recompute_line, why, with_inter_node)
 from stpc.cost_models import get_cluster
 
 TINY = ["--models", "llama2-7b", "--layers", "2", "--sizes", "4"]
@@ -84,7 +84,7 @@ def test_primepar_tiny(tmp_path, capsys):
                    "exposed comm s", "hidden comm s", "megatron layout", "fsdp-tp layout", "spatial layout",
                    "speedup vs best fitting baseline (modelled)", "memory stpc / best baseline", "machine:",
                    "Geo-mean speedup", "against the megatron baseline alone", "1.30x", "REFERENCES.md",
-                   "Sensitivity", "modelled"):
+                   "Sensitivity", "modelled", "Recomputation of the layers: stpc's plan"):
         assert column in text, column
     data = json.loads(out.read_text())
     assert len(data["cells"]) == 1 and len(data["sensitivity"]) == 2
@@ -94,6 +94,15 @@ def test_primepar_tiny(tmp_path, capsys):
     assert cell["best_baseline"] == min(fitting, key=fitting.get)
     assert cell["speedup"] == pytest.approx(fitting[cell["best_baseline"]] / cell["stpc"]["step_s"])
     assert {r["inter_node_gbs_per_node"] for r in data["sensitivity"]} == {12.5, 100.0}
+
+
+def test_recompute_line_names_each_level_per_plan():
+    cells = [{"model": m, "devices": n, "stpc": {"fits": True, "recompute": r},
+              "baselines": {"megatron": {"fits": fits, "recompute": "full"}}}
+             for m, n, r, fits in (("a", 4, "selective", True), ("b", 8, "full", False), ("c", 8, "none", True))]
+    (line, _) = recompute_line(cells, ["megatron"])
+    assert line == ("Recomputation of the layers: stpc's plan selective in 1 (a on 4); full in 1 (b on 8); none in "
+                    "the other cells. megatron: selective in 0; full in 2 (a on 4, c on 8).")
 
 
 def test_primepar_reduces_depth_when_no_baseline_fits(tmp_path):

@@ -162,7 +162,8 @@ def plan_record(plan, err, search_s: float) -> dict:
     return {"fits": True, "mesh": list(plan.mesh_shape), "families": plan.strategy_counts(),
             "layout": describe_layout(plan.stats.get("layout")), "step_s": plan.modelled_step_time_s,
             "peak_bytes": plan.peak_memory_bytes, "compute_s": split.get("compute_s"),
-            "exposed_s": split.get("exposed_s"), "hidden_s": split.get("hidden_s"), "search_s": search_s}
+            "exposed_s": split.get("exposed_s"), "hidden_s": split.get("hidden_s"), "search_s": search_s,
+            "recompute": plan.stats.get("recompute") or "none"}
 
 
 def best_fitting(baselines: dict[str, dict]) -> str | None:
@@ -353,6 +354,22 @@ def summary_lines(cells: list[dict], top: int) -> list[str]:
     return lines + [text + "."]
 
 
+def recompute_line(cells: list[dict], baselines) -> list[str]:
+    """Which cells' plans recompute their layers, and at which level (``Hints.recompute``:
+    the search tries selective, then full, where the plan without it does not fit)."""
+    def levels(rec_of) -> str:
+        by = {"selective": [], "full": []}
+        for c in cells:
+            rec = rec_of(c)
+            if rec and rec.get("fits") and rec.get("recompute", "none") in by:
+                by[rec["recompute"]].append(f"{c['model']} on {c['devices']}")
+        return "; ".join(f"{k} in {len(v)}" + (f" ({', '.join(v)})" if v else "") for k, v in by.items())
+    text = f"Recomputation of the layers: stpc's plan {levels(lambda c: c['stpc'])}; none in the other cells."
+    for b in baselines:
+        text += f" {b}: {levels(lambda c, b=b: c['baselines'].get(b))}."
+    return [text, ""]
+
+
 def states_line(cells: list[dict], top: int) -> list[str]:
     """Which models' unsharded model states alone exceed ``top`` devices' budgets (no layout
     fits them at full depth), computed from the parameter counts."""
@@ -387,6 +404,7 @@ def report(cfg: dict, cells: list[dict], sens: list[dict], machine: str, command
         lines += [f"### {target_label}, budget {_gib(mine[0]['budget_bytes'])} GiB per device", ""]
         lines += table_head(baselines) + [cell_row(c, baselines) for c in mine] + [""]
         lines += states_line(mine, top)
+        lines += recompute_line(mine, baselines)
         lines += summary_lines(mine, top) + [""]
     if sens:
         base = sens[0]["cluster"].split(",")[0]

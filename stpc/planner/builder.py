@@ -36,8 +36,9 @@ a layer's op whole and blocking), the end of forward keeps only what ops outside
 layers save and the layers' inputs (``GraphFacts.kept_saved``), and the last layer's
 backward holds what its replay saves again (``replay_saved``) and its ops' own blocks.
 Under ``"selective"`` the same, except that a layer's plain matmuls and fused attentions
-(``analysis.kept_when_selective``) keep their local outputs from forward to backward
-instead of running again (``Builder._selective_kept``).
+whose outputs backward keeps anyway (``analysis.kept_when_selective``) keep their local
+outputs from forward to backward instead of running again (``Builder._selective_kept``),
+and the last layer's replay saves no second copy of them (``_saved_memory``).
 
 Resharding is costed on the inputs of decision nodes: one solver edge per consumer,
 except where several consumers read one tensor (``GraphFacts.shared``): a
@@ -830,8 +831,14 @@ class Builder:
             place, nbytes = self.place[it], val.numel() * val.element_size()
             local = self._shared_result(("local", id(place), nbytes), lambda: np.array(
                 [self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)) for p in place]))
+            replayed = local
+            if self.selective and it in f.replay_saved and it.kind == "decision" and it in f.layer_items:
+                # an output selective recomputation keeps is held from forward (``_selective_kept``):
+                # the replay's savers read that copy, none of their own
+                replayed = local * np.array([not kept_when_selective(it.node, s.kind)
+                                             for s in self.groups[it.group].strategies])
             self.groups[it.group].mem += saved[it] * local
-            self.groups[it.group].bwd_mem += (f.replay_saved[it] if self.recompute else 0) * local - head[it] * local
+            self.groups[it.group].bwd_mem += (f.replay_saved[it] if self.recompute else 0) * replayed - head[it] * local
             self.groups[it.group].head_mem -= head[it] * local
 
     # ---------------------------------------------------------------- build
