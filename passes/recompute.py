@@ -25,17 +25,19 @@ neither coalesced nor issued a layer ahead (the cost model charges them so:
 ``planner.builder``).
 
 Under ``"selective"`` the checkpoint caches the outputs of the nodes the plan names
-(``plan.stats["recompute_kept"]``: the layers' plain matmuls and fused attentions whose
-outputs backward keeps anyway, ``planner.analysis.kept_when_selective``): kept from
-forward to backward, not computed again. The replay reruns everything else (norms,
-activations, the other matmuls, communication) to rebuild what the span's ops saved
+(``plan.stats["recompute_kept"]``: the layers' plain matmuls and attentions whose outputs
+backward keeps anyway, ``planner.analysis.kept_when_selective``): kept from forward to
+backward, not computed again. The replay reruns everything else (norms, activations, the
+other matmuls, communication) to rebuild what the span's ops saved
 (``torch.utils.checkpoint``'s selective checkpointing). Its policy names the kernels by
-their order: each node that can be kept runs one ``mm``/``addmm`` or fused-attention
-kernel, so the span's k-th such kernel is the k-th such node's; a span that runs another
-number of them fails (``SelectiveMismatch``: an attention that fell back to bmm + softmax
-runs none) rather than cache the wrong outputs. The order holds under ``torch.compile`` too,
-whose partitioner saves what the policy marks. A ring's custom op is replayed whole, its
-transfers too.
+their order: each matmul node runs one ``mm``/``addmm`` kernel, each attention at most one
+fused-attention kernel, so the span's k-th kernel of a class is its k-th node's of that
+class. A span that runs another number of matmul kernels, or more fused attentions than it
+has attentions, fails (``SelectiveMismatch``) rather than keep other outputs than the plan
+charged; an attention that runs as bmm + softmax (on CPU with a float mask or dropout: no
+fused kernel) is replayed, less memory and more time than the plan says. The order holds
+under ``torch.compile`` too, whose partitioner saves what the policy marks. A ring's
+custom op is replayed whole, its transfers too.
 
 Guarantees: the same values and gradients (the replay reruns the same ops on the same
 inputs); every rank runs the same spans and replays the same collectives in the same
@@ -58,47 +60,58 @@ from stpc.planner.analysis import kept_when_selective, layer_of
 
 
 aten = torch.ops.aten
-# the kernels a kept node's output comes from
-_KERNELS = {aten.mm.default, aten.addmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-            aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_cudnn_attention.default}
+_MATMULS = {aten.mm.default, aten.addmm.default}
+_FUSED_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default,
+                    aten._scaled_dot_product_flash_attention.default,
+                    aten._scaled_dot_product_efficient_attention.default,
+                    aten._scaled_dot_product_cudnn_attention.default}
+_KERNELS = _MATMULS | _FUSED_ATTENTION  # the kernels a kept node's output comes from
 
 
 class SelectiveMismatch(RuntimeError):
-    """A span ran another number of matmul/attention kernels than its plan lists."""
+    """A span ran another number of matmul kernels (or more fused attentions) than its plan lists."""
 
 
-def _selective_contexts(keep: tuple[bool, ...], layer: int, seen: dict | None = None):
-    """Selective checkpointing's contexts for one run of layer ``layer``'s span: the k-th
-    matmul or fused-attention kernel it runs (forward, and again in the replay) is cached if
-    ``keep[k]``, replayed otherwise; every other op is replayed. ``seen``: counts the
-    kernels per pass (``is_recompute`` False/True), for the caller's check."""
-    seen = {False: 0, True: 0} if seen is None else seen
+def _selective_contexts(keep: tuple[tuple[bool, ...], tuple[bool, ...]], layer: int, seen: dict | None = None):
+    """Selective checkpointing's contexts for one run of layer ``layer``'s span. ``keep``:
+    (per matmul node, per attention node) of the span, in order, whether its output is
+    cached. The k-th ``mm``/``addmm`` kernel the span runs (forward, and again in the
+    replay) is the k-th matmul node's, the k-th fused-attention kernel the k-th attention
+    node's; each is cached if its node is kept, replayed otherwise, as is every other op.
+    (SAC's cache pairs forward and replay calls by their order itself: the numbering here
+    decides which outputs are kept, never which value a replayed call gets.) ``seen``: the
+    kernels counted per class and pass, for the caller's check."""
+    seen = {} if seen is None else seen
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func not in _KERNELS:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        k = seen[ctx.is_recompute]
-        seen[ctx.is_recompute] = k + 1
-        if k >= len(keep):
-            raise SelectiveMismatch(_mismatch(layer, len(keep), f"more than {len(keep)}"))
-        return CheckpointPolicy.MUST_SAVE if keep[k] else CheckpointPolicy.PREFER_RECOMPUTE
+        cls = 0 if func in _MATMULS else 1
+        k = seen.get((cls, ctx.is_recompute), 0)
+        seen[cls, ctx.is_recompute] = k + 1
+        if k >= len(keep[cls]):
+            raise SelectiveMismatch(_mismatch(layer, keep, f"more than {len(keep[cls])} {_CLASS[cls]}"))
+        return CheckpointPolicy.MUST_SAVE if keep[cls][k] else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 
 
-def _mismatch(layer: int, listed: int, ran) -> str:
-    return (f"stpc: selective recomputation of layer {layer}: its span ran {ran} matmul/attention kernels, "
-            f"its plan lists {listed} (one per linear, matmul and maskless attention: an attention that "
-            f"fell back to bmm + softmax runs none). Fix: Hints(recompute='full'), or report the model")
+_CLASS = ("matmul kernels", "fused attentions")
+
+
+def _mismatch(layer: int, keep, ran: str) -> str:
+    return (f"stpc: selective recomputation of layer {layer}: its span ran {ran}, its plan lists "
+            f"{len(keep[0])} {_CLASS[0]} and at most {len(keep[1])} {_CLASS[1]} (one per linear or 2-D "
+            f"matmul, one per attention). Fix: Hints(recompute='full'), or report the model")
 
 
 class Recompute(nn.Module):
     """One layer's span: run under non-reentrant checkpointing where autograd records.
-    ``keep`` (selective recomputation): per matmul or fused-attention kernel the span runs,
+    ``keep`` (selective recomputation): per matmul node and per attention node of the span,
     in order, whether its output is cached rather than replayed (None: full)."""
 
-    def __init__(self, body: fx.GraphModule, layer: int, keep: tuple[bool, ...] | None = None):
+    def __init__(self, body: fx.GraphModule, layer: int,
+                 keep: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None):
         super().__init__()
         self.body, self.layer, self.keep = body, layer, keep
 
@@ -112,12 +125,13 @@ class Recompute(nn.Module):
         if torch.compiler.is_compiling():  # traced whole: AOTAutograd replays the span in the backward graph
             kw = {"context_fn": functools.partial(_selective_contexts, self.keep, self.layer)} if self.selective else {}
             return checkpoint(self.body, *args, use_reentrant=False, **kw)
-        seen = {False: 0, True: 0}
+        seen = {}
         kw = {"context_fn": functools.partial(_selective_contexts, self.keep, self.layer, seen)} if self.selective else {}
         with set_checkpoint_early_stop(False):  # replay every collective of the span
             out = checkpoint(self.body, *args, use_reentrant=False, **kw)
-        if self.selective and seen[False] != len(self.keep):
-            raise SelectiveMismatch(_mismatch(self.layer, len(self.keep), seen[False]))
+        # (an attention may run no fused kernel: bmm + softmax, replayed; a matmul node runs one)
+        if self.selective and seen.get((0, False), 0) != len(self.keep[0]):
+            raise SelectiveMismatch(_mismatch(self.layer, self.keep, f"{seen.get((0, False), 0)} {_CLASS[0]}"))
         return out
 
 
@@ -138,8 +152,14 @@ def _outline(gm: fx.GraphModule, region: list[fx.Node], layer: int, kept: set[st
     inside = set(region)
     inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
     outputs = [n for n in region if any(u not in inside for u in n.users)]
-    # (a node runs one such kernel where the planner could keep its output: ``kept_when_selective``)
-    keep = None if kept is None else tuple(n.name in kept for n in region if kept_when_selective(n))
+    # (the nodes whose outputs the planner could keep, ``kept_when_selective``: each matmul node
+    # runs one mm/addmm kernel, each attention at most one fused kernel)
+    keep = None
+    if kept is not None:
+        can = [n for n in region if kept_when_selective(n)]
+        attention = aten.scaled_dot_product_attention.default
+        keep = (tuple(n.name in kept for n in can if n.target is not attention),
+                tuple(n.name in kept for n in can if n.target is attention))
     body = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for a in inputs:

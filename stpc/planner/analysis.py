@@ -53,20 +53,21 @@ def layer_of(node: fx.Node) -> int | None:
 
 
 # Selective recomputation (``Hints.recompute == "selective"``, ``passes.recompute``) keeps the
-# outputs of the ops below whose kernel is a matmul or a fused attention, and replays the rest
-# of a layer (norms, activations, attention without a fused kernel, communication).
-_SELECTIVE_KEPT = {aten.linear.default, aten.mm.default, aten.addmm.default}
+# outputs of the ops below, whose kernel is a matmul or a fused attention, and replays the
+# rest of a layer (norms, activations, communication).
+_SELECTIVE_KEPT = {aten.linear.default, aten.mm.default, aten.addmm.default,
+                   aten.scaled_dot_product_attention.default}
 # strategy kinds that run the op as a plain aten call (the others are ring custom ops: replayed)
 _PLAIN_KINDS = ("spatial", "replicate-fallback")
 
 
 def kept_when_selective(node: fx.Node, kind: str = "spatial") -> bool:
-    """Whether selective recomputation keeps ``node``'s output instead of replaying it: a
-    linear or matmul that runs as one ``mm``/``addmm`` (a 2-D right operand), and a scaled
-    dot-product attention without a mask or dropout (the cases with a fused kernel on CPU
-    and CUDA; with a mask it runs as bmm + softmax on CPU), run as the plain op (``kind``:
-    its strategy's; a ring's custom op is replayed). ``passes.recompute``'s policy keeps
-    the same kernels' outputs at run time."""
+    """Whether selective recomputation can keep ``node``'s output instead of replaying it:
+    a linear or matmul that runs as one ``mm``/``addmm`` kernel (a 2-D right operand), or a
+    scaled dot-product attention (its fused kernel, as CUDA and CPU run it without a mask;
+    one that runs as bmm + softmax, on CPU with a float mask or dropout, is replayed: a
+    named simplification), run as the plain op (``kind``: its strategy's; a ring's custom
+    op is replayed). ``passes.recompute``'s policy keeps the same kernels' outputs."""
     if kind not in _PLAIN_KINDS:
         return False
     if node.target in _SELECTIVE_KEPT:
@@ -74,9 +75,6 @@ def kept_when_selective(node: fx.Node, kind: str = "spatial") -> bool:
     ops = tensor_operands(node)
     if node.target is aten.matmul.default:
         return len(ops) == 2 and ops[0].meta["val"].dim() >= 2 and ops[1].meta["val"].dim() == 2
-    if node.target is aten.scaled_dot_product_attention.default:
-        kw = dict(zip(("attn_mask", "dropout_p"), node.args[3:5])) | node.kwargs
-        return kw.get("attn_mask") is None and not kw.get("dropout_p")
     return False
 
 
