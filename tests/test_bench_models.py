@@ -7,9 +7,9 @@ import torch
 
 from stpc.cli.bench import BENCHES, machine_line, main_bench, write_section
 from stpc.cli.bench_kernel import main_kernel, ring_step_shapes, step_gemms
-from stpc.cli.bench_planner import large_target, main_planner, primepar_search_s
+from stpc.cli.bench_planner import large_target, main_planner, primepar_search_s, row
 from stpc.cli.bench_primepar import (best_fitting, compare, greatest_fitting_depth, inter_node_gbs, main_primepar,
-                                     parse_target, recompute_line, why, with_inter_node)
+                                     parse_target, recompute_line, unproven_line, why, with_inter_node)
 from stpc.cost_models import get_cluster
 
 TINY = ["--models", "llama2-7b", "--layers", "2", "--sizes", "4"]
@@ -105,6 +105,19 @@ def test_recompute_line_names_each_level_per_plan():
                     "the other cells. megatron: selective in 0; full in 2 (a on 4, c on 8).")
 
 
+def test_unproven_line_names_each_plan_not_proven_optimal():
+    proven = {"fits": True, "optimal": True, "unresolved": []}
+    cells = [{"model": "a", "devices": 4, "stpc": proven, "baselines": {"megatron": proven}}]
+    assert unproven_line(cells, ["megatron"]) == []
+    cells.append({"model": "b", "devices": 8,
+                  "stpc": {"fits": True, "optimal": False, "unresolved": ["mesh 4x2", "mesh 2x2x2"]},
+                  "baselines": {"megatron": {"fits": True, "optimal": False, "unresolved": []},
+                                "fsdp-tp": {"fits": False}}})
+    (line, _) = unproven_line(cells, ["megatron", "fsdp-tp"])
+    assert line.endswith(": stpc on b at 8 (CP-SAT ran out of time on mesh 4x2, mesh 2x2x2); megatron on b at 8 "
+                         "(its own CP-SAT solve stopped at the time limit).")
+
+
 def test_primepar_reduces_depth_when_no_baseline_fits(tmp_path):
     out = tmp_path / "pp.json"
     # 4 layers of llama2-7b on 4 devices need more than 5 GiB per device under every baseline; 2 fit
@@ -127,6 +140,15 @@ def test_planner_tiny(tmp_path, capsys):
     c = cells[0]
     assert c["reference_s"] == primepar_search_s("llama2-7b", 4)
     assert len(c["budgeted"]["searches_s"]) == 2 and c["total_s"] == pytest.approx(c["trace_s"] + c["first_search_s"])
+
+
+def test_planner_row_says_when_a_plan_is_not_proven_optimal():
+    r = {"model": "m", "devices": 8, "cluster": "c", "dtype": "fp16", "layers": 2, "trace_s": 1.0,
+         "trace_cached": False, "first_search_s": 2.0, "search_s": 2.0, "total_s": 3.0, "reference_s": None,
+         "budget_bytes": 2**30, "budgeted": {"fits": True, "mesh": [4, 2], "peak_bytes": 2**30, "optimal": True}}
+    assert "not proven optimal" not in row(r)
+    r["budgeted"]["optimal"] = False
+    assert row(r).endswith("planned: mesh 4x2, peak 1.0 GiB, not proven optimal (CP-SAT time limit) |")
 
 
 def test_large_target_grows_a_cluster_too_small():

@@ -20,6 +20,7 @@ def test_plan_cli_json(tmp_path):
     assert d["trace_time_s"] > d["analysis_time_s"] > 0
     assert d["total_time_s"] >= d["trace_time_s"] + d["search_time_s"]
     assert sum(d["strategy_counts"].values()) > 0 and len(d["plan_hash"]) == 64
+    assert d["optimal"] is True and d["unresolved"] == [] and "not proven optimal" not in r.stdout
     from stpc.planner import Plan
     assert Plan.load(str(tmp_path / "p.plan.json")).hash() == d["plan_hash"]
     assert "modelled step" in (tmp_path / "p.txt").read_text()

@@ -18,7 +18,9 @@ from stpc.planner import Hints, InfeasibleBudget, Plan, mesh_shapes, plan_graph
 from stpc.planner.hints import data_parallel, megatron
 from stpc.planner.analysis import after_last_layer, analyse, layer_of, layer_param_bytes, saved_savers
 from stpc.planner.costs import NodeTimer
+from stpc.planner.baselines import describe_layout
 from stpc.planner.search import TIE_TOLERANCE, _better, search
+from stpc.planner.solver import SolverTimeout
 from stpc.planner.summary import breakdown
 from stpc.planner.strategies import SAVES_INPUTS, SAVES_OUTPUT, enumerate_strategies, tensor_operands
 
@@ -793,6 +795,45 @@ def test_search_falls_back_to_cpsat_when_too_wide(monkeypatch):
     assert round(got.modelled_step_time_s * 1e9) == round(want.modelled_step_time_s * 1e9)
     methods = {t.get("method") for t in got.stats["mesh_shapes_tried"] if not t.get("pruned")}
     assert methods == {"cpsat"}
+
+
+def test_a_cpsat_time_out_on_one_candidate_keeps_the_others_plan(monkeypatch):
+    """CP-SAT running out of time on one budget-bound candidate (status UNKNOWN: no solution
+    under its cap, none proven absent) leaves the search's other plans standing: the best
+    of them is returned, marked not proven optimal, with the unresolved candidate named.
+    A search that times out on every candidate that could have given a plan fails, naming
+    them and the fix."""
+    search_module = sys.modules["stpc.planner.search"]
+    tg = _meta_trace("gpt-tiny", batch=16, seq=64)
+    free = search(tg, 4, "primepar-v100")
+    assert free.stats["optimal"] and free.stats["unresolved"] == []
+    budget = free.peak_memory_bytes * 0.8  # binds on every candidate: each goes to CP-SAT
+    whole = search(tg, 4, "primepar-v100", budget_bytes=budget)
+    assert whole.stats["optimal"] and whole.stats["unresolved"] == []
+    real_solve, calls = search_module.solve, []
+
+    def first_times_out(problem, **kw):
+        calls.append(problem)
+        if len(calls) == 1:
+            raise SolverTimeout("UNKNOWN", 120.0)
+        return real_solve(problem, **kw)
+
+    monkeypatch.setattr(search_module, "solve", first_times_out)
+    got = search(tg, 4, "primepar-v100", budget_bytes=budget)
+    assert len(calls) >= 2
+    out = [t for t in got.stats["mesh_shapes_tried"] if t.get("unresolved")]
+    assert len(out) == 1 and "UNKNOWN" in out[0]["unresolved"]
+    assert got.stats["unresolved"] == [describe_layout(out[0]["layout"])]
+    assert not got.stats["optimal"]
+    assert got.peak_memory_bytes <= budget
+    assert got.modelled_step_time_s >= whole.modelled_step_time_s * (1 - TIE_TOLERANCE)
+
+    def always_times_out(problem, **kw):
+        raise SolverTimeout("UNKNOWN", 120.0)
+
+    monkeypatch.setattr(search_module, "solve", always_times_out)  # (no recomputation: no point fits unsolved)
+    with pytest.raises(SolverTimeout, match=r"within 120.0s on mesh .*no other candidate gave a plan. Fix: "):
+        search(tg, 4, "primepar-v100", budget_bytes=budget, recompute="none")
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "gpt-50m"])

@@ -58,7 +58,8 @@ def time_searches(tg, n: int, target, budget: float | None, repeat: int) -> dict
         times.append(time.perf_counter() - t0)
     rec = {"first_s": times[0], "median_s": statistics.median(times), "searches_s": times, "fits": plan is not None}
     if plan is not None:
-        rec.update(mesh=list(plan.mesh_shape), step_s=plan.modelled_step_time_s, peak_bytes=plan.peak_memory_bytes)
+        rec.update(mesh=list(plan.mesh_shape), step_s=plan.modelled_step_time_s, peak_bytes=plan.peak_memory_bytes,
+                   optimal=plan.stats.get("optimal", True))
     else:
         rec["min_budget_bytes"] = float(err.min_budget)
     return rec
@@ -107,6 +108,8 @@ def row(r: dict, within: bool | None = None) -> str:
     b = r["budgeted"]
     if b["fits"]:
         outcome = f"planned: mesh {'x'.join(map(str, b['mesh']))}, peak {b['peak_bytes'] / GIB:.1f} GiB"
+        if b.get("optimal") is False:  # (CP-SAT's wall-clock limit ran out on a candidate: the time includes it)
+            outcome += ", not proven optimal (CP-SAT time limit)"
     else:
         u = r["unbudgeted"]
         outcome = (f"infeasible under {r['budget_bytes'] / GIB:.1f} GiB (needs {b['min_budget_bytes'] / GIB:.0f} GiB; "

@@ -163,7 +163,8 @@ def plan_record(plan, err, search_s: float) -> dict:
             "layout": describe_layout(plan.stats.get("layout")), "step_s": plan.modelled_step_time_s,
             "peak_bytes": plan.peak_memory_bytes, "compute_s": split.get("compute_s"),
             "exposed_s": split.get("exposed_s"), "hidden_s": split.get("hidden_s"), "search_s": search_s,
-            "recompute": plan.stats.get("recompute") or "none"}
+            "recompute": plan.stats.get("recompute") or "none",
+            "optimal": plan.stats.get("optimal", True), "unresolved": plan.stats.get("unresolved", [])}
 
 
 def best_fitting(baselines: dict[str, dict]) -> str | None:
@@ -370,6 +371,23 @@ def recompute_line(cells: list[dict], baselines) -> list[str]:
     return [text, ""]
 
 
+def unproven_line(cells: list[dict], baselines) -> list[str]:
+    """The plans not proven optimal in their space (CP-SAT stopped at its time limit on a
+    candidate, or on the chosen one with a solution in hand): a speedup against or of such a
+    plan is a bound in one direction only. Nothing when every plan was proven."""
+    out = []
+    for c in cells:
+        for who, rec in [("stpc", c["stpc"])] + [(b, c["baselines"].get(b)) for b in baselines]:
+            if rec and rec.get("fits") and rec.get("optimal") is False:
+                why = (f"CP-SAT ran out of time on {', '.join(rec['unresolved'])}" if rec.get("unresolved")
+                       else "its own CP-SAT solve stopped at the time limit")
+                out.append(f"{who} on {c['model']} at {c['devices']} ({why})")
+    if not out:
+        return []
+    return ["Not proven optimal (the search's wall-clock limit of CP-SAT, 120 s a candidate, ran out): "
+            + "; ".join(out) + ".", ""]
+
+
 def states_line(cells: list[dict], top: int) -> list[str]:
     """Which models' unsharded model states alone exceed ``top`` devices' budgets (no layout
     fits them at full depth), computed from the parameter counts."""
@@ -405,6 +423,7 @@ def report(cfg: dict, cells: list[dict], sens: list[dict], machine: str, command
         lines += table_head(baselines) + [cell_row(c, baselines) for c in mine] + [""]
         lines += states_line(mine, top)
         lines += recompute_line(mine, baselines)
+        lines += unproven_line(mine, baselines)
         lines += summary_lines(mine, top) + [""]
     if sens:
         base = sens[0]["cluster"].split(",")[0]

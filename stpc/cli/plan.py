@@ -87,7 +87,8 @@ def summary(plan) -> dict:
             "num_nodes": s["num_nodes"], "num_groups": s["num_groups"], "num_variables": s["num_variables"],
             "strategy_counts": plan.strategy_counts(), "fallback_ops": s["fallback_ops"],
             "mesh_shapes_tried": s["mesh_shapes_tried"], "batch": s.get("batch"), "seq": s.get("seq"),
-            "hints": s.get("hints"), "layout": s.get("layout")}
+            "hints": s.get("hints"), "layout": s.get("layout"), "optimal": s.get("optimal"),
+            "unresolved": s.get("unresolved", [])}
 
 
 
@@ -136,6 +137,10 @@ def main_plan(argv: list[str]) -> int:
         f"GiB/device  search {s['search_time_s']:.3f} s  total {s['total_time_s']:.2f} s  "
         f"nodes {s['num_nodes']}  variables {s['num_variables']}")
     say(f"layout: {describe_layout(s['layout'])}" + (f"  (hints {s['hints']})" if s["hints"] else ""))
+    if s["optimal"] is False:
+        say("not proven optimal: " + (f"CP-SAT ran out of time on {', '.join(s['unresolved'])} (a better plan may "
+                                      "lie there; rerun on an idle machine)" if s["unresolved"] else
+                                      "the chosen layout's CP-SAT solve stopped at its time limit with a solution"))
     if s["fallback_ops"]:
         say("replicated (no sharding rule): " + ", ".join(f"{k} x{v}" for k, v in s["fallback_ops"].items()))
     if a.brief or a.quiet:

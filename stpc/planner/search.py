@@ -56,8 +56,8 @@ from stpc.planner.builder import NS, Builder, build_problem, make_plan
 from stpc.planner.hints import RECOMPUTE_LEVELS, HintUnsatisfiable, Hints, preset
 from stpc.planner.plan import Plan
 from stpc.planner.report import indivisible
-from stpc.planner.solver import (InfeasibleBudget, NoBetterPlan, Problem, eliminated, memory_blind_optimum,
-                                 min_memory, min_memory_bound, solve)
+from stpc.planner.solver import (InfeasibleBudget, NoBetterPlan, Problem, SolverTimeout, eliminated,
+                                 memory_blind_optimum, min_memory, min_memory_bound, solve)
 
 
 def mesh_shapes(n: int, max_axes: int = 3, cluster=None) -> list[tuple[int, ...]]:
@@ -265,7 +265,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
     shape, n = parse_mesh(mesh)
     facts = analyse(tg)  # (done by ``stpc.trace``: mesh-independent)
-    tried, infeasible, candidates = [], [], []
+    tried, infeasible, candidates, unresolved = [], [], [], []
     points = _candidates(hints, shape, n, cl)
     report = _Reporter(progress, t0, len(points))
 
@@ -334,6 +334,16 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
                 tried.append({**entry, "modelled_step_time_s": None, "infeasible": True,
                               "min_budget_bytes": e.min_budget, "solve_time_s": time.perf_counter() - t_solve})
                 continue
+            except SolverTimeout as e:
+                # CP-SAT ran out of time without a solution under the cap: this candidate may
+                # hold a better plan, unproven either way. One such candidate must not throw
+                # away the plans in hand (under CPU contention the wall-clock limit buys
+                # CP-SAT less work): it is recorded, the plan returned says it is not proven
+                # optimal, and only a search that found no plan at all fails on it.
+                unresolved.append((c, e))
+                tried.append({**entry, "modelled_step_time_s": None, "unresolved": str(e),
+                              "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
+                continue
             sol.solve_time_s += c.bound_s
         plan = make_plan(c.builder, c.problem, sol, c.build_s, dtype)
         tried.append({**entry, "modelled_step_time_s": plan.modelled_step_time_s, "pruned": False,
@@ -342,6 +352,11 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         plan.stats["layout"] = c.layout
         if best is None or _better((sol.objective_ns, c.index, plan), best):
             best = (sol.objective_ns, c.index, plan)
+    if best is None and unresolved:
+        e = unresolved[0][1]
+        raise SolverTimeout(e.status, e.time_limit_s, (
+            f" on {', '.join(_name(c.layout) for c, _ in unresolved)}, and no other candidate gave a plan. "
+            "Fix: rerun on an idle machine (the limit is wall-clock), or with a larger memory budget"))
     if best is None and infeasible:
         raise InfeasibleBudget(int(budget_bytes), min(infeasible))
     if best is None:
@@ -353,4 +368,8 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     plan.stats["search_time_s"] = time.perf_counter() - t0
     plan.stats["mesh_shapes_tried"] = tried
     plan.stats["solve_time_s"] = sum(t["solve_time_s"] for t in tried)
+    # Proven optimal over the searched space: every candidate solved or pruned by a proof,
+    # and the chosen one solved to optimality (not a time-limited FEASIBLE).
+    plan.stats["unresolved"] = [_name(c.layout) for c, _ in unresolved]
+    plan.stats["optimal"] = not unresolved and plan.stats.get("status") == "OPTIMAL"
     return plan

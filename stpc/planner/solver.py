@@ -194,6 +194,15 @@ class NoBetterPlan(Exception):
     """No solution reaches the problem's objective cap (another mesh shape is better)."""
 
 
+class SolverTimeout(RuntimeError):
+    """CP-SAT found no solution within its time limit (status UNKNOWN): it proved neither
+    that a solution under the problem's cap exists nor that none does."""
+
+    def __init__(self, status: str, time_limit_s: float, where: str = ""):
+        self.status, self.time_limit_s = status, time_limit_s
+        super().__init__(f"CP-SAT returned {status} within {time_limit_s}s{where}")
+
+
 class InfeasibleBudget(ValueError):
     """No assignment fits the memory budget; ``min_budget`` is the smallest that does."""
 
@@ -478,7 +487,7 @@ def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: s
             raise NoBetterPlan()
         raise InfeasibleBudget(p.budget, min_memory(full))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise RuntimeError(f"CP-SAT returned {solver.StatusName(status)} within {time_limit_s}s")
+        raise SolverTimeout(solver.StatusName(status), time_limit_s)
     choice = [0 if xs is None else next(c for c, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x]
     if prune:
         choice = [keep[g][c] for g, c in enumerate(choice)]
