@@ -23,8 +23,10 @@ model's values under the plan's placements:
     its rows and divides by the all-reduced count of targets that count (the
     ignored ones need not fall evenly), a scalar added to a Partial tensor is
     divided by n;
-  * a LayerNorm the plan keeps in a grid block layout becomes
-    ``runtime.grid_layer_norm`` (its statistics exchanged along the grid row);
+  * a LayerNorm or RMSNorm the plan keeps in a grid block layout becomes
+    ``runtime.grid_layer_norm`` / ``runtime.grid_rms_norm`` (its statistics exchanged
+    along the grid row), and an elementwise op's whole 1-D operand beside a grid block
+    (RMSNorm's weight) its grid column's slice (``runtime.grid_column``);
   * temporal (spatial-temporal) linears are emitted as their *spatial
     equivalent*, a collective next to an ordinary matmul, each tagged
     ``meta["ring"]`` so ``ring_decompose`` can fuse it into the P2P ring:
@@ -48,7 +50,7 @@ import numbers
 import torch
 import torch.fx as fx
 
-from ._common import carry_taps, fail, fake_mode_of, finish, is_tensor_node, set_local
+from ._common import carry_taps, fail, fake, fake_mode_of, finish, is_tensor_node, set_local
 from stpc import runtime
 from stpc.placement import PARTIAL, REPLICATE, fmt, local_shape, parse
 from stpc.planner.strategies import Strategy, follow, tensor_operands
@@ -62,6 +64,7 @@ _FN = {
     "grad_all_reduce": runtime.grad_all_reduce, "grid_gather": runtime.grid_gather,
     "grid_slice": runtime.grid_slice, "grid_skew": runtime.grid_skew, "redistribute": runtime.redistribute,
 }
+_GRID_NORMS = (aten.layer_norm.default, aten.rms_norm.default)  # kept in a grid layout by a runtime op
 _SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 
 
@@ -344,9 +347,10 @@ class _Lowering:
             raise fail(node, f"{len(ops)} tensor operands but the plan lists {len(s.ins)}",
                        "re-plan: the plan was made for another graph")
         _replace_operands(node, [self.reshard(o, q, split, node) for o, q in zip(ops, s.ins)])
-        if node.target is aten.layer_norm.default and any(t[0] == "B" for t in out):
+        if node.target in _GRID_NORMS and any(t[0] == "B" for t in out):
             self.lower_grid_norm(node, out)
         elif np.kind in ("spatial", "replicate-fallback"):
+            self.grid_columns(node, s)
             self.local_args(node, out)
             set_local(node, out, self.mesh, self.mode, self.device)
             self.check(node)
@@ -497,20 +501,60 @@ class _Lowering:
             carry_taps(add, node)
 
     def lower_grid_norm(self, node: fx.Node, out) -> None:
-        """A LayerNorm kept in a grid block layout: ``runtime.grid_layer_norm`` normalises
-        this device's block, its statistics exchanged along the grid row (the weight and
-        bias arrive whole; the op reads its grid column's slice)."""
+        """A LayerNorm or RMSNorm kept in a grid block layout: ``runtime.grid_layer_norm`` /
+        ``grid_rms_norm`` normalises this device's block, its statistics exchanged along the
+        grid row (a LayerNorm's weight and bias arrive whole; the op reads its grid
+        column's slice)."""
         a = next(i for i, t in enumerate(out) if t[0] == "B")
+        rms = node.target is aten.rms_norm.default
+        what = "an RMSNorm" if rms else "a LayerNorm"
         x, shape, w, b, eps = (list(node.args) + [None, None, 1e-5][len(node.args) - 2:])[:5]
+        if rms:  # rms_norm(x, shape, weight, eps): no bias
+            x, shape, w, eps, b = (list(node.args) + [None, None][len(node.args) - 2:])[:4] + [None]
         if len(shape) != 1:
-            raise fail(node, "a grid layout through a LayerNorm over more than the last dim",
+            raise fail(node, f"a grid layout through {what} over more than the last dim",
                        "re-plan: the planner keeps a grid layout only through a norm of the last dim")
-        node.target = runtime.grid_layer_norm
-        node.args = (x, w, b, node.kwargs.get("eps", eps))
+        eps = node.kwargs.get("eps", eps)
+        if rms and (w is not None or eps is None):
+            raise fail(node, "a grid layout through an RMSNorm with its weight fused in, or with no eps",
+                       "re-plan: the planner plans RMSNorm as stpc.trace leaves it (its weight's mul a "
+                       "node of its own, eps given)")
+        name = "grid_rms_norm" if rms else "grid_layer_norm"
+        node.target = getattr(runtime, name)
+        node.args = (x, eps) if rms else (x, w, b, eps)
         node.kwargs = {"group": self.groups[a]}
-        node.meta["comm"] = {"op": "grid_layer_norm", "axis": a, "group": self.groups[a],
-                             "edge": (x.name, node.name)}
+        node.meta["comm"] = {"op": name, "axis": a, "group": self.groups[a], "edge": (x.name, node.name)}
         set_local(node, out, self.mesh, self.mode, self.device)
+
+    def grid_columns(self, node: fx.Node, s: Strategy) -> None:
+        """An elementwise op whose result keeps a grid block layout and one of whose operands
+        runs along the block's last dim only, whole on the grid's axis (RMSNorm's weight):
+        that operand becomes its grid column's slice (``runtime.grid_column``), what this
+        device's block broadcasts against."""
+        for a, tok in enumerate(s.out):
+            if tok[0] != "B":
+                continue
+            j = parse(tok)[1][1]
+            full = node.meta["global_val"].shape[j]
+            q = math.isqrt(self.mesh[a])
+            ops = tensor_operands(node)
+            for k, (o, ins) in enumerate(zip(ops, s.ins)):
+                shape = o.meta["global_val"].shape
+                if ins[a] != REPLICATE or not shape or shape[-1] != full or full == 1:
+                    continue
+                lead = len(node.meta["global_val"].shape) - len(shape)  # (numpy broadcasting)
+                if j - 1 - lead >= 0 and shape[j - 1 - lead] != 1:
+                    raise fail(node, f"operand {o.name} whole on axis {a} beside a grid block, with the "
+                               "block's row dim too", "re-plan: the plan does not belong to this graph")
+                with self.graph.inserting_before(node):
+                    col = self.graph.call_function(runtime.grid_column, (o,), {"group": self.groups[a]})
+                col.meta.update(global_val=o.meta["global_val"], placement=self.placement(o),
+                                val=fake(self.mode, tuple(o.meta["val"].shape[:-1]) + (o.meta["val"].shape[-1] // q,),
+                                         o.meta["val"].dtype, self.device),
+                                source=node.meta.get("source", ""))
+                if o in self.needs_grad:
+                    self.needs_grad.add(col)
+                node.replace_input_with(o, col)
 
     def lower_output(self, node: fx.Node) -> None:
         def target(p):

@@ -146,7 +146,7 @@ def family_hints(family: str):
         return Hints(force=[(r"^linear", lambda s, k=family: s.kind == k)], name=family)
     if family == "p2x2-grid":  # a whole layer in grid layout: every linear P2x2, every norm kept in B
         return Hints(force=[(r"^linear", lambda s: s.kind == "p2x2"),
-                            (r"^layer_norm", lambda s: any(t[0] == "B" for t in s.out))], name=family)
+                            (r"^(layer_norm|rms_norm)", lambda s: any(t[0] == "B" for t in s.out))], name=family)
     if family == "ag_rs":  # the classic pairing: column projections AG-ring, row projections RS-ring
         return Hints(force=[(r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj)$", lambda s: s.kind == "ag_ring"),
                             (r"(o_proj|fc2|down_proj)$", lambda s: s.kind == "rs_ring")], name="ag_rs")

@@ -83,9 +83,19 @@ def test_the_grid_norm_is_charged_its_two_statistics_exchanges():
     assert timer.forward(by_out[("B1.2",)]) == pytest.approx(timer.forward(by_out[("S1",)]) + stats)
 
 
-def _grid_program():
-    tg, plan = traced_and_plan("gpt-tiny", "4", "p2x2-grid", bias=False)
+def _grid_program(model="gpt-tiny"):
+    tg, plan = traced_and_plan(model, "4", "p2x2-grid", **({"bias": False} if model == "gpt-tiny" else {}))
     return plan, run_passes(tg.gm, plan)
+
+
+def _activation_comm(gm, first: int, last: int):
+    """(op, source) of the communication between the ``first``-th and the ``last``-th P(2x2)
+    linear of the program, the parameters' (p_*) left out."""
+    pp = [n for n in gm.graph.nodes if n.target is torch.ops.stpc.primepar_linear.default]
+    nodes = list(gm.graph.nodes)
+    span = nodes[nodes.index(pp[first]) + 1:nodes.index(pp[last])]
+    comm = [(n.meta["comm"]["op"], n.meta["comm"].get("edge", (n.args[0].name,))[0]) for n in span if n.meta.get("comm")]
+    return [c for c in comm if not c[1].startswith("p_")], {op for op, src in comm if src.startswith("p_")}
 
 
 def test_a_layer_planned_in_grid_layout_keeps_it_from_o_proj_to_the_next_q_projection():
@@ -97,15 +107,51 @@ def test_a_layer_planned_in_grid_layout_keeps_it_from_o_proj_to_the_next_q_proje
     # After: between layer 0's o_proj and layer 1's q projection (residual add, ln2, fc1,
     # gelu, fc2, residual add, ln1) only P2P and the norms' statistics: no activation moves
     # through an all-gather, reduce-scatter, all-to-all or redistribution
-    pp = [n for n in gm.graph.nodes if n.target is torch.ops.stpc.primepar_linear.default]
-    nodes = list(gm.graph.nodes)
-    span = nodes[nodes.index(pp[3]) + 1:nodes.index(pp[6])]  # after o_proj (the 4th), to q (the 7th)
-    comm = [(n.meta["comm"]["op"], n.meta["comm"].get("edge", (n.args[0].name,))[0]) for n in span if n.meta.get("comm")]
-    moves_activation = [c for c in comm if not c[1].startswith("p_")]  # (p_*: a parameter's edge)
-    assert [op for op, _ in moves_activation] == ["grid_layer_norm", "grid_skew", "primepar_linear", "grid_skew",
-                                                  "primepar_linear", "grid_layer_norm", "grid_skew"], comm
-    assert {op for op, src in comm if src.startswith("p_")} == {"grad_all_reduce"}  # the norms' whole weights
+    moves, params = _activation_comm(gm, 3, 6)  # after o_proj (the 4th), to q (the 7th)
+    assert [op for op, _ in moves] == ["grid_layer_norm", "grid_skew", "primepar_linear", "grid_skew",
+                                       "primepar_linear", "grid_layer_norm", "grid_skew"], moves
+    assert params == {"grad_all_reduce"}  # the norms' whole weights
     assert sum(n.target is runtime.grid_layer_norm for n in gm.graph.nodes) == 5
+
+
+def test_an_rms_norm_and_its_weight_keep_the_grid_layout():
+    """Llama's RMSNorm, as ``stpc.trace`` leaves it (``aten.rms_norm`` without its weight, then
+    the weight's ``mul``): the norm may keep the block layout as a LayerNorm does, and the
+    ``mul`` reads the whole weight (each device its grid column's slice)."""
+    tg, _ = traced_and_plan("llama-tiny", "4", "p2x2-grid")
+    norm = _norm_node(tg, "rms_norm_default")
+    assert norm.target is aten.rms_norm.default and norm.args[2] is None
+    assert (("B1.2",), (("B1.2",),)) in {(s.out, s.ins) for s in enumerate_strategies(norm, (4,))[0]}
+    (mul,) = norm.users
+    assert mul.target is aten.mul.Tensor and mul.args[1].op == "placeholder"
+    on4 = {s.out: s.ins for s in enumerate_strategies(mul, (4,))[0]}
+    assert on4[("B1.2",)] == (("B1.2",), ("R",))
+    # charged one value per row each way (the sum of squares; the sum of dy * xhat)
+    cm = CostModel(get_cluster("cpu-local"), (4,))
+    by_out = {s.out: s for s in enumerate_strategies(norm, (4,))[0]}
+    timer = NodeTimer(norm, cm, [True])
+    stats = cm.blocking(cm.all_gather(4 * (B * S // 2) * 1 * 4, 0))
+    assert timer(by_out[("B1.2",)]) == pytest.approx(timer(by_out[("S1",)]) + 2 * stats)
+
+
+def test_a_llama_layer_planned_in_grid_layout_keeps_it_through_its_rms_norms():
+    plan, gm = _grid_program("llama-tiny")
+    # Before: every residual add, norm, norm weight's mul and linear in the block layout
+    norms = {k for k in plan.nodes if k.startswith("rms_norm")}
+    weighted = {n.name for n in gm.graph.nodes if n.target is aten.mul.Tensor
+                and any(a.target is runtime.grid_column for a in n.args if isinstance(a, torch.fx.Node))}
+    assert len(norms) == len(weighted) == 5
+    assert all(plan.nodes[k].out == ["B1.2"] for k in norms | weighted)
+    assert all(n.out == ["B1.2"] for k, n in plan.nodes.items() if k.startswith("linear"))
+    residual = [k for k, n in plan.nodes.items() if k.startswith("add_") and n.out == ["B1.2"]]
+    assert len(residual) == 4  # two per layer (the others add RoPE's halves, before attention)
+    # After: from layer 0's o_proj (the 4th P2x2 linear) to layer 1's q (the 8th): the norms'
+    # statistics and P2P skews only (gate and up share theirs); the norms' weights sliced locally
+    moves, params = _activation_comm(gm, 3, 7)
+    assert [op for op, _ in moves] == ["grid_rms_norm", "grid_skew", "primepar_linear", "primepar_linear",
+                                       "grid_skew", "primepar_linear", "grid_rms_norm", "grid_skew"], moves
+    assert params == {"grad_all_reduce"}
+    assert sum(n.target is runtime.grid_rms_norm for n in gm.graph.nodes) == 5
 
 
 def test_every_rank_schedules_the_norms_statistics_exchanges_forward_and_backward():
@@ -144,31 +190,34 @@ def _grid_hints(dp_axis: int | None):
         return family_hints("p2x2-grid")
     dp = lambda s: s.out[dp_axis] == "S0"  # noqa: E731
     return Hints(force=[(r"^linear", lambda s: s.kind == "p2x2" and dp(s)),
-                        (r"^layer_norm", lambda s: any(t[0] == "B" for t in s.out) and dp(s)),
+                        (r"^(layer_norm|rms_norm)", lambda s: any(t[0] == "B" for t in s.out) and dp(s)),
                         (r"^scaled_dot_product_attention", dp)], name="p2x2-grid+dp")
 
 
-def _grid_case(mesh: str, world: int, dp_axis: int | None = None):
+def _grid_case(mesh: str, world: int, dp_axis: int | None = None, model: str = "gpt-tiny"):
     with torch.device("meta"):
-        m = models.build("gpt-tiny")  # (with biases: each P2x2 linear adds its grid column's slice)
-    tg = stpc.trace(m, models.example_inputs("gpt-tiny", B, S))
+        m = models.build(model)  # (gpt-tiny with biases: each P2x2 linear adds its grid column's slice)
+    tg = stpc.trace(m, models.example_inputs(model, B, S))
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_node=world)  # (cpu-local has 4)
     plan = search(tg, mesh, cluster=cluster, hints=_grid_hints(dp_axis))
-    norms = [n for k, n in plan.nodes.items() if k.startswith("layer_norm")]
+    norms = [n for k, n in plan.nodes.items() if k.startswith(("layer_norm", "rms_norm"))]
     assert norms and all(any(t[0] == "B" for t in n.out) for n in norms)
     if dp_axis is not None:
         assert all(n.out[dp_axis] == "S0" for n in norms)
-    return dict(id=f"gpt-tiny/p2x2-grid/{mesh}", model="gpt-tiny", overrides={},
+    return dict(id=f"{model}/p2x2-grid/{mesh}", model=model, overrides={},
                 plan=plan.to_json(), batch=B, seq=S, steps=20, opt="adamw")
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("mesh,world,dp_axis", [
-    pytest.param("4", 4, None, id="2x2-grid"),
-    pytest.param("2x4", 8, 0, id="dp2-x-2x2-grid"),
-    pytest.param("16", 16, None, id="4x4-grid", marks=pytest.mark.slow)])
-def test_a_layer_in_grid_layout_matches_single_device_for_twenty_adamw_steps(mesh, world, dp_axis):
-    cases = [_grid_case(mesh, world, dp_axis)]
+@pytest.mark.parametrize("model,mesh,world,dp_axis", [
+    pytest.param("gpt-tiny", "4", 4, None, id="gpt-2x2-grid"),
+    pytest.param("llama-tiny", "4", 4, None, id="llama-2x2-grid"),
+    pytest.param("gpt-tiny", "2x4", 8, 0, id="gpt-dp2-x-2x2-grid"),
+    pytest.param("llama-tiny", "2x4", 8, 0, id="llama-dp2-x-2x2-grid", marks=pytest.mark.slow),
+    pytest.param("gpt-tiny", "16", 16, None, id="gpt-4x4-grid", marks=pytest.mark.slow),
+    pytest.param("llama-tiny", "16", 16, None, id="llama-4x4-grid", marks=pytest.mark.slow)])
+def test_a_layer_in_grid_layout_matches_single_device_for_twenty_adamw_steps(model, mesh, world, dp_axis):
+    cases = [_grid_case(mesh, world, dp_axis, model)]
     _check(spawn(run_cases, world, cases, timeout_s=590), cases)
 
 

@@ -83,7 +83,7 @@ def node_flops(node: fx.Node) -> int:
 _NO_FLOPS = {getattr(torch.ops.aten, n) for n in (
     "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "mean", "sum", "cat", "clone", "copy",
     "embedding", "arange", "ones", "zeros", "full", "tril", "masked_fill", "where", "gelu", "relu",
-    "silu", "sigmoid", "tanh", "exp", "log", "cos", "sin", "layer_norm", "cross_entropy",
+    "silu", "sigmoid", "tanh", "exp", "log", "cos", "sin", "layer_norm", "rms_norm", "cross_entropy",
     "_to_copy", "to", "repeat_interleave", "contiguous", "lift_fresh_copy", "scalar_tensor",
     "log_softmax", "softmax", "_log_softmax", "_softmax", "nll_loss", "nll_loss_forward",
 ) if hasattr(torch.ops.aten, n)}
@@ -124,4 +124,12 @@ def annotate(gm: fx.GraphModule, param_fqns: dict[str, str], buffer_fqns: dict[s
         else:
             meta["bytes_read"] = sum(t.nbytes for t in _tensors(_vals((node.args, node.kwargs))))
             meta["bytes_written"] = sum(t.nbytes for t in _tensors(meta["val"]))
+        if node.target is torch.ops.aten.rms_norm.default:
+            # aten's rms_norm without a fused kernel (CPU, eager) is its composite: pow, mean,
+            # add, rsqrt, mul, which read the input twice and the squares once, and write the
+            # squares and the result (the statistics are 1/d of that): what frontend.normalize
+            # fused is charged as what runs (a weight: one more mul, in place)
+            weighted = len(node.args) > 2 and node.args[2] is not None
+            meta["bytes_read"] = (3 + weighted) * meta["val"].nbytes
+            meta["bytes_written"] = (2 + weighted) * meta["val"].nbytes
     return gm

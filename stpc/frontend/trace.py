@@ -1,7 +1,7 @@
 """trace: a model and example inputs become an aten-level fx graph (torch.export training IR).
 
-Split-like views that return tuples become slices (``stpc.frontend.normalize``), so the
-planner sees every piece.
+Split-like views that return tuples become slices, so the planner sees every piece, and a
+written-out RMSNorm becomes one ``rms_norm`` node (``stpc.frontend.normalize``).
 
 The graph takes parameters and buffers as placeholders (in the order of the
 export signature), then the user inputs. Built on ``meta`` tensors it plans a
@@ -19,7 +19,7 @@ from torch.export.graph_signature import InputKind
 
 from stpc.frontend.annotate import annotate, source_of
 from stpc.frontend.module_calls import recording
-from stpc.frontend.normalize import split_to_slices
+from stpc.frontend.normalize import fuse_rms_norm, split_to_slices
 
 
 @dataclass
@@ -134,6 +134,7 @@ def trace(model: nn.Module, example_inputs: tuple, name: str = "",
         meta={"module_calls": calls},
     )
     split_to_slices(gm)
+    fuse_rms_norm(gm)
     annotate(gm, tg.param_fqns, tg.buffer_fqns)
     return tg
 

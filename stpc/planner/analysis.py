@@ -41,7 +41,10 @@ from stpc.planner.strategies import (SAVES_INPUTS, SAVES_OUTPUT, aten, is_follow
 # Ops whose choices are real even with one live operand (the solver keeps them).
 _NOT_DERIVED = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
                 aten.scaled_dot_product_attention.default, aten.embedding.default,
-                aten.cross_entropy_loss.default}
+                aten.cross_entropy_loss.default,
+                # a norm is a choice of its own, as LayerNorm (with its weights) is: its input
+                # may arrive split on the normalised dim, and Hints may name it
+                aten.rms_norm.default}
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 

@@ -40,6 +40,8 @@ from stpc.placement import REPLICATE, parse, shard_factor
 from stpc.planner.strategies import Strategy, aten, tensor_operands
 
 _MATMUL = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
+# Per-row statistics a norm kept in a grid layout exchanges along the grid row, each way
+_GRID_NORM_STATS = {aten.layer_norm.default: 2, aten.rms_norm.default: 1}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -192,8 +194,11 @@ class NodeTimer:
     def grid_statistics(self, s: Strategy, forward_only: bool = False) -> float:
         """A LayerNorm kept in a grid layout (``runtime.grid_layer_norm``) exchanges per-row
         statistics along the grid row: an all-gather over the axis of 2 values per local row
-        forward (mean, M2) and again backward (two sums), each waited on where it runs."""
-        if self.node.target is not aten.layer_norm.default:
+        forward (mean, M2) and again backward (two sums), each waited on where it runs. An
+        RMSNorm (``runtime.grid_rms_norm``) exchanges one value per row each way (the sum of
+        squares; the sum of the gradient times the normalised input)."""
+        per_row = _GRID_NORM_STATS.get(self.node.target)
+        if per_row is None:
             return 0.0
         for a, tok in enumerate(s.out):
             if tok[0] == "B":
@@ -201,7 +206,7 @@ class NodeTimer:
                 # this device's rows: its share less the grid columns' split of the last dim
                 rows = val.numel() // val.shape[-1] * math.isqrt(self.mesh[a]) / shard_factor(s.out, self.mesh)
                 width = max(4, val.element_size())  # (statistics in fp32 at least)
-                stats = self.cm.blocking(self.cm.all_gather(self.mesh[a] * rows * 2 * width, a))
+                stats = self.cm.blocking(self.cm.all_gather(self.mesh[a] * rows * per_row * width, a))
                 return stats * (1 if forward_only or not self.needs_bwd else 2)
         return 0.0
 

@@ -9,9 +9,11 @@ enumerator takes the product over mesh axes of the per-axis options:
   shard label L        operands holding L get S(dim of L), the output S(dim of L)
   contract label L     operands holding L get S(dim of L), the output P
   partial pass-through linear elementwise ops keep a Partial input Partial
-  block (2-D)          elementwise ops on a 4^k axis keep PrimePar's B layout, and so
-                       does a LayerNorm over the last dim (its statistics exchanged
-                       along the grid row: ``runtime.grid_layer_norm``)
+  block (2-D)          elementwise ops on a 4^k axis keep PrimePar's B layout (an
+                       operand along the last dim only, whole: its grid column's
+                       slice read), and so does a LayerNorm or RMSNorm over the last
+                       dim (its statistics exchanged along the grid row:
+                       ``runtime.grid_layer_norm``, ``runtime.grid_rms_norm``)
 
 Matmul-like nodes (aten.linear) also get the spatial-temporal families of
 shared/DESIGN.md on one axis: ``ag_ring`` (all-gather fused into the matmul),
@@ -105,7 +107,7 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 _MATMUL = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default}
 
 # Ops whose backward keeps (some of) their inputs: used for activation memory.
-SAVES_INPUTS = _MATMUL | {aten.scaled_dot_product_attention.default, aten.layer_norm.default,
+SAVES_INPUTS = _MATMUL | {aten.scaled_dot_product_attention.default, aten.layer_norm.default, aten.rms_norm.default,
                           aten.gelu.default, aten.silu.default, aten.relu.default, aten.sigmoid.default,
                           aten.tanh.default, aten.pow.Tensor_Scalar, aten.mul.Tensor, aten.div.Tensor,
                           aten.cross_entropy_loss.default, aten.embedding.default}
@@ -187,7 +189,7 @@ def op_spec(node: fx.Node) -> OpSpec | None:
             ins.append(tuple(lab))
         # Only batch and head dims split: a split sequence needs ring attention.
         return OpSpec(ins=ins, out=lead + ("h", "s", "f"), fixed=frozenset({"s", "t", "e", "f"}))
-    if t is aten.layer_norm.default:
+    if t in (aten.layer_norm.default, aten.rms_norm.default):  # (rms_norm: frontend.normalize's fusion)
         nd = len(node.args[1])
         x = _labels("d", len(_shape(ops[0])))
         norm = frozenset(x[-nd:])
@@ -296,8 +298,11 @@ def _axis_options(spec: OpSpec, shapes_in, out_shape, axis_size: int):
             for l in spec.ins:
                 if li in l and lj in l:
                     ins.append(block("B", l.index(li), l.index(lj)))
-                elif li not in l and (lj not in l or spec.grid_norm):
-                    ins.append(REPLICATE)  # (a grid norm's weight and bias: whole, sliced locally)
+                elif li not in l and (lj not in l or spec.grid_norm or l[-1:] == (lj,)):
+                    # whole: a grid norm's weight and bias, an elementwise op's 1-D operand
+                    # along the last dim (RMSNorm's weight): each device reads its grid
+                    # column's slice (runtime.grid_column)
+                    ins.append(REPLICATE)
                 else:
                     ins = None
                     break

@@ -1,5 +1,5 @@
 """runtime: what runs on every rank. In: local tensors, process-group names, a plan's hash.
-Out: differentiable distributed functions (reshards, ring and PrimePar ops, a LayerNorm over a grid layout), the rank launcher.
+Out: differentiable distributed functions (reshards, ring and PrimePar ops, a LayerNorm and an RMSNorm over a grid layout), the rank launcher.
 
 It knows nothing of plans or graphs: reshard (autograd collectives and the tensor
 helpers shard_tensor / unshard_tensor), agreement (ranks check they hold one plan),
@@ -9,8 +9,8 @@ placements stored as DTensor placements), failure (a failed collective
 or transfer named as such), grad_reducer (data-parallel gradients summed in buckets during
 backward), param_gather (parameter shards gathered in one collective, issued early; gathered
 again in backward instead of kept), hook_taps
-(submodules' forward hooks fired from the program), grid_norm (a LayerNorm and a bias add over a
-P(2^k x 2^k) grid layout, the norm's statistics exchanged along the grid row), launch (real gloo/NCCL ranks in fresh processes, with deadlines).
+(submodules' forward hooks fired from the program), grid_norm (a LayerNorm, an RMSNorm, a bias add and a
+grid column's slice over a P(2^k x 2^k) grid layout, the norms' statistics exchanged along the grid row), launch (real gloo/NCCL ranks in fresh processes, with deadlines).
 """
 from stpc.runtime import dtensors, ops, reshard
 from stpc.runtime.failure import CommFailure
@@ -20,7 +20,7 @@ from stpc.runtime.agreement import (PlanMismatch, ScheduleMismatch, TensorMismat
                                     check_schedule_agreement, check_tensors_agree)
 from stpc.runtime.launch import SpawnError, SpawnTimeout, free_port, spawn
 from stpc.runtime.reshard import *  # noqa: F401,F403  (the reshards, listed once in reshard.__all__)
-from stpc.runtime.grid_norm import grid_bias_add, grid_layer_norm
+from stpc.runtime.grid_norm import grid_bias_add, grid_column, grid_layer_norm, grid_rms_norm
 
-__all__ = ["ops", "dtensors", "CommFailure", "GradReducer", "gather_start", "gather_wait", "RegatherSaved", "PlanMismatch", "check_plan_agreement", "TensorMismatch", "check_tensors_agree", "ScheduleMismatch", "check_schedule_agreement", "grid_layer_norm", "grid_bias_add", "spawn", "free_port", "SpawnError", "SpawnTimeout",
+__all__ = ["ops", "dtensors", "CommFailure", "GradReducer", "gather_start", "gather_wait", "RegatherSaved", "PlanMismatch", "check_plan_agreement", "TensorMismatch", "check_tensors_agree", "ScheduleMismatch", "check_schedule_agreement", "grid_layer_norm", "grid_rms_norm", "grid_bias_add", "grid_column", "spawn", "free_port", "SpawnError", "SpawnTimeout",
            *reshard.__all__]

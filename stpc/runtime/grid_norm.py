@@ -1,5 +1,6 @@
-"""grid_norm: whole 1-D operands over a PrimePar grid layout: a LayerNorm (statistics reduced
-across the grid row) and a bias add.
+"""grid_norm: whole 1-D operands over a PrimePar grid layout: a LayerNorm and an RMSNorm
+(statistics reduced across the grid row), a bias add, and a grid column's slice of a 1-D
+operand for any elementwise op.
 
 A P(2^k x 2^k) linear leaves its output in the block layout ``B(i, j)``: rows (dim i) split
 over the grid's rows, the normalised dim (j, the last) over its columns. To normalise that
@@ -13,10 +14,15 @@ plus the spread of their means), then every device normalises its own block. Bac
 two more sums over the last dim (of ``g = dy * weight`` and of ``g * xhat``), exchanged the
 same way.
 
+An RMSNorm (``frontend.normalize`` fuses Llama's written-out one into ``rms_norm`` without
+its weight, whose ``mul`` stays an elementwise op) needs one per-row value each way: the
+sum of squares of the row's pieces forward, the sum of ``dy * xhat`` backward.
+
 The weight and bias are whole (Replicate) on every device; each reads the slice of its grid
 column. Their gradients come back whole-sized, zero outside that slice: summed over the
 axis group (the Replicate parameter's usual gradient reduction: the op splits its work on
-the axis) they are the complete gradients.
+the axis) they are the complete gradients. ``grid_column`` is that slice on its own, for an
+elementwise op whose 1-D operand runs along the block's last dim (RMSNorm's weight).
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from torch import Tensor
 
 from stpc.runtime.reshard import _ag, _rank, _size
 
-__all__ = ["grid_layer_norm", "grid_bias_add"]
+__all__ = ["grid_layer_norm", "grid_rms_norm", "grid_bias_add", "grid_column"]
 
 
 def _row_sums(stats: Tensor, group: str) -> Tensor:
@@ -140,3 +146,60 @@ def grid_bias_add(x: Tensor, bias: Tensor, group: str) -> Tensor:
     that slice (summed over the axis group, as a Replicate operand's is, it is complete)."""
     _grid_side(group, "grid_bias_add")
     return _GridBiasAdd.apply(x, bias, group)
+
+
+class _GridRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, eps, group):
+        q = math.isqrt(_size(group))
+        full = x.shape[-1] * q
+        xf = x.to(_acc(x))  # (as aten's rms_norm: in fp32 at least)
+        squares = _row_sums(xf.square().sum(-1, keepdim=True), group).sum(0)  # [..., 1]
+        rstd = torch.rsqrt(squares / full + eps)
+        ctx.save_for_backward(x, rstd)
+        ctx.group = group
+        return (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd = ctx.saved_tensors
+        full = x.shape[-1] * math.isqrt(_size(ctx.group))
+        dyf = dy.to(rstd.dtype)
+        xhat = x.to(rstd.dtype) * rstd
+        dot = _row_sums((dyf * xhat).sum(-1, keepdim=True), ctx.group).sum(0)
+        return (rstd * (dyf - xhat * (dot / full))).to(x.dtype), None, None
+
+
+def grid_rms_norm(x: Tensor, eps: float, group: str) -> Tensor:
+    """``rms_norm`` (no weight) over the last dim of ``x``, held in a grid block layout (last
+    dim split over the grid's columns of axis group ``group``, a 2^k x 2^k grid): this
+    device's block of ``x * rsqrt(mean(x ** 2) + eps)``, the mean over the whole last dim.
+    Differentiable; saves ``x`` and the per-row ``rsqrt`` for backward, as aten's composite
+    does (see the module docstring)."""
+    _grid_side(group, "grid_rms_norm")
+    return _GridRMSNorm.apply(x, float(eps), group)
+
+
+class _GridColumn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, width, group):
+        ctx.shape, ctx.group, ctx.width = t.shape, group, width
+        return _column_slice(t.movedim(-1, 0), group, width).movedim(0, -1)
+
+    @staticmethod
+    def backward(ctx, g):
+        whole = g.new_zeros(ctx.shape)
+        _column_slice(whole.movedim(-1, 0), ctx.group, ctx.width).copy_(g.movedim(-1, 0))
+        return whole, None, None
+
+
+def grid_column(t: Tensor, group: str) -> Tensor:
+    """This device's grid column's slice of ``t`` along its last dim: ``t`` whole (an
+    elementwise op's operand along the last dim of a block its result keeps, such as
+    RMSNorm's weight), the block's last dim split over the grid's columns of axis group
+    ``group``. Its gradient comes back whole-sized, zero outside the slice (see the module
+    docstring)."""
+    q = _grid_side(group, "grid_column")
+    if t.shape[-1] % q:
+        raise ValueError(f"grid_column: the last dim ({t.shape[-1]}) does not split over {q} grid columns")
+    return _GridColumn.apply(t, t.shape[-1] // q, group)
