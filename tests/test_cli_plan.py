@@ -123,6 +123,11 @@ def test_unknown_model_is_a_usage_error(capsys):
     assert code == 2 and "no such Hugging Face config file" in err
 
 
+def test_plan_cli_solver_time_limit_must_be_positive(capsys):
+    code, _, err = _main(capsys, "plan", "--model", "llama-tiny", "--mesh", "2", "--solver-time-limit", "0")
+    assert code == 2 and "--solver-time-limit 0" in err and "Fix: give a number of seconds above 0" in err
+
+
 def test_plan_cli_recompute(tmp_path):
     """``--recompute full`` plans every layer recomputed, ``selective`` all but the outputs it
     keeps (the layout and the summary say so, and the peaks order full < selective < none)."""

@@ -814,12 +814,13 @@ def test_a_cpsat_time_out_on_one_candidate_keeps_the_others_plan(monkeypatch):
 
     def first_times_out(problem, **kw):
         calls.append(problem)
+        assert kw["time_limit_s"] == 7.5  # (search's own limit, passed on to each CP-SAT solve)
         if len(calls) == 1:
             raise SolverTimeout("UNKNOWN", 120.0)
         return real_solve(problem, **kw)
 
     monkeypatch.setattr(search_module, "solve", first_times_out)
-    got = search(tg, 4, "primepar-v100", budget_bytes=budget)
+    got = search(tg, 4, "primepar-v100", budget_bytes=budget, time_limit_s=7.5)
     assert len(calls) >= 2
     out = [t for t in got.stats["mesh_shapes_tried"] if t.get("unresolved")]
     assert len(out) == 1 and "UNKNOWN" in out[0]["unresolved"]
@@ -832,7 +833,8 @@ def test_a_cpsat_time_out_on_one_candidate_keeps_the_others_plan(monkeypatch):
         raise SolverTimeout("UNKNOWN", 120.0)
 
     monkeypatch.setattr(search_module, "solve", always_times_out)  # (no recomputation: no point fits unsolved)
-    with pytest.raises(SolverTimeout, match=r"within 120.0s on mesh .*no other candidate gave a plan. Fix: "):
+    with pytest.raises(SolverTimeout, match=r"within 120.0s on mesh .*no other candidate gave a plan. Fix: .*"
+                                            r"--solver-time-limit"):
         search(tg, 4, "primepar-v100", budget_bytes=budget, recompute="none")
 
 

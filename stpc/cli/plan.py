@@ -55,7 +55,8 @@ HINTS = list(dict.fromkeys([*BASELINES, *PRESETS]))
 def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int | None = None,
                seq: int | None = None, dtype: str = "fp32", budget_gib: float | None = None,
                hints: str | None = None, temporal: bool = True, use_budget: bool = True,
-               layers: int | None = None, progress: bool = False, recompute: str | None = None):
+               layers: int | None = None, progress: bool = False, recompute: str | None = None,
+               time_limit_s: float = 120.0):
     """Trace ``model`` (a zoo name, ``package.module:factory`` or a Hugging Face config path:
     ``stpc.cli._common.load_model``) on meta tensors and search; returns (plan, traced graph).
     ``progress``: status lines on stderr for the trace and a search over a second."""
@@ -69,7 +70,7 @@ def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int
     with SearchStatus(f"search {model} on {mesh}", progress) as status:
         plan = search(tg, mesh, cl, budget_bytes=budget, hints=hints, temporal=temporal, dtype=dtype,
                       optimizer_layout="fp32-adam" if dtype == "fp32" else "mixed-adam", progress=status,
-                      recompute=recompute)
+                      recompute=recompute, time_limit_s=time_limit_s)
     t2 = time.perf_counter()
     plan.stats.update(trace_time_s=t1 - t0, analysis_time_s=tg.meta.get("analysis_s"), total_time_s=t2 - t0,
                       batch=batch, seq=seq)
@@ -109,6 +110,9 @@ def main_plan(argv: list[str]) -> int:
                    help="recompute the layers' activations in backward: auto (where the budget binds), none, "
                         "selective (all but their matmuls' and fused attentions' outputs), full "
                         "(default: %(default)s)")
+    p.add_argument("--solver-time-limit", type=float, default=120.0, metavar="SECONDS",
+                   help="CP-SAT's wall-clock limit on each mesh shape the budget binds on; one that runs out "
+                        "is reported unresolved (default: %(default)s)")
     p.add_argument("--dump", default=None, metavar="FILE", help="write the per-node plan table here (+ .dot)")
     p.add_argument("--brief", action="store_true", help="print the header lines only, not the plan's summary")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write FILE-memory.png (memory over the step) "
@@ -116,6 +120,9 @@ def main_plan(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.no_budget and a.budget_gib is not None:
         p.error("--budget-gib and --no-budget contradict each other. Fix: give one of them")
+    if not a.solver_time_limit > 0:
+        p.error(f"--solver-time-limit {a.solver_time_limit:g}: CP-SAT needs some time. Fix: give a number of "
+                "seconds above 0")
     check_mesh_fits(a.mesh, get_cluster(a.cluster))
     say = (lambda *x, **k: None) if a.quiet else print
     viz = None
@@ -126,7 +133,8 @@ def main_plan(argv: list[str]) -> int:
             raise Failure(f"--plot needs matplotlib ({e})", "pip install matplotlib") from None
     plan, tg = plan_model(a.model, a.mesh, a.cluster, a.batch, a.seq, a.dtype, a.budget_gib, a.hints,
                           not a.no_temporal, use_budget=not a.no_budget, layers=a.layers, progress=not a.quiet,
-                          recompute=None if a.recompute == "auto" else a.recompute)
+                          recompute=None if a.recompute == "auto" else a.recompute,
+                          time_limit_s=a.solver_time_limit)
     s = summary(plan)
     if a.quiet:
         print(f"mesh {'x'.join(map(str, plan.mesh_shape))}  modelled step {plan.modelled_step_time_s * 1e3:.2f} ms  "
@@ -139,7 +147,7 @@ def main_plan(argv: list[str]) -> int:
     say(f"layout: {describe_layout(s['layout'])}" + (f"  (hints {s['hints']})" if s["hints"] else ""))
     if s["optimal"] is False:
         say("not proven optimal: " + (f"CP-SAT ran out of time on {', '.join(s['unresolved'])} (a better plan may "
-                                      "lie there; rerun on an idle machine)" if s["unresolved"] else
+                                      "lie there; rerun on an idle machine or with a longer --solver-time-limit)" if s["unresolved"] else
                                       "the chosen layout's CP-SAT solve stopped at its time limit with a solution"))
     if s["fallback_ops"]:
         say("replicated (no sharding rule): " + ", ".join(f"{k} x{v}" for k, v in s["fallback_ops"].items()))

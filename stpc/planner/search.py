@@ -162,7 +162,8 @@ class SearchProgress:
 def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | None = None,
            hints: str | Hints | None = None, temporal: bool = True, dtype: str = "fp32",
            optimizer_layout: str = "fp32-adam",
-           progress: Callable[[SearchProgress], None] | None = None, recompute: str | None = None) -> Plan:
+           progress: Callable[[SearchProgress], None] | None = None, recompute: str | None = None,
+           time_limit_s: float = 120.0) -> Plan:
     """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple). ``hints``: a
     ``Hints``, or a preset name: ``megatron``, ``fsdp-tp`` and ``spatial`` search their
     whole layout space (``stpc.planner.baselines``; a given shape keeps the layouts on it),
@@ -171,11 +172,14 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
     ``Hints`` given is one point per shape, its own ``keep_gathered`` as it says. ``progress``: called with a :class:`SearchProgress`
     as the search goes (module docstring). ``recompute``: ``"full"``, ``"selective"`` or ``"none"`` sets
     ``Hints.recompute`` on every point (a preset's too); None leaves each point's own (the
-    presets' and stpc's own: recompute where the budget binds)."""
+    presets' and stpc's own: recompute where the budget binds). ``time_limit_s``: CP-SAT's
+    wall-clock limit on each candidate the budget binds on (one that runs out without a
+    solution is left unresolved: ``plan.stats["unresolved"]``)."""
     if recompute not in RECOMPUTE_LEVELS:
         raise ValueError(f"recompute={recompute!r}: one of {', '.join(map(repr, RECOMPUTE_LEVELS))}")
     with _no_gc():
-        return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress, recompute)
+        return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress, recompute,
+                       time_limit_s)
 
 
 @dataclasses.dataclass
@@ -260,7 +264,7 @@ def _better(a, b) -> bool:
 
 
 def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress=None,
-            recompute=None) -> Plan:
+            recompute=None, time_limit_s=120.0) -> Plan:
     t0 = time.perf_counter()
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
     shape, n = parse_mesh(mesh)
@@ -324,7 +328,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
                 c.problem.cap = best[0] - (0 if c.index < best[1] else 1)
             watch = _CpsatWatch(report, _name(c.layout), i, incumbent, rest) if progress is not None else None
             try:
-                sol = solve(c.problem, method="cpsat", on_progress=watch)
+                sol = solve(c.problem, method="cpsat", on_progress=watch, time_limit_s=time_limit_s)
             except NoBetterPlan:
                 tried.append({**entry, "modelled_step_time_s": None, "pruned": True,
                               "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
@@ -356,7 +360,8 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         e = unresolved[0][1]
         raise SolverTimeout(e.status, e.time_limit_s, (
             f" on {', '.join(_name(c.layout) for c, _ in unresolved)}, and no other candidate gave a plan. "
-            "Fix: rerun on an idle machine (the limit is wall-clock), or with a larger memory budget"))
+            "Fix: rerun on an idle machine or with a longer time limit (the limit is wall-clock: "
+            "--solver-time-limit, search(time_limit_s=)), or with a larger memory budget"))
     if best is None and infeasible:
         raise InfeasibleBudget(int(budget_bytes), min(infeasible))
     if best is None:
