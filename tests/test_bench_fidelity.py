@@ -11,7 +11,7 @@ import torch
 
 from stpc.cli import bench
 from stpc.cli.bench_fidelity import (DEFAULT_PLANS, _profile_step, json_records, judge, kendall_tau, notes,
-                                     param_mismatches, plan_spec, rel_error, report)
+                                     other_ops, param_mismatches, plan_spec, rel_error, report)
 from stpc.cli.bench_runtime import StpcEngine, _peak_of_step, _step
 from stpc.frontend import models
 
@@ -168,6 +168,14 @@ def test_param_mismatches_and_notes():
     assert "wte.weight" in text and "measured peak in" in text and "modelled peak in" in text
     assert "optimizer step (model's memory-bound AdamW vs measured) -0.050 s" in text  # 0.1 modelled, 0.15 run
     assert "compute (model's roofline vs GEMM + attention + other op time) -0.300 s" in text  # 0.8 - 0.1 vs 0.7 + 0.3
+    assert "other ops' time" not in text  # (no op recorded)
+    # the ops outside GEMM/attention, communication and ring ops, by their mean self time over ranks
+    r["profiled"][0]["top_ops"] = [("aten::mm", 0.6, 10), ("aten::copy_", 0.3, 40), ("c10d::allreduce_", 0.2, 4),
+                                   ("stpc::primepar_linear", 0.1, 2), ("aten::cat", 0.05, 3)]
+    r["profiled"][1]["top_ops"] = [("aten::copy_", 0.1, 40), ("aten::gelu", 0.02, 1)]
+    assert other_ops(r) == [("aten::copy_", pytest.approx(0.2), 40), ("aten::cat", pytest.approx(0.025), 3),
+                            ("aten::gelu", pytest.approx(0.01), 1)]
+    assert "the other ops' time most in aten::copy_ 0.200 s (40 calls), aten::cat 0.025 s (3 calls)" in notes(r)
 
 
 def test_report_and_json_records():

@@ -98,6 +98,7 @@ import math
 import re
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -580,6 +581,20 @@ def param_mismatches(r: dict, tolerance: float = 0.01) -> list[tuple[str, str, f
     return sorted(out, key=lambda t: -abs(t[4] - t[2]))
 
 
+def other_ops(r: dict, top: int = 3) -> list[tuple[str, float, int]]:
+    """The ops outside GEMM/attention, communication and the ring ops that took the most self
+    CPU time in the profiled step (the mean over ranks of the ``top_ops`` each recorded):
+    (op, seconds, calls)."""
+    prof = r.get("profiled") or []
+    seconds, calls = defaultdict(float), {}
+    for p in prof:
+        for op, sec, n in p.get("top_ops", []):
+            if not (_GEMM.search(op) or _RING.search(op) or _COMM.search(op)):
+                seconds[op] += sec / len(prof)
+                calls[op] = n
+    return [(op, seconds[op], calls[op]) for op in sorted(seconds, key=lambda o: -seconds[o])[:top]]
+
+
 def notes(r: dict) -> str:
     """One plan's biggest contributors to its two errors, in words."""
     c = contributors(r)
@@ -612,6 +627,9 @@ def notes(r: dict) -> str:
              c["optimizer_step_predicted_s"] - c["optimizer_step_measured_s"])]
     gaps.sort(key=lambda t: -abs(t[1]))
     time_ = [f"{what} {gap:+.3f} s" for what, gap in gaps]
+    other = other_ops(r)
+    if other:  # (what the roofline of the non-GEMM ops is held against, by op)
+        time_.append("the other ops' time most in " + ", ".join(f"{op} {s:.3f} s ({n} calls)" for op, s, n in other))
     return (f"**{r['plan']}**: memory: " + "; ".join(mem) + ". Time, largest gap first (model - measured): "
             + "; ".join(time_) + ".")
 
@@ -765,4 +783,4 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
 
 
 __all__ = ["main_fidelity", "make_plans", "plan_spec", "kendall_tau", "judge", "distinct_plans", "rel_error",
-           "report", "run", "contributors", "param_mismatches", "notes", "json_records", "MEMORY_TARGET", "TIME_TARGET", "DEFAULT_PLANS"]
+           "report", "run", "contributors", "param_mismatches", "notes", "other_ops", "json_records", "MEMORY_TARGET", "TIME_TARGET", "DEFAULT_PLANS"]
