@@ -9,7 +9,8 @@ from stpc.cli.bench import BENCHES, machine_line, main_bench, write_section
 from stpc.cli.bench_kernel import main_kernel, ring_step_shapes, step_gemms
 from stpc.cli.bench_planner import large_target, main_planner, primepar_search_s, row
 from stpc.cli.bench_primepar import (best_fitting, compare, greatest_fitting_depth, inter_node_gbs, main_primepar,
-                                     parse_target, recompute_line, unproven_line, why, with_inter_node)
+                                     p2x2_line, p2x2_probe, parse_target, recompute_line, unproven_line, why,
+                                     with_inter_node)
 from stpc.cost_models import get_cluster
 
 TINY = ["--models", "llama2-7b", "--layers", "2", "--sizes", "4"]
@@ -84,12 +85,14 @@ def test_primepar_tiny(tmp_path, capsys):
                    "exposed comm s", "hidden comm s", "megatron layout", "fsdp-tp layout", "spatial layout",
                    "speedup vs best fitting baseline (modelled)", "memory stpc / best baseline", "machine:",
                    "Geo-mean speedup", "against the megatron baseline alone", "1.30x", "REFERENCES.md",
-                   "Sensitivity", "modelled", "Recomputation of the layers: stpc's plan"):
+                   "Sensitivity", "modelled", "Recomputation of the layers: stpc's plan",
+                   "P(2x2) on the MLP's down projection"):
         assert column in text, column
     data = json.loads(out.read_text())
     assert len(data["cells"]) == 1 and len(data["sensitivity"]) == 2
     cell = data["cells"][0]
     assert cell["layers"] == 2 and not cell["reduced"] and cell["stpc"]["fits"]
+    assert "available" in cell["stpc"]["p2x2"]
     fitting = {b: r["step_s"] for b, r in cell["baselines"].items() if r["fits"]}
     assert cell["best_baseline"] == min(fitting, key=fitting.get)
     assert cell["speedup"] == pytest.approx(fitting[cell["best_baseline"]] / cell["stpc"]["step_s"])
@@ -103,6 +106,37 @@ def test_recompute_line_names_each_level_per_plan():
     (line, _) = recompute_line(cells, ["megatron"])
     assert line == ("Recomputation of the layers: stpc's plan selective in 1 (a on 4); full in 1 (b on 8); none in "
                     "the other cells. megatron: selective in 0; full in 2 (a on 4, c on 8).")
+
+
+def test_the_p2x2_probe_prices_p2x2_on_the_down_projection_of_stpcs_own_plan():
+    import stpc
+    from stpc import models
+    from stpc.planner import Hints, search
+
+    with torch.device("meta"):
+        m = models.build("gpt-tiny")
+    tg = stpc.trace(m, models.example_inputs("gpt-tiny", 8, 32))
+    own = search(tg, (4,), "cpu-local")
+    probe = p2x2_probe(own)
+    assert probe["available"] and own.nodes[probe["node"]].module == "layers.0.mlp.fc2"
+    assert not probe["chosen"] and probe["ratio"] >= 1 - 1e-9  # (the plan is the optimum: P2x2 costs no less)
+    forced = search(tg, (4,), "cpu-local", hints=Hints(force=[(r"fc2$", lambda s: s.kind == "p2x2")]))
+    assert forced.modelled_step_time_s == pytest.approx(probe["step_s"])  # (the same re-solve, from either side)
+    assert p2x2_probe(forced) == {"available": True, "node": probe["node"], "chosen": True}
+    assert p2x2_probe(search(tg, (2,), "cpu-local")) == {"available": False}
+
+
+def test_p2x2_line_says_per_cell_what_p2x2_costs_or_why_it_is_not_there():
+    def cell(model, n, probe):
+        return {"model": model, "devices": n, "infeasible": False, "stpc": {"fits": True, "p2x2": probe}}
+    cells = [cell("a", 4, {"available": True, "node": "linear_5", "chosen": False, "step_s": 1.1, "ratio": 1.1}),
+             cell("b", 8, {"available": False}),
+             cell("c", 16, {"available": True, "node": "linear_5", "chosen": True}),
+             cell("d", 16, {"available": True, "node": "linear_5", "chosen": False, "step_s": 1.0, "ratio": 1.02})]
+    (line, _) = p2x2_line(cells)
+    assert line.endswith("slower by +2.0% in d on 16, +10.0% in a on 4; chosen in c on 16; not possible in 1 (no "
+                         "mesh axis of 4^k devices in stpc's shape): b on 8.")
+    assert p2x2_line([]) == []
 
 
 def test_unproven_line_names_each_plan_not_proven_optimal():

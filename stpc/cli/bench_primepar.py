@@ -12,7 +12,10 @@ is modelled by stpc's cost model; nothing is run.
 Per cell: stpc's mesh, strategy families, step time, peak memory and the step split into
 compute / exposed communication / hidden communication (``stpc.planner.summary.breakdown``);
 per baseline its step time, peak memory and chosen layout; the speedup of stpc against the
-best baseline that fits the budget (its step time / stpc's) and the memory ratio against it.
+best baseline that fits the budget (its step time / stpc's) and the memory ratio against it;
+and what PrimePar's P(2^k x 2^k) on the MLP's down projection would cost stpc's plan on its
+own mesh shape (``p2x2_probe``: the least, ignoring the budget), or that its shape has no
+axis of 4^k devices to run it on.
 
 Reduced depth: at full depth the 70B/175B/176B models fit no 32 x 32 GiB cluster at all
 (mixed-precision Adam's model states alone exceed it), and the 7B models fit no 4 V100s.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import statistics
 import time
 from collections import OrderedDict
@@ -154,6 +158,33 @@ def plan_or_none(tg, n: int, cluster, budget: float, hints: str | None, dtype: s
         return None, e
 
 
+_DOWN_PROJECTION = re.compile(r"\.(fc2|down_proj)$")   # the MLP's second linear, by module path
+
+
+def p2x2_probe(plan) -> dict:
+    """What PrimePar's P(2^k x 2^k) would do to ``plan`` (stpc's own, for a cell): the best plan
+    on the plan's own mesh shape in which the MLP's down projection (its first layer's and so
+    every tied layer's) runs P2x2, the rest re-solved, ignoring the memory budget
+    (``plan.solved.best_where``, as ``plan.explain`` ranks; a lower bound of the budgeted
+    optimum, so the step it gives is the least that partition costs). ``available``: whether
+    the mesh has an axis of 4^k devices at all; ``chosen``: the plan already runs it."""
+    mesh = tuple(plan.mesh_shape)
+    if not any(n >= 4 and math.isqrt(n) ** 2 == n for n in mesh):
+        return {"available": False}
+    names = [k for k, n in plan.nodes.items() if n.op == "linear.default" and _DOWN_PROJECTION.search(n.module)]
+    if not names:
+        return {"available": True, "node": None}
+    sv = plan.solved
+    g = sv.group_of(names[0])[1]
+    if sv.b.groups[g].strategies[sv.choice[g]].kind == "p2x2":
+        return {"available": True, "node": names[0], "chosen": True}
+    alt = sv.best_where(g, lambda s: s.kind == "p2x2", exact_budget=False)
+    if alt is None:
+        return {"available": True, "node": names[0], "chosen": False, "step_s": None}
+    return {"available": True, "node": names[0], "chosen": False, "step_s": alt.step_s,
+            "ratio": alt.step_s / plan.modelled_step_time_s, "peak_bytes": alt.peak_bytes}
+
+
 def plan_record(plan, err, search_s: float) -> dict:
     """What the tables need of one plan (or of its infeasibility)."""
     if plan is None:
@@ -232,6 +263,8 @@ def plan_cell(traces: TraceCache, model: str, n: int, target: Target, budget: fl
     t1 = time.perf_counter()
     plan, err = plan_or_none(traces.get(model, at, dtype), n, cluster, budget, None, dtype)
     cell["stpc"] = plan_record(plan, err, time.perf_counter() - t1)
+    if plan is not None:
+        cell["stpc"]["p2x2"] = p2x2_probe(plan)
     cell["baselines"] = {b: plan_record(p, e, s) for b, (p, e, s) in baselines_at(at).items()}
     cell["infeasible"] = chosen is None
     cell["wall_s"] = time.perf_counter() - t0
@@ -371,6 +404,35 @@ def recompute_line(cells: list[dict], baselines) -> list[str]:
     return [text, ""]
 
 
+def p2x2_line(cells: list[dict]) -> list[str]:
+    """Per cell, what P2x2 on the MLP's down projection costs stpc's plan (``p2x2_probe``),
+    or why it is not there to try."""
+    chosen, costs, none = [], [], []
+    for c in cells:
+        probe = (c["stpc"] or {}).get("p2x2") if not c["infeasible"] else None
+        if probe is None:
+            continue
+        where = f"{c['model']} on {c['devices']}"
+        if not probe["available"] or probe.get("node") is None:
+            none.append(where)
+        elif probe.get("chosen"):
+            chosen.append(where)
+        elif probe.get("step_s") is not None:
+            costs.append((probe["ratio"], where))
+    if not (chosen or costs or none):
+        return []
+    text = ("P(2x2) on the MLP's down projection (fc2 / down_proj, every layer), the rest re-solved on stpc's own "
+            "mesh shape, ignoring the budget (the least it costs, modelled): ")
+    parts = []
+    if costs:
+        parts.append("slower by " + ", ".join(f"{(r - 1) * 100:+.1f}% in {w}" for r, w in sorted(costs)))
+    if chosen:
+        parts.append("chosen in " + ", ".join(chosen))
+    if none:
+        parts.append(f"not possible in {len(none)} (no mesh axis of 4^k devices in stpc's shape): " + ", ".join(none))
+    return [text + "; ".join(parts) + ".", ""]
+
+
 def unproven_line(cells: list[dict], baselines) -> list[str]:
     """The plans not proven optimal in their space (CP-SAT stopped at its time limit on a
     candidate, or on the chosen one with a solution in hand): a speedup against or of such a
@@ -423,6 +485,7 @@ def report(cfg: dict, cells: list[dict], sens: list[dict], machine: str, command
         lines += table_head(baselines) + [cell_row(c, baselines) for c in mine] + [""]
         lines += states_line(mine, top)
         lines += recompute_line(mine, baselines)
+        lines += p2x2_line(mine)
         lines += unproven_line(mine, baselines)
         lines += summary_lines(mine, top) + [""]
     if sens:
