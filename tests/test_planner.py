@@ -885,6 +885,21 @@ def test_a_hint_nothing_satisfies_names_the_node_and_search_skips_that_shape():
     assert "leaves node" in tried[(8,)]["skipped"] and len(plan.mesh_shape) == 2
 
 
+def test_a_hint_that_matches_only_nodes_that_follow_their_inputs_is_an_error():
+    """GELU is a follower (its placement is its input's) and a residual add of one group's
+    values is derived: forcing them would do nothing, so it fails naming them and the fix; a
+    pattern that matches nothing at all (another model's names) is no error."""
+    from stpc.planner import HintUnsatisfiable, Hints
+
+    tg = _meta_trace("gpt-tiny", batch=16, seq=64)
+    cm = CostModel(get_cluster("primepar-v100"), (4,))
+    with pytest.raises(HintUnsatisfiable, match=r"hint '\^gelu' matches only nodes whose placement follows their "
+                                                r"inputs \(gelu.*which the solver does not decide.*Fix: force the node "
+                                                r"that feeds them"):
+        plan_graph(tg, cm, hints=Hints(force=[(r"^gelu", lambda s: s.out[0] == "S0")]))
+    plan_graph(tg, cm, hints=Hints(force=[(r"gate_proj$", lambda s: False)]))  # (no such node in GPT)
+
+
 @pytest.mark.parametrize("mesh", [(2, 2), (4, 2), (2, 4)])
 def test_ring_strategies_keep_nested_splits_true(mesh):
     """A dim split over several axes is nested outer axis first. A ring's piece of the rows

@@ -148,6 +148,7 @@ class Builder:
         self.recompute = self.hints.recompute in ("full", "selective")
         self.selective = self.hints.recompute == "selective"
         self._tied_copies = self.tg.tied_copies()
+        self._force_hits: set[int] = set()  # the Hints.force patterns that matched a decision node
         self._layer_bytes = layer_param_bytes(self.graph)
 
     # ---------------------------------------------------------------- per item
@@ -171,8 +172,9 @@ class Builder:
                     f"fix: a sequence length that divides by {self.mesh[sp]}, or sequence_parallel=False")
             strategies = kept
         keys = (node.name, node.meta.get("module", ""))
-        for pattern, pred in self.hints.force:
+        for k_pat, (pattern, pred) in enumerate(self.hints.force):
             if any(re.search(pattern, k) for k in keys):
+                self._force_hits.add(k_pat)
                 kept = [s for s in strategies if pred(s)]
                 if not kept:
                     raise HintUnsatisfiable(
@@ -842,6 +844,24 @@ class Builder:
             self.groups[it.group].head_mem -= head[it] * local
 
     # ---------------------------------------------------------------- build
+    def _check_force_patterns(self) -> None:
+        """A ``Hints.force`` pattern that matched no node the solver decides, but matches nodes
+        whose placement follows their inputs (views, unary ops, elementwise ops of one group's
+        values): the hint would silently do nothing. Such a node takes the placement of what
+        feeds it, so the fix is to force that."""
+        for k, (pattern, _) in enumerate(self.hints.force):
+            if k in self._force_hits:
+                continue
+            names = [n.name for n in self.graph.nodes if n.op == "call_function"
+                     and any(re.search(pattern, key) for key in (n.name, n.meta.get("module", "")))]
+            if names:
+                first = next(n for n in self.graph.nodes if n.name == names[0])
+                raise HintUnsatisfiable(
+                    f"hint {pattern!r} matches only nodes whose placement follows their inputs ({', '.join(names[:4])}"
+                    f"{', ...' if len(names) > 4 else ''}; {names[0]} at {first.meta.get('source') or 'an unknown line'}"
+                    "), which the solver does not decide: it would do nothing. Fix: force the node that feeds them "
+                    "(its producer: a linear, a norm, an add of two values)")
+
     def build(self, budget: float | None, edges: bool = True) -> Problem:
         """The solver problem; with ``edges=False`` only its groups (enough for
         ``solver.min_memory_bound``; ``solver.min_memory`` needs the memory edges too,
@@ -856,6 +876,7 @@ class Builder:
                 self._follower(it)
             else:
                 self._derived(it)
+        self._check_force_patterns()
         self._saved_memory()
         problem = Problem(cost=[np.rint(g.cost * NS).astype(np.int64).tolist() for g in self.groups],
                           mem=[np.rint(g.mem).astype(np.int64).tolist() for g in self.groups],
