@@ -538,7 +538,7 @@ class _Lowering:
             full = node.meta["global_val"].shape[j]
             q = math.isqrt(self.mesh[a])
             ops = tensor_operands(node)
-            for k, (o, ins) in enumerate(zip(ops, s.ins)):
+            for o, ins in zip(ops, s.ins):
                 shape = o.meta["global_val"].shape
                 if ins[a] != REPLICATE or not shape or shape[-1] != full or full == 1:
                     continue
