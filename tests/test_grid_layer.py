@@ -126,6 +126,14 @@ def test_an_rms_norm_and_its_weight_keep_the_grid_layout():
     assert mul.target is aten.mul.Tensor and mul.args[1].op == "placeholder"
     on4 = {s.out: s.ins for s in enumerate_strategies(mul, (4,))[0]}
     assert on4[("B1.2",)] == (("B1.2",), ("R",))
+    # torch.nn.RMSNorm's own rms_norm(x, shape, weight), eps left to aten: planned, but no grid
+    # (runtime.grid_rms_norm runs the fused form only)
+    with torch.device("meta"):
+        own = stpc.trace(torch.nn.Sequential(torch.nn.RMSNorm(32), torch.nn.Linear(32, 32)),
+                         (torch.empty(B, S, 32),))
+    weighted = next(n for n in own.gm.graph.nodes if n.target is aten.rms_norm.default)
+    outs = {s.out for s in enumerate_strategies(weighted, (4,))[0]}
+    assert outs == {("R",), ("S0",), ("S1",)}
     # charged one value per row each way (the sum of squares; the sum of dy * xhat)
     cm = CostModel(get_cluster("cpu-local"), (4,))
     by_out = {s.out: s for s in enumerate_strategies(norm, (4,))[0]}

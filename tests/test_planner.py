@@ -886,9 +886,10 @@ def test_a_hint_nothing_satisfies_names_the_node_and_search_skips_that_shape():
 
 
 def test_a_hint_that_matches_only_nodes_that_follow_their_inputs_is_an_error():
-    """GELU is a follower (its placement is its input's) and a residual add of one group's
-    values is derived: forcing them would do nothing, so it fails naming them and the fix; a
-    pattern that matches nothing at all (another model's names) is no error."""
+    """GELU is a follower (its placement is its input's), and a later layer's linear is planned
+    through the first identical layer's: forcing them alone would do nothing, so it fails
+    naming them and the fix; a pattern that matches nothing at all (another model's names)
+    is no error."""
     from stpc.planner import HintUnsatisfiable, Hints
 
     tg = _meta_trace("gpt-tiny", batch=16, seq=64)
@@ -898,6 +899,11 @@ def test_a_hint_that_matches_only_nodes_that_follow_their_inputs_is_an_error():
                                                 r"that feeds them"):
         plan_graph(tg, cm, hints=Hints(force=[(r"^gelu", lambda s: s.out[0] == "S0")]))
     plan_graph(tg, cm, hints=Hints(force=[(r"gate_proj$", lambda s: False)]))  # (no such node in GPT)
+    # the second layer's fc1 is planned through the first's (identical layers are tied)
+    with pytest.raises(HintUnsatisfiable, match=r"hint 'layers.*fc1' matches only copies of a layer tied "
+                                                r"to an earlier identical one \(linear_\d+;.*Fix: a pattern that "
+                                                r"matches the first layer's node too"):
+        plan_graph(tg, cm, hints=Hints(force=[(r"layers\.1\.mlp\.fc1", lambda s: s.out[0] == "S0")]))
 
 
 @pytest.mark.parametrize("mesh", [(2, 2), (4, 2), (2, 4)])

@@ -53,6 +53,7 @@ from stpc.cost_models import CLUSTERS, Link, bytes_per_param, get_cluster
 from stpc.frontend import models
 from stpc.planner import InfeasibleBudget, search
 from stpc.planner.baselines import BASELINES, describe_layout
+from stpc.planner.solver import TIME_LIMIT_S
 from stpc.planner.summary import breakdown
 
 PRIMEPAR_MODELS = ("opt-6.7b", "opt-175b", "llama2-7b", "llama2-70b", "bloom-7b1", "bloom-176b")
@@ -446,7 +447,7 @@ def unproven_line(cells: list[dict], baselines) -> list[str]:
                 out.append(f"{who} on {c['model']} at {c['devices']} ({why})")
     if not out:
         return []
-    return ["Not proven optimal (the search's wall-clock limit of CP-SAT, 120 s a candidate, ran out): "
+    return [f"Not proven optimal (the search's wall-clock limit of CP-SAT, {TIME_LIMIT_S:g} s a candidate, ran out): "
             + "; ".join(out) + ".", ""]
 
 

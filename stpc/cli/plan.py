@@ -48,6 +48,7 @@ from stpc.cost_models import get_cluster
 from stpc.frontend import dump
 from stpc.planner import BASELINES, PRESETS, HintUnsatisfiable, InfeasibleBudget, search
 from stpc.planner.baselines import describe_layout
+from stpc.planner.solver import TIME_LIMIT_S
 
 HINTS = list(dict.fromkeys([*BASELINES, *PRESETS]))
 
@@ -56,7 +57,7 @@ def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int
                seq: int | None = None, dtype: str = "fp32", budget_gib: float | None = None,
                hints: str | None = None, temporal: bool = True, use_budget: bool = True,
                layers: int | None = None, progress: bool = False, recompute: str | None = None,
-               time_limit_s: float = 120.0):
+               time_limit_s: float = TIME_LIMIT_S):
     """Trace ``model`` (a zoo name, ``package.module:factory`` or a Hugging Face config path:
     ``stpc.cli._common.load_model``) on meta tensors and search; returns (plan, traced graph).
     ``progress``: status lines on stderr for the trace and a search over a second."""
@@ -110,7 +111,7 @@ def main_plan(argv: list[str]) -> int:
                    help="recompute the layers' activations in backward: auto (where the budget binds), none, "
                         "selective (all but their matmuls' and fused attentions' outputs), full "
                         "(default: %(default)s)")
-    p.add_argument("--solver-time-limit", type=float, default=120.0, metavar="SECONDS",
+    p.add_argument("--solver-time-limit", type=float, default=TIME_LIMIT_S, metavar="SECONDS",
                    help="CP-SAT's wall-clock limit on each mesh shape the budget binds on; one that runs out "
                         "is reported unresolved (default: %(default)s)")
     p.add_argument("--dump", default=None, metavar="FILE", help="write the per-node plan table here (+ .dot)")

@@ -847,15 +847,24 @@ class Builder:
     def _check_force_patterns(self) -> None:
         """A ``Hints.force`` pattern that matched no node the solver decides, but matches nodes
         whose placement follows their inputs (views, unary ops, elementwise ops of one group's
-        values): the hint would silently do nothing. Such a node takes the placement of what
-        feeds it, so the fix is to force that."""
+        values), or only tied copies of an earlier layer's nodes (planned through the first
+        layer's): the hint would silently do nothing, so it is an error naming the fix."""
         for k, (pattern, _) in enumerate(self.hints.force):
             if k in self._force_hits:
                 continue
-            names = [n.name for n in self.graph.nodes if n.op == "call_function"
-                     and any(re.search(pattern, key) for key in (n.name, n.meta.get("module", "")))]
+            matched = [n for n in self.graph.nodes if n.op == "call_function"
+                       and any(re.search(pattern, key) for key in (n.name, n.meta.get("module", "")))]
+            tied = [n for n in matched if (it := self.facts.node_item.get(n)) is not None and it.kind == "decision"]
+            if tied:  # decided, but through the first of the identical layers it is tied to
+                raise HintUnsatisfiable(
+                    f"hint {pattern!r} matches only copies of a layer tied to an earlier identical one "
+                    f"({', '.join(n.name for n in tied[:4])}; {tied[0].name} at "
+                    f"{tied[0].meta.get('source') or 'an unknown line'}), whose strategy is planned once for all of "
+                    "them, on the first: it would do nothing. Fix: a pattern that matches the first layer's node "
+                    "too (e.g. the module path without its layer index)")
+            names = [n.name for n in matched]
             if names:
-                first = next(n for n in self.graph.nodes if n.name == names[0])
+                first = matched[0]
                 raise HintUnsatisfiable(
                     f"hint {pattern!r} matches only nodes whose placement follows their inputs ({', '.join(names[:4])}"
                     f"{', ...' if len(names) > 4 else ''}; {names[0]} at {first.meta.get('source') or 'an unknown line'}"

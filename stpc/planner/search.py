@@ -56,7 +56,7 @@ from stpc.planner.builder import NS, Builder, build_problem, make_plan
 from stpc.planner.hints import RECOMPUTE_LEVELS, HintUnsatisfiable, Hints, preset
 from stpc.planner.plan import Plan
 from stpc.planner.report import indivisible
-from stpc.planner.solver import (InfeasibleBudget, NoBetterPlan, Problem, SolverTimeout, eliminated,
+from stpc.planner.solver import (TIME_LIMIT_S, InfeasibleBudget, NoBetterPlan, Problem, SolverTimeout, eliminated,
                                  memory_blind_optimum, min_memory, min_memory_bound, solve)
 
 
@@ -163,7 +163,7 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
            hints: str | Hints | None = None, temporal: bool = True, dtype: str = "fp32",
            optimizer_layout: str = "fp32-adam",
            progress: Callable[[SearchProgress], None] | None = None, recompute: str | None = None,
-           time_limit_s: float = 120.0) -> Plan:
+           time_limit_s: float = TIME_LIMIT_S) -> Plan:
     """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple). ``hints``: a
     ``Hints``, or a preset name: ``megatron``, ``fsdp-tp`` and ``spatial`` search their
     whole layout space (``stpc.planner.baselines``; a given shape keeps the layouts on it),
@@ -264,7 +264,7 @@ def _better(a, b) -> bool:
 
 
 def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress=None,
-            recompute=None, time_limit_s=120.0) -> Plan:
+            recompute=None, time_limit_s=TIME_LIMIT_S) -> Plan:
     t0 = time.perf_counter()
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
     shape, n = parse_mesh(mesh)

@@ -194,6 +194,10 @@ class NoBetterPlan(Exception):
     """No solution reaches the problem's objective cap (another mesh shape is better)."""
 
 
+# CP-SAT's wall-clock limit on one solve, seconds (the search's on each budget-bound candidate)
+TIME_LIMIT_S = 120.0
+
+
 class SolverTimeout(RuntimeError):
     """CP-SAT found no solution within its time limit (status UNKNOWN): it proved neither
     that a solution under the problem's cap exists nor that none does."""
@@ -437,7 +441,7 @@ class _Progress(cp_model.CpSolverSolutionCallback):
         self._call(None, math.ceil(bound))
 
 
-def solve(p: Problem, time_limit_s: float = 120.0, prune: bool = True, method: str = "auto",
+def solve(p: Problem, time_limit_s: float = TIME_LIMIT_S, prune: bool = True, method: str = "auto",
           on_progress=None) -> Solution:
     """Exact optimum; deterministic.
 

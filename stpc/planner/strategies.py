@@ -194,7 +194,10 @@ def op_spec(node: fx.Node) -> OpSpec | None:
         x = _labels("d", len(_shape(ops[0])))
         norm = frozenset(x[-nd:])
         ins = [x] + [x[-nd:]] * (len(ops) - 1)
-        return OpSpec(ins=ins, out=x, fixed=norm, grid_norm=nd == 1 and len(x) >= 2)
+        # runtime.grid_rms_norm runs RMSNorm as stpc.trace fuses it: no weight (its mul a node
+        # of its own), eps given; torch.nn.RMSNorm's own rms_norm(x, shape, weight) keeps no grid
+        gridded = t is aten.layer_norm.default or (len(ops) == 1 and len(node.args) > 3 and node.args[3] is not None)
+        return OpSpec(ins=ins, out=x, fixed=norm, grid_norm=nd == 1 and len(x) >= 2 and gridded)
     if t is aten.embedding.default:
         idx = _labels("i", len(_shape(ops[1])))
         # Splitting the vocabulary is Megatron's vocab-parallel embedding: a masked
