@@ -135,7 +135,7 @@ def fuse_rms_norm(gm: fx.GraphModule) -> fx.GraphModule:
     module docstring). Returns ``gm`` (linted, recompiled)."""
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.pow.Tensor_Scalar or node.graph is not graph:
+        if node.op != "call_function" or node.target is not aten.pow.Tensor_Scalar:
             continue
         chain = _rms_chain(node)
         if chain is None:

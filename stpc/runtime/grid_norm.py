@@ -123,29 +123,13 @@ def grid_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
     return _GridLayerNorm.apply(x, weight, bias, float(eps), group)
 
 
-class _GridBiasAdd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias, group):
-        width = x.shape[-1]
-        ctx.group, ctx.width, ctx.bias_shape = group, width, bias.shape
-        return x + _column_slice(bias, group, width)
-
-    @staticmethod
-    def backward(ctx, g):
-        db = None
-        if ctx.needs_input_grad[1]:
-            db = g.new_zeros(ctx.bias_shape)
-            _column_slice(db, ctx.group, ctx.width).copy_(g.sum(tuple(range(g.dim() - 1))))
-        return g, db, None
-
-
 def grid_bias_add(x: Tensor, bias: Tensor, group: str) -> Tensor:
     """``x + bias`` where ``x`` is this device's block of a grid layout whose last dim is split
     over the grid's columns (a P(2^k x 2^k) linear's output) and ``bias`` is whole: the slice
     of this device's grid column is added. Its gradient comes back whole-sized, zero outside
     that slice (summed over the axis group, as a Replicate operand's is, it is complete)."""
     _grid_side(group, "grid_bias_add")
-    return _GridBiasAdd.apply(x, bias, group)
+    return x + grid_column(bias, group)
 
 
 class _GridRMSNorm(torch.autograd.Function):
