@@ -86,8 +86,8 @@ class Cluster:
     backend's algorithms differ per collective (gloo does not run every collective as a
     ring). Collectives it does not name use ``intra``. ``collective_bands`` (also only
     from a profile) refines that per message size: kind -> ((upper_nbytes, alpha_s,
-    bw_bytes_per_s), ...),
-    see :mod:`profile`.
+    bw_bytes_per_s), ...), and (kind, n) -> the same for groups of ``n`` ranks smaller than
+    the node, measured on such groups, see :mod:`profile`.
     """
 
     name: str

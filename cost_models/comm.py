@@ -40,8 +40,9 @@ its N/n bytes cross nodes. P2P along a crossing axis pays the inter-node link: t
 step is as slow as its slowest hop.
 
 A calibration profile may carry per-collective, per-message-size alpha-beta bands
-(``Cluster.collective_bands``); they apply to groups inside one node, the only kind a
-profile measures.
+(``Cluster.collective_bands``), for the whole node and for each smaller group size it
+measured; they apply to groups inside one node, the only kind a profile measures: an
+axis's group size picks its own bands where there are some, else the node's.
 """
 from __future__ import annotations
 
@@ -98,9 +99,10 @@ class CostModel:
             self._axes.append((n, crosses, n_in, n // n_in))
         # (axis, kind) -> (alpha_eff, beta_eff); filled lazily, pure floats afterwards.
         self._eff: dict[tuple[int, str], tuple[float, float]] = {}
-        # kind -> (sorted band upper bounds, [(alpha, beta), ...]) from a calibration profile.
-        self._bands = {kind: ([u for u, _, _ in bands], [(a, 1.0 / bw) for _, a, bw in bands])
-                       for kind, bands in cluster.collective_bands.items() if bands}
+        # kind or (kind, group size) -> (sorted band upper bounds, [(alpha, beta), ...]) from a
+        # calibration profile.
+        self._bands = {key: ([u for u, _, _ in bands], [(a, 1.0 / bw) for _, a, bw in bands])
+                       for key, bands in cluster.collective_bands.items() if bands}
 
     # ------------------------------------------------------------------ links
     def _intra(self, kind: str) -> Link:
@@ -142,9 +144,12 @@ class CostModel:
         return ab
 
     def _ab(self, axis: int, kind: str, nbytes: float) -> tuple[float, float]:
-        """alpha, beta for a message of ``nbytes``: the calibrated band if there is one."""
-        bands = self._bands.get(kind) if self._bands else None
-        if bands is None or self._axes[axis][1]:
+        """alpha, beta for a message of ``nbytes``: the calibrated band if there is one, the
+        one measured on groups of this axis's size where the profile has them."""
+        if not self._bands or self._axes[axis][1]:
+            return self._alpha_beta(axis, kind)
+        bands = self._bands.get((kind, self._axes[axis][0])) or self._bands.get(kind)
+        if bands is None:
             return self._alpha_beta(axis, kind)
         i = bisect_left(bands[0], nbytes)
         return bands[1][i if i < len(bands[1]) else -1]

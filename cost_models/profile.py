@@ -15,6 +15,7 @@ Profile JSON (version 1)::
      "collectives": {kind: {"alpha_s", "bw_bytes_per_s", "rel_rms",
                             "samples": [[nbytes, seconds], ...],
                             "bands": [[upper_nbytes, alpha_s, bw_bytes_per_s], ...]}},
+     "group_collectives": {n: {kind: {as above}}},          # optional: groups of n < ranks
      "overlap": {"slowdown": float, "ring_step_overhead_s": s, ...}}   # optional
 
 ``peak_flops`` is each dtype's large-GEMM rate and ``gemm_ramps`` its ramp (``gemm_ramp_s``:
@@ -43,6 +44,11 @@ line per collective, a profile therefore keeps a *piecewise* alpha-beta model: o
 line per pair of adjacent calibrated sizes, fitted to the nearest sizes (see
 :func:`fit_bands`). The cost model uses the band containing the message size (the
 first/last band extrapolates).
+
+``group_collectives`` holds the same fits for each smaller group size a mesh axis can have,
+timed with every group of that many consecutive ranks running at once (profiles written
+before they were measured lack them; the cost model then uses the world's fits at every
+group size, the ring formula scaling them).
 
 ``nbytes`` of a sample follows :class:`~stpc.cost_models.comm.CostModel`: the FULL
 tensor for collectives, the per-rank message for p2p.
@@ -190,8 +196,9 @@ def load_profile(path: str) -> Cluster:
     link = Link(float(p["link"]["alpha_s"]), float(p["link"]["bw_bytes_per_s"]))
     per_kind = {kind: Link(float(c["alpha_s"]), float(c["bw_bytes_per_s"]))
                 for kind, c in p["collectives"].items()}
-    bands = {kind: tuple((float(u), float(a), float(bw)) for u, a, bw in c["bands"])
-             for kind, c in p["collectives"].items() if c.get("bands")}
+    bands = {kind: _bands(c) for kind, c in p["collectives"].items() if c.get("bands")}
+    bands.update({(kind, int(n)): _bands(c) for n, kinds in p.get("group_collectives", {}).items()
+                  for kind, c in kinds.items() if c.get("bands")})
     overlap = p.get("overlap", {})  # (profiles written before the overlap was measured lack it)
     return Cluster(p["name"], device, nodes=1, devices_per_node=int(p["ranks"]), intra=link,
                    inter=link, collective_links=per_kind, collective_bands=bands,
@@ -201,6 +208,10 @@ def load_profile(path: str) -> Cluster:
                    ring_overlap_slowdown=overlap.get("ring_slowdown", overlap.get("slowdown")),
                    collective_sync_s=float(overlap.get("collective_sync_s", 0.0)),
                    gather_staging=int(p.get("gather_staging", 1)))  # (calibrate runs gloo ranks)
+
+
+def _bands(entry: dict) -> tuple:
+    return tuple((float(u), float(a), float(bw)) for u, a, bw in entry["bands"])
 
 
 def get_cluster(name_or_profile_path: str) -> Cluster:

@@ -12,19 +12,22 @@ from stpc.cost_models import CostModel, get_cluster
 
 
 @pytest.mark.multirank
-@pytest.mark.slow  # 25 s of real measurements; the profile's use is tested on fixtures below
+@pytest.mark.slow  # 40 s of real measurements; the profile's use is tested on fixtures below
 def test_calibrate_two_ranks_smoke(tmp_path):
     out = str(tmp_path / "p.json")
-    rc = main_calibrate(["--out", out, "--ranks", "2", "--sizes", "16K,64K,256K", "--iters", "2"])
+    rc = main_calibrate(["--out", out, "--ranks", "4", "--sizes", "16K,64K,256K", "--iters", "2"])
     assert rc == 0
     prof = json.load(open(out))
-    assert prof["ranks"] == 2 and prof["backend"] == "gloo"
+    assert prof["ranks"] == 4 and prof["backend"] == "gloo"
     assert set(prof["collectives"]) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"}
-    for c in prof["collectives"].values():
+    # timed again on pairs (the groups of a 2x2 mesh's axes), every kind but the P2P
+    assert set(prof["group_collectives"]) == {"2"}
+    assert set(prof["group_collectives"]["2"]) == set(prof["collectives"]) - {"p2p"}
+    for c in [*prof["collectives"].values(), *prof["group_collectives"]["2"].values()]:
         assert len(c["samples"]) == 3 and all(t > 0 for _, t in c["samples"])
         assert len(c["bands"]) == 2
     cl = get_cluster(out)
-    assert cl.num_devices == 2 and cl.device.efficiency == 1.0
+    assert cl.num_devices == 4 and cl.device.efficiency == 1.0
     assert all(v > 1e6 for v in cl.device.peak_flops.values())  # measured, not zero
     # the overlap of compute and transfers, measured on stpc's own AG-ring, reaches the cost model
     ov = prof["overlap"]
@@ -43,7 +46,7 @@ def test_calibrate_two_ranks_smoke(tmp_path):
     g, c, both = (ov["blocking"][k] for k in ("gemms_s", "all_reduce_s", "both_s"))
     assert ov["collective_sync_s"] == pytest.approx(max(0.0, both - g - c))
     assert cl.collective_sync_s == ov["collective_sync_s"]
-    cm = CostModel(cl, (2,))
+    cm = CostModel(cl, (4,))
     assert cm.overlap_slowdown == ov["slowdown"] and cm.ring_overlap_slowdown == ov["ring_slowdown"]
     # every probed op's measured slowdown reaches the device the planner costs with
     from stpc.cli.calibrate_ops import PROBES
@@ -58,13 +61,16 @@ def test_calibrate_two_ranks_smoke(tmp_path):
         assert r["measured_s"] > 0 and r["roofline_s"] > 0, op
         assert cl.device.op_slowdown[op] == pytest.approx(r["measured_s"] / r["roofline_s"]), op
     # The CostModel uses the profile's band that contains the message size.
+    # (an axis of 2 ranks, the pairs' bands)
     from stpc.cost_models.profile import coefficients
-    for kind, c in prof["collectives"].items():
-        for nb, _t in c["samples"]:
-            _, a, bw = next((b for b in c["bands"] if nb <= b[0]), c["bands"][-1])
-            ca, cb = coefficients(kind, 2, nb)
-            model = ca * a + cb / bw
-            assert getattr(cm, kind)(nb, 0) == pytest.approx(model, rel=1e-9), kind
+    pair = CostModel(cl, (2, 2))
+    for costs, n, fits in ((cm, 4, prof["collectives"]), (pair, 2, prof["group_collectives"]["2"])):
+        for kind, c in fits.items():
+            for nb, _t in c["samples"]:
+                _, a, bw = next((b for b in c["bands"] if nb <= b[0]), c["bands"][-1])
+                ca, cb = coefficients(kind, n, nb)
+                model = ca * a + cb / bw
+                assert getattr(costs, kind)(nb, 0) == pytest.approx(model, rel=1e-9), (kind, n)
 
 
 def test_calibrate_never_hangs(tmp_path):

@@ -290,6 +290,38 @@ def test_fit_recovers_alpha_beta_and_roundtrips(tmp_path):
     assert (d.ramp_s("fp32"), d.ramp_s("bf16"), d.ramp_s("fp16")) == (5e-6, 3e-5, 5e-6)
 
 
+def test_group_size_bands_cost_the_axes_of_that_size(tmp_path):
+    """A profile's collectives timed on pairs (every pair at once) cost a mesh's axes of 2 ranks;
+    the axes of the whole node keep the node's bands; an older profile without them costs pairs
+    by the node's bands through the ring formula."""
+    from stpc.cli.calibrate import sub_group_sizes
+
+    assert sub_group_sizes(4) == [2] and sub_group_sizes(8) == [2, 4] and sub_group_sizes(2) == []
+    assert sub_group_sizes(6) == [2, 3]
+    sizes = [1 << 20, 1 << 22, 1 << 24]
+    world = [("all_gather", s, predict("all_gather", 4, s, 1e-4, 1e9)) for s in sizes]
+    pairs = [("all_gather", s, predict("all_gather", 2, s, 2e-4, 4e8)) for s in sizes]  # slower per byte
+    prof = {"version": 1, "name": "synthetic-groups", "ranks": 4, "backend": "gloo",
+            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
+                       "mem_bw": 1e10, "mem_bytes": 1e10, "efficiency": 1.0},
+            "link": {"alpha_s": 1e-4, "bw_bytes_per_s": 1e9},
+            "collectives": {"all_gather": {"alpha_s": 1e-4, "bw_bytes_per_s": 1e9, "bands": fit_bands(world, 4)}}}
+    path = str(tmp_path / "old.json")
+    save_profile(prof, path)
+    old = CostModel(get_cluster(path), (2, 2))
+    s = 1 << 23
+    assert old.all_gather(s, 1) == pytest.approx(predict("all_gather", 2, s, 1e-4, 1e9), rel=1e-6)
+    save_profile({**prof, "group_collectives": {"2": {"all_gather": {
+        "alpha_s": 2e-4, "bw_bytes_per_s": 4e8, "bands": fit_bands(pairs, 2)}}}}, str(tmp_path / "new.json"))
+    cl = get_cluster(str(tmp_path / "new.json"))
+    pair, node = CostModel(cl, (2, 2)), CostModel(cl, (4,))
+    for axis in (0, 1):
+        assert pair.all_gather(s, axis) == pytest.approx(predict("all_gather", 2, s, 2e-4, 4e8), rel=1e-6)
+    assert node.all_gather(s, 0) == pytest.approx(predict("all_gather", 4, s, 1e-4, 1e9), rel=1e-6)
+    # a kind the pairs were not timed on falls back to the node's figures
+    assert pair.reduce_scatter(s, 1) == pytest.approx(old.reduce_scatter(s, 1))
+
+
 def test_fit_overlap_reads_overhead_from_the_tiny_ring_and_slowdown_from_the_long_one():
     from stpc.cli.calibrate import fit_overlap
 

@@ -11,7 +11,11 @@ planner models):
   (``DeviceSpec.gemm_ramps``, ``cost_models.profile.fit_gemm_curve``);
 * all-gather, reduce-scatter, all-reduce, all-to-all and ring P2P (every rank sends to
   its right neighbour) over a range of message sizes, on gloo over 127.0.0.1 on CPU or
-  NCCL on GPUs. A sample's time is the slowest rank's, fastest of several timed windows;
+  NCCL on GPUs, issued as the runtime issues them (functional collectives, a fresh output
+  each call). A sample's time is the slowest rank's, the median of several timed windows.
+  The collectives are timed again on every smaller group size a mesh axis can have
+  (``sub_group_sizes``: 2 of 4 ranks), all groups at once: a pair's gather is not the
+  world's ring formula at n=2 (on the development VM's loopback, 2x it at 4-24 MiB);
 * on CPU ranks, forward + backward of each op the built-in models use that is not a GEMM
   (layer norm, gelu, attention, the loss, ...), every rank at once, against the roofline
   time the planner charges it (``stpc.cli.calibrate_ops``): the device's ``op_slowdown``;
@@ -75,6 +79,7 @@ from stpc.cost_models.compute import COPY_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES
 from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, fit_gemm_curve, save_profile
 from stpc.runtime.launch import SpawnTimeout, spawn
 from stpc.runtime.ops import ring_allgather_matmul
+from stpc.runtime.reshard import _c10d
 
 DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 MATMUL_SHAPES = [(128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024)]
@@ -120,33 +125,39 @@ def _time_ops(fns: list, iters: int, dev, min_window_s: float = 0.03) -> list[fl
     ``min_window_s`` (barrier skew and scheduling jitter, milliseconds when ranks
     outnumber cores, are amortised). Windows go round-robin over all closures so a
     change in the machine's load spreads over every size instead of bending the curve.
-    A window lasts as long as its slowest rank; the result is the fastest window: on a
-    shared machine the others measure whoever else is running, and the model should
-    describe the transport, not the neighbours."""
+    A window lasts as long as its slowest rank; the result is the median window, what a
+    training step meets: where ranks outnumber cores the fastest window is the one the
+    scheduler happened to favour (at 4 to 24 MiB, 10-30% below the median on the
+    development VM), and the planner predicts the median of measured steps."""
     reps = [_repeats(fn, dev, min_window_s) for fn in fns]
     times = [[_window(fn, r, dev) for fn, r in zip(fns, reps)] for _ in range(iters)]
     t = torch.tensor(times, dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a collective ends when its slowest rank does
-    return t.min(dim=0).values.tolist()
+    return t.median(dim=0).values.tolist()
 
 
-def _collective_fn(kind: str, nbytes: int, rank: int, world: int, dev):
-    """A closure running one ``kind`` whose full tensor is ``nbytes`` (per-rank message for p2p)."""
-    elems = max(world, nbytes // 4 // world * world)  # fp32, divisible by world
+def _collective_fn(kind: str, nbytes: int, rank: int, world: int, dev, group=None):
+    """A closure running one ``kind`` whose full tensor is ``nbytes`` (per-rank message for p2p)
+    over ``group`` (None: every rank). Collectives run as the runtime issues them: torch's
+    functional collectives (``stpc.runtime.reshard``), which allocate their output on every
+    call, and waited at once. (A preallocated output times a warm buffer: over loopback
+    gloo a fresh one costs up to 2x more at tens of MiB, its pages faulting in.)"""
+    group = group or dist.group.WORLD
+    n, name = dist.get_world_size(group), group.group_name
+    elems = max(n, nbytes // 4 // n * n)  # fp32, divisible by the group
     if kind == "all_gather":
-        inp, out = torch.ones(elems // world, device=dev), torch.empty(elems, device=dev)
-        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
-        return lambda: ag(out, inp)
+        inp = torch.ones(elems // n, device=dev)
+        return lambda: _c10d.wait_tensor(_c10d.all_gather_into_tensor(inp, n, name))
     if kind == "reduce_scatter":
-        inp, out = torch.ones(elems, device=dev), torch.empty(elems // world, device=dev)
-        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return lambda: rs(out, inp)
+        inp = torch.ones(elems, device=dev)
+        return lambda: _c10d.wait_tensor(_c10d.reduce_scatter_tensor(inp, "sum", n, name))
     if kind == "all_reduce":
         buf = torch.ones(elems, device=dev)
-        return lambda: dist.all_reduce(buf)
+        return lambda: _c10d.wait_tensor(_c10d.all_reduce(buf, "sum", name))
     if kind == "all_to_all":
-        inp, out = torch.ones(elems // world, device=dev), torch.empty(elems // world, device=dev)
-        return lambda: dist.all_to_all_single(out, inp)
+        per = max(n, nbytes // 4 // n // n * n)  # this rank's part, n equal pieces
+        inp, split = torch.ones(per, device=dev), [per // n] * n
+        return lambda: _c10d.wait_tensor(_c10d.all_to_all_single(inp, split, split, name))
     if kind == "p2p":
         n = max(1, nbytes // 4)
         send, recv = torch.ones(n, device=dev), torch.empty(n, device=dev)
@@ -158,6 +169,13 @@ def _collective_fn(kind: str, nbytes: int, rank: int, world: int, dev):
                 r.wait()
         return ring_shift
     raise ValueError(f"unknown collective {kind!r}")
+
+
+def sub_group_sizes(world: int) -> list[int]:
+    """The group sizes below the world a mesh axis of ``world`` ranks can have (its proper
+    divisors from 2): ``calibrate`` times each kind on them too, every group of consecutive
+    ranks at once (the groups of a mesh's innermost axis)."""
+    return [d for d in range(2, world) if world % d == 0]
 
 
 def _sustained(fn, dev, window_s: float) -> float:
@@ -350,6 +368,15 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
     fns = [_collective_fn(kind, nbytes, rank, world, dev) for kind, nbytes in cases]
     secs = _time_ops(fns, task["iters"], dev)
     result["samples"] = [[kind, nbytes, t] for (kind, nbytes), t in zip(cases, secs)]
+    result["group_samples"] = {}
+    for n in task.get("group_sizes", []):
+        # every rank joins every new_group call, in the same order; each times its own group
+        groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
+        mine = groups[rank // n]
+        sub = [(kind, nbytes) for kind, nbytes in cases if kind != "p2p"]  # (a P2P is a pair already)
+        secs = _time_ops([_collective_fn(kind, nbytes, rank, world, dev, mine) for kind, nbytes in sub],
+                         task["iters"], dev)
+        result["group_samples"][str(n)] = [[kind, nbytes, t] for (kind, nbytes), t in zip(sub, secs)]
     return result if rank == 0 else None
 
 
@@ -375,6 +402,14 @@ def measure_collectives(world_size: int = 4, sizes=DEFAULT_SIZES, kinds=KINDS, i
     return [tuple(s) for s in run_spawned(world_size, task, timeout_s)["samples"]]
 
 
+def _fit_kind(ks: list[tuple[str, float, float]], n: int) -> dict:
+    """A profile's entry for one collective kind from its (kind, nbytes, seconds) samples on
+    groups of ``n`` ranks: the least-squares line and the bands."""
+    alpha, bw, err = fit_alpha_beta(ks, n)
+    return {"alpha_s": alpha, "bw_bytes_per_s": bw, "rel_rms": err,
+            "samples": [[nb, t] for _, nb, t in ks], "bands": fit_bands(ks, n)}
+
+
 def _default_backend(world_size: int) -> str:
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "nccl"
@@ -395,7 +430,7 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     backend = backend or _default_backend(world_size)
     facts = {p.op: probe_facts(p) for p in PROBES}  # (first: a probe torch traces otherwise fails at once)
     task = {"backend": backend, "kinds": list(kinds), "sizes": [int(s) for s in sizes],
-            "iters": iters, "matmul": True}
+            "iters": iters, "matmul": True, "group_sizes": sub_group_sizes(world_size)}
     res = run_spawned(world_size, task, timeout_s)
     samples = [tuple(s) for s in res["samples"]]
 
@@ -433,18 +468,17 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
         ops[OPTIMIZER_OP] = {"measured_s": opt_s, "roofline_s": roof, "slowdown": opt_s / roof}
     device["op_slowdown"] = {op: r["slowdown"] for op, r in ops.items()}
 
-    collectives = {}
-    for kind in kinds:
-        ks = [s for s in samples if s[0] == kind]
-        alpha, bw, err = fit_alpha_beta(ks, world_size)
-        collectives[kind] = {"alpha_s": alpha, "bw_bytes_per_s": bw, "rel_rms": err,
-                             "samples": [[nb, t] for _, nb, t in ks], "bands": fit_bands(ks, world_size)}
+    collectives = {kind: _fit_kind([s for s in samples if s[0] == kind], world_size) for kind in kinds}
+    # the same kinds on each smaller group (every group of consecutive ranks at once)
+    groups = {n: {kind: _fit_kind([tuple(x) for x in got if x[0] == kind], int(n))
+                  for kind in kinds if kind != "p2p"}
+              for n, got in res.get("group_samples", {}).items()}
     alpha, bw, err = fit_alpha_beta(samples, world_size)
     profile = {"version": 1, "name": f"calibrated-{socket.gethostname()}-{backend}-{world_size}",
                "backend": backend, "ranks": world_size, "torch": torch.__version__,
                "device": device, "matmul": rows, "ops": ops,
                "link": {"alpha_s": alpha, "bw_bytes_per_s": bw, "rel_rms": err},
-               "collectives": collectives, "overlap": fit_overlap([r["overlap"] for r in per_rank])}
+               "collectives": collectives, "group_collectives": groups, "overlap": fit_overlap([r["overlap"] for r in per_rank])}
     if out:
         save_profile(profile, out)
     return profile
