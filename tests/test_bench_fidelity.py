@@ -11,7 +11,8 @@ import torch
 
 from stpc.cli import bench
 from stpc.cli.bench_fidelity import (DEFAULT_PLANS, _profile_step, json_records, judge, kendall_tau, notes,
-                                     other_ops, param_mismatches, plan_spec, rel_error, report)
+                                     other_ops, param_mismatches, plan_spec, rel_error, report, separated_pairs,
+                                     sign_test_p)
 from stpc.cli.bench_runtime import StpcEngine, _peak_of_step, _step
 from stpc.frontend import models
 
@@ -112,6 +113,33 @@ def test_judge_targets_are_parameters():
     assert v["memory_met"] and v["time_met"] and v["order_met"]
 
 
+def test_sign_test_p():
+    # two-sided exact: 9 of 10 rounds is p = 2 * 11/1024, 8 of 10 is 2 * 56/1024
+    assert sign_test_p(9, 10) == pytest.approx(22 / 1024) and sign_test_p(1, 10) == pytest.approx(22 / 1024)
+    assert sign_test_p(8, 10) == pytest.approx(112 / 1024)
+    assert sign_test_p(10, 10) == pytest.approx(2 / 1024)
+    assert sign_test_p(5, 10) == 1.0 and sign_test_p(0, 0) == 1.0
+
+
+def test_order_over_the_pairs_the_measurement_separates():
+    """A pair whose rounds split (a measurement tie) is named, not judged; a separated pair the
+    model orders wrong breaks the separated order, whatever the medians say."""
+    a = _rec("a", 100, 100, 1.0, 1.00) | {"steps_s": [1.0] * 10}
+    b = _rec("b", 100, 100, 1.2, 0.99) | {"steps_s": [1.01, 0.99] * 5}       # ties a: 5 of 10
+    c = _rec("c", 100, 100, 1.1, 1.50) | {"steps_s": [1.5] * 9 + [0.9]}       # slower than a in 9 of 10
+    v = judge([a, b, c])
+    pairs = {(q["a"], q["b"]): q for q in v["pairs"]}
+    assert not pairs[("a", "b")]["separated"] and pairs[("a", "b")]["a_wins"] == 5
+    assert pairs[("a", "c")]["separated"] and pairs[("a", "c")]["concordant"]
+    assert pairs[("b", "c")]["separated"] and pairs[("b", "c")]["concordant"] is False  # predicted c < b
+    assert not v["order_met"] and not v["separated_order_met"] and v["tau_separated"] == pytest.approx(0.0)
+    c["predicted_step_s"] = 1.3  # now b < c as measured: every separated pair in order, a / b a tie
+    v = judge([a, b, c])
+    assert v["separated_order_met"] and v["tau_separated"] == pytest.approx(1.0)
+    assert not v["order_met"]  # (the medians still order a tie against the prediction)
+    assert [(q["a"], q["b"]) for q in separated_pairs([a, b, c]) if not q["separated"]] == [("a", "b")]
+
+
 # ----------------------------------------------------------------------------- plans, report
 
 
@@ -188,6 +216,7 @@ def test_report_and_json_records():
     assert "| megatron |" in text and "| solved |" in text
     assert "-23.1% (missed)" in text          # memory 2000 against 2600
     assert "Kendall's tau-b 1.000" in text and v["tau_fwd_bwd"] == pytest.approx(1.0)
+    assert "pairs of plans the measurement separates" in text and "measurement ties" in text
     assert "memory within 5% on every plan: MISSED" in text
     out = json_records(recs)
     assert all(tuple(o)[:5] == KEYS for o in out)
