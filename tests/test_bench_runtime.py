@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from stpc.cli import main
 from stpc.cli.bench import write_section
-from stpc.cli.bench_runtime import evaluate, memory_timeline, pairs
+from stpc.cli.bench_runtime import evaluate, memory_timeline, pairs, solved_note
 
 
 def test_write_section_replaces_only_its_own_section(tmp_path):
@@ -43,6 +43,17 @@ def test_targets_are_judged_against_the_counterpart_and_the_fastest():
     # the solved plan is held against the fastest torch engine, with no 5% allowance
     assert rows["solved"]["torch"]["name"] == "ddp" and rows["solved"]["time_met"]
     assert [p[0] for p in pairs(4)] == ["data parallel", "tensor parallel", "fsdp", "fsdp + tp", "solved"]
+
+
+def test_solved_note_says_whose_gap_it_is():
+    """The solved plan slower than a torch engine: the runtime's gap where it is stpc's fastest
+    program, the model's misranking where another stpc program beat it."""
+    recs = [_rec("data parallel", "stpc", "dp", 1.05, 100), _rec("data parallel", "torch", "ddp", 1.0, 120),
+            _rec("solved", "stpc", "solved", 1.03, 50)]
+    assert "fastest of stpc's programs" in solved_note(recs) and "runtime's" in solved_note(recs)
+    recs[2]["median_step_s"] = 1.07
+    assert "misranks" in solved_note(recs) and "data parallel" in solved_note(recs)
+    assert solved_note(recs[:2]) == ""
 
 
 @pytest.mark.multirank
