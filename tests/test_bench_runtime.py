@@ -50,9 +50,13 @@ def test_solved_note_says_whose_gap_it_is():
     program, the model's misranking where another stpc program beat it."""
     recs = [_rec("data parallel", "stpc", "dp", 1.05, 100), _rec("data parallel", "torch", "ddp", 1.0, 120),
             _rec("solved", "stpc", "solved", 1.03, 50)]
+    recs[0]["steps_s"], recs[2]["steps_s"] = [1.05] * 10, [1.03] * 10
     assert "fastest of stpc's programs" in solved_note(recs) and "runtime's" in solved_note(recs)
-    recs[2]["median_step_s"] = 1.07
+    recs[2]["median_step_s"], recs[2]["steps_s"] = 1.07, [1.07] * 9 + [1.0]   # dp faster in 9 of 10 rounds
     assert "misranks" in solved_note(recs) and "data parallel" in solved_note(recs)
+    recs[2]["steps_s"] = [1.07, 1.0] * 5  # a median above dp's, but the rounds split: a tie
+    note = solved_note(recs)
+    assert "measure alike" in note and "faster in 5 of 10 rounds" in note and "misranks" not in note
     assert solved_note(recs[:2]) == ""
 
 

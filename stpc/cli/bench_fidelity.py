@@ -109,6 +109,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from stpc.cli._common import Parser, add_flags, verb, write_json
 from stpc.cli._progress import SearchStatus, Status
+from stpc.cli._stats import SIGN_TEST_P, sign_test_p
 from stpc.cli.bench_runtime import (StpcEngine, _live_bytes, _live_storages, _peak_of_step, interleaved,
                                     memory_timeline, timed_step)
 from stpc.compile import compile as stpc_compile
@@ -262,19 +263,6 @@ def kendall_tau(x: list[float], y: list[float]) -> float | None:
     pairs = n * (n - 1) // 2
     denom = math.sqrt((pairs - tied_x) * (pairs - tied_y))
     return None if denom == 0 else (concordant - discordant) / denom
-
-
-SIGN_TEST_P = 0.05  # two plans' measured order counts where a sign test over the rounds gives p below this
-
-
-def sign_test_p(wins: int, rounds: int) -> float:
-    """Two-sided exact sign test: the chance of a split at least as uneven as ``wins`` of
-    ``rounds`` (ties left out) if each plan were as likely to be the faster in a round."""
-    if rounds == 0:
-        return 1.0
-    k = max(wins, rounds - wins)
-    tail = sum(math.comb(rounds, i) for i in range(k, rounds + 1)) / 2.0 ** rounds
-    return min(1.0, 2.0 * tail)
 
 
 def separated_pairs(distinct: list[dict], p_max: float = SIGN_TEST_P) -> list[dict]:

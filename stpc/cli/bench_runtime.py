@@ -43,6 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from stpc.cli._common import Parser, add_flags, verb, write_json
 from stpc.cli._progress import bar
+from stpc.cli._stats import SIGN_TEST_P, sign_test_p
 from stpc.cli.bench_engines import Engine, build_engine
 from stpc.compile import compile as stpc_compile
 from stpc.frontend import models
@@ -291,21 +292,32 @@ def evaluate(records: list[dict]) -> list[dict]:
 
 
 def solved_note(records: list[dict]) -> str:
-    """Whether the solved plan is the fastest of stpc's own programs in this run: if so, its gap
-    to a torch engine is the runtime's; if not, the cost model misranked stpc's plans here."""
+    """Whether the solved plan is the fastest of stpc's own programs in this run: if so (or if
+    the rounds do not separate it from the fastest: a two-sided sign test, as the fidelity
+    bench judges its order), its gap to a torch engine is the runtime's; if another stpc
+    program is faster in enough rounds, the cost model misranked stpc's plans here."""
     ours = [r for r in records if r["side"] == "stpc"]
     solved = next((r for r in ours if r["pair"] == "solved"), None)
     others = [r for r in ours if r["pair"] != "solved"]
     if solved is None or not others:
         return ""
     best = min(others, key=lambda r: r["median_step_s"])
+    pairs = [(x, y) for x, y in zip(solved.get("steps_s", []), best.get("steps_s", [])) if x != y]
+    wins = sum(x < y for x, y in pairs)
+    p = sign_test_p(wins, len(pairs))
+    rounds = f"the solved plan faster in {wins} of {len(pairs)} rounds"
     if solved["median_step_s"] <= best["median_step_s"]:
         return (f" In this run it is the fastest of stpc's programs ({solved['median_step_s']:.3f} s; the next, "
-                f"the {best['pair']} row's, {best['median_step_s']:.3f} s): the model ranks stpc's own plans as "
-                f"they measure, and where the solved plan is slower than a torch engine the gap is the runtime's.")
+                f"the {best['pair']} row's, {best['median_step_s']:.3f} s; {rounds}): the model ranks stpc's own "
+                f"plans as they measure, and where the solved plan is slower than a torch engine the gap is the "
+                f"runtime's.")
+    if p >= SIGN_TEST_P:
+        return (f" In this run it and stpc's {best['pair']} program measure alike ({solved['median_step_s']:.3f} "
+                f"s against {best['median_step_s']:.3f} s; {rounds}, which a sign test does not separate, p = "
+                f"{p:.2f}): where the solved plan is slower than a torch engine the gap is the runtime's.")
     return (f" In this run stpc's {best['pair']} program measured faster than the solved plan "
-            f"({best['median_step_s']:.3f} s against {solved['median_step_s']:.3f} s): the model misranks stpc's "
-            f"own plans on this machine (see the fidelity section).")
+            f"({best['median_step_s']:.3f} s against {solved['median_step_s']:.3f} s; {rounds}, p = {p:.3f}): "
+            f"the model misranks stpc's own plans on this machine (see the fidelity section).")
 
 
 def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
