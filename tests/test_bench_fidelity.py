@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from stpc.cli import bench
+from stpc.cli._stats import sign_test_p
 from stpc.cli.bench_fidelity import (DEFAULT_PLANS, _profile_step, json_records, judge, kendall_tau, notes,
-                                     other_ops, param_mismatches, plan_spec, rel_error, report, separated_pairs,
-                                     sign_test_p)
+                                     other_ops, param_mismatches, plan_spec, rel_error, report, separated_pairs)
 from stpc.cli.bench_runtime import StpcEngine, _peak_of_step, _step
 from stpc.frontend import models
 

@@ -18,4 +18,12 @@ def sign_test_p(wins: int, rounds: int) -> float:
     return min(1.0, 2.0 * tail)
 
 
-__all__ = ["SIGN_TEST_P", "sign_test_p"]
+def paired_rounds(a_steps: list[float], b_steps: list[float]) -> tuple[int, int, float]:
+    """Two programs' step times of the same interleaved rounds, compared round by round:
+    (rounds ``a`` was faster in, rounds not tied, the sign test's p)."""
+    pairs = [(x, y) for x, y in zip(a_steps, b_steps) if x != y]
+    wins = sum(x < y for x, y in pairs)
+    return wins, len(pairs), sign_test_p(wins, len(pairs))
+
+
+__all__ = ["SIGN_TEST_P", "sign_test_p", "paired_rounds"]

@@ -109,7 +109,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from stpc.cli._common import Parser, add_flags, verb, write_json
 from stpc.cli._progress import SearchStatus, Status
-from stpc.cli._stats import SIGN_TEST_P, sign_test_p
+from stpc.cli._stats import SIGN_TEST_P, paired_rounds
 from stpc.cli.bench_runtime import (StpcEngine, _live_bytes, _live_storages, _peak_of_step, interleaved,
                                     memory_timeline, timed_step)
 from stpc.compile import compile as stpc_compile
@@ -269,7 +269,7 @@ def separated_pairs(distinct: list[dict], p_max: float = SIGN_TEST_P) -> list[di
     """Every pair of ``distinct`` plans with its measured order and whether the measurement
     separates them: the rounds are interleaved (every plan steps once a round), so a round
     is a paired comparison, and a pair is separated when the two-sided sign test over the
-    rounds (:func:`sign_test_p`) gives p < ``p_max`` (with 10 rounds: one plan faster in 9
+    rounds (``cli._stats.paired_rounds``) gives p < ``p_max`` (with 10 rounds: one plan faster in 9
     of them). A pair that is not separated is a measurement tie: its medians' order is
     noise, and a model cannot be right or wrong about it. Each pair: ``a``, ``b``,
     ``a_wins`` (rounds a was faster in), ``rounds`` (untied), ``p``, ``separated``,
@@ -278,12 +278,10 @@ def separated_pairs(distinct: list[dict], p_max: float = SIGN_TEST_P) -> list[di
     out = []
     for i, a in enumerate(distinct):
         for b in distinct[i + 1:]:
-            pairs = [(x, y) for x, y in zip(a.get("steps_s", []), b.get("steps_s", [])) if x != y]
-            wins = sum(x < y for x, y in pairs)
-            p = sign_test_p(wins, len(pairs))
+            wins, rounds, p = paired_rounds(a.get("steps_s", []), b.get("steps_s", []))
             dp = a["predicted_step_s"] - b["predicted_step_s"]
-            concordant = None if dp == 0 or 2 * wins == len(pairs) else (dp < 0) == (2 * wins > len(pairs))
-            out.append({"a": a["plan"], "b": b["plan"], "a_wins": wins, "rounds": len(pairs), "p": p,
+            concordant = None if dp == 0 or 2 * wins == rounds else (dp < 0) == (2 * wins > rounds)
+            out.append({"a": a["plan"], "b": b["plan"], "a_wins": wins, "rounds": rounds, "p": p,
                         "separated": p < p_max, "concordant": concordant})
     return out
 
@@ -838,5 +836,5 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
     return 0
 
 
-__all__ = ["main_fidelity", "make_plans", "plan_spec", "kendall_tau", "sign_test_p", "separated_pairs", "judge",
+__all__ = ["main_fidelity", "make_plans", "plan_spec", "kendall_tau", "separated_pairs", "judge",
            "distinct_plans", "rel_error", "report", "run", "contributors", "param_mismatches", "notes", "other_ops", "json_records", "MEMORY_TARGET", "TIME_TARGET", "DEFAULT_PLANS"]

@@ -43,7 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from stpc.cli._common import Parser, add_flags, verb, write_json
 from stpc.cli._progress import bar
-from stpc.cli._stats import SIGN_TEST_P, sign_test_p
+from stpc.cli._stats import SIGN_TEST_P, paired_rounds
 from stpc.cli.bench_engines import Engine, build_engine
 from stpc.compile import compile as stpc_compile
 from stpc.frontend import models
@@ -302,10 +302,8 @@ def solved_note(records: list[dict]) -> str:
     if solved is None or not others:
         return ""
     best = min(others, key=lambda r: r["median_step_s"])
-    pairs = [(x, y) for x, y in zip(solved.get("steps_s", []), best.get("steps_s", [])) if x != y]
-    wins = sum(x < y for x, y in pairs)
-    p = sign_test_p(wins, len(pairs))
-    rounds = f"the solved plan faster in {wins} of {len(pairs)} rounds"
+    wins, n, p = paired_rounds(solved.get("steps_s", []), best.get("steps_s", []))
+    rounds = f"the solved plan faster in {wins} of {n} rounds"
     if solved["median_step_s"] <= best["median_step_s"]:
         return (f" In this run it is the fastest of stpc's programs ({solved['median_step_s']:.3f} s; the next, "
                 f"the {best['pair']} row's, {best['median_step_s']:.3f} s; {rounds}): the model ranks stpc's own "

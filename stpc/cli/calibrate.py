@@ -15,7 +15,8 @@ planner models):
   each call). A sample's time is the slowest rank's, the median of several timed windows.
   The collectives are timed again on every smaller group size a mesh axis can have
   (``sub_group_sizes``: 2 of 4 ranks), all groups at once: a pair's gather is not the
-  world's ring formula at n=2 (on the development VM's loopback, 2x it at 4-24 MiB);
+  world's ring formula at n=2 (on the development VM's loopback, 1.1x it at 4-16 MiB and
+  1.9x at 64 MiB);
 * on CPU ranks, forward + backward of each op the built-in models use that is not a GEMM
   (layer norm, gelu, attention, the loss, ...), every rank at once, against the roofline
   time the planner charges it (``stpc.cli.calibrate_ops``): the device's ``op_slowdown``;
@@ -141,7 +142,8 @@ def _collective_fn(kind: str, nbytes: int, rank: int, world: int, dev, group=Non
     over ``group`` (None: every rank). Collectives run as the runtime issues them: torch's
     functional collectives (``stpc.runtime.reshard``), which allocate their output on every
     call, and waited at once. (A preallocated output times a warm buffer: over loopback
-    gloo a fresh one costs up to 2x more at tens of MiB, its pages faulting in.)"""
+    gloo a fresh one cost 1.35-1.5x more at 24-64 MiB on the development VM, its pages
+    faulting in.)"""
     group = group or dist.group.WORLD
     n, name = dist.get_world_size(group), group.group_name
     elems = max(n, nbytes // 4 // n * n)  # fp32, divisible by the group
