@@ -75,11 +75,15 @@ def test_a_tiny_run_end_to_end(tmp_path):
     losses = [e["first_loss"] for e in engines]  # one model, one batch: one loss
     assert max(losses) - min(losses) <= 1e-4 * abs(losses[0])
     assert all(e["median_step_s"] > 0 and e["peak_bytes"] > 0 for e in engines)
+    # each stpc row's plan's modelled step and peak beside its measured ones; none on torch's side
+    assert all(e["modelled_step_s"] > 0 and e["modelled_peak_bytes"] > 0 for e in engines if e["side"] == "stpc")
+    assert not any("modelled_step_s" in e for e in engines if e["side"] == "torch")
     # each step's parts, the slowest rank's: neither alone longer than the step's slowest
     assert all(0 < e["median_fwd_bwd_s"] <= max(e["steps_s"]) and 0 < e["median_optimizer_s"] <= max(e["steps_s"])
                for e in engines)
     text = open(md).read()
     assert "<!-- bench:runtime -->" in text and "| data parallel |" in text and "agree" in text
+    assert "| stpc step s, modelled |" in text and "| stpc peak MiB, modelled |" in text
     assert "Where the step goes" in text and text.count("| fsdp + tp |") == 2
     assert len(got["rows"]) == 5
 

@@ -266,8 +266,17 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                          "steps_s": [t[0] for t in times[i]],
                          "median_fwd_bwd_s": statistics.median(t[1] for t in times[i]),
                          "median_optimizer_s": statistics.median(t[2] for t in times[i]),
-                         "peak_bytes": peaks[i], "first_loss": first_loss[i]}
+                         "peak_bytes": peaks[i], "first_loss": first_loss[i], **_modelled(e)}
                         for i, (pair, side, e) in enumerate(engines)]}
+
+
+def _modelled(engine: Engine) -> dict:
+    """An stpc engine's plan's modelled step time and peak (its cost model's, on the cluster its
+    row names), to stand beside the measured ones; nothing for a torch engine."""
+    plan = engine.model.stpc.plan if isinstance(engine, StpcEngine) else None
+    if plan is None:
+        return {}
+    return {"modelled_step_s": float(plan.modelled_step_time_s), "modelled_peak_bytes": float(plan.peak_memory_bytes)}
 
 
 def evaluate(records: list[dict]) -> list[dict]:
@@ -331,14 +340,19 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
         f"is the slowest rank's. Peak memory: one step on the worst rank (live bytes at its start + the "
         f"allocator's highest climb during it). First-step losses of all engines "
         f"{'agree' if agree else 'DISAGREE'} ({min(losses):.6f} .. {max(losses):.6f}).", "",
-        "| pair | stpc (plan) | torch | stpc step s | torch step s | stpc / torch | target | met | "
-        "stpc peak MiB | torch peak MiB | memory met |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| pair | stpc (plan) | torch | stpc step s | stpc step s, modelled | torch step s | stpc / torch | target | "
+        "met | stpc peak MiB | stpc peak MiB, modelled | torch peak MiB | memory met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def modelled(r, key, scale, fmt):
+        return format(r[key] / scale, fmt) if r.get(key) is not None else "-"
     for row in rows:
         s, t = row["stpc"], row["torch"]
         lines.append(f"| {row['pair']} | {s['layout']} | {t['name']} ({t['layout']}) | {s['median_step_s']:.3f} | "
+                     f"{modelled(s, 'modelled_step_s', 1, '.3f')} | "
                      f"{t['median_step_s']:.3f} | {row['time_ratio']:.3f} | <= {row['time_limit']:.2f} | "
                      f"{'yes' if row['time_met'] else 'NO'} | {s['peak_bytes'] / 2**20:.1f} | "
+                     f"{modelled(s, 'modelled_peak_bytes', 2**20, '.1f')} | "
                      f"{t['peak_bytes'] / 2**20:.1f} | {'yes' if row['memory_met'] else 'NO'} |")
     lines.append("")
     parts = [row for row in rows if "median_fwd_bwd_s" in row["stpc"] and "median_fwd_bwd_s" in row["torch"]]
