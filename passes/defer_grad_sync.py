@@ -9,7 +9,20 @@ partial gradient backward), issued synchronously at every use. Where *every* pat
 parameter placeholder to a compute consumer goes through a ``grad_all_reduce`` on axis
 ``a`` (through other communication nodes only), the local gradient the rank computes
 for that parameter is partial on ``a`` whatever path it takes, and the all-reduce can
-wait and be batched: those nodes are removed (their forward is the identity) and the
+wait and be batched.
+
+The same holds through computation that reads parameters and constants only (GPT's
+position embedding: ``embedding(wpe, arange(S))``, replicated, then read by batch-split
+work through an ``f``): its values are the same on every rank, so its backward, linear
+in the incoming gradient, maps the partial gradient onto a partial gradient of the
+parameters. Such nodes (no random op among them) count as part of the parameter's path.
+An ``f`` there is removed only if every parameter it is computed from is deferred on its
+axis; else that parameter's other gradient would be summed twice or not at all. Kept
+in backward, that ``f`` was a blocking all-reduce on the group the reducer's buckets are
+in flight on: it waited behind them all, and with it the rest of backward (the bench
+runtime measured the 512 KiB one of ``gpt-50m``'s positions at about 9% of the step).
+
+Deferred, those nodes are removed (their forward is the identity) and the
 parameter is recorded in ``gm.meta["stpc_deferred_grads"]`` (placeholder name -> group
 names, in axis order), in the order backward completes their gradients: the reverse of
 their first use in forward (a gradient is complete once backward has passed its
@@ -26,22 +39,57 @@ one SPMD program).
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from ._common import finish
 from stpc import runtime
 
 
-def _paths(node: fx.Node, path: tuple = ()):
-    """Every path of communication nodes from ``node`` to a compute consumer: (nodes...)."""
+def _random(n: fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+
+
+def _param_derived(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose values are computed from parameters and constants alone, the same on
+    every rank (parameter placeholders included; nothing downstream of an input or of a
+    random op)."""
+    derived: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if n.meta.get("param"):
+                derived.add(n)
+        elif n.op == "get_attr" or (n.op == "call_function" and not _random(n)
+                                    and all(i in derived for i in n.all_input_nodes)):
+            derived.add(n)
+    return derived
+
+
+def _paths(node: fx.Node, through: set[fx.Node], path: tuple = ()):
+    """Every path from ``node`` to a consumer outside ``through`` (the parameter-derived
+    nodes) along communication nodes and nodes of ``through``: (nodes...)."""
     users = list(node.users)
     if not users:
         yield path
     for u in users:
-        if u.op == "call_function" and "comm" in u.meta:
-            yield from _paths(u, path + (u,))
+        if u.op == "call_function" and ("comm" in u.meta or u in through):
+            yield from _paths(u, through, path + (u,))
         else:
             yield path
+
+
+def _params_of(node: fx.Node) -> set[str]:
+    """The parameter placeholders ``node`` is computed from."""
+    seen, todo, out = set(), [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.meta.get("param"):
+            out.add(n.name)
+        todo.extend(n.all_input_nodes)
+    return out
 
 
 def defer_grad_sync(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
@@ -51,11 +99,12 @@ def defer_grad_sync(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
     placeholder -> the first one) is deferred on the axes all of them defer."""
     groups = list(gm.meta.get("stpc_groups", []))
     tied = dict(gm.meta.get("stpc_tied_params", {}))
+    through = _param_derived(gm) - {n for n in gm.graph.nodes if n.op == "placeholder"}
     found: dict[str, dict[int, set]] = {}  # placeholder -> axis -> the grad_all_reduce nodes to remove
     for ph in [n for n in gm.graph.nodes if n.op == "placeholder"]:
         if not ph.meta.get("param") or plan is not None and getattr(plan.nodes.get(ph.name), "role", "") != "param":
             continue
-        paths = list(_paths(ph))
+        paths = list(_paths(ph, through))
         if not paths or paths == [()]:
             continue
         for a, g in enumerate(groups):
@@ -63,28 +112,41 @@ def defer_grad_sync(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
                     for p in paths]
             if all(len(x) == 1 for x in on_a):
                 found.setdefault(ph.name, {})[a] = {x[0] for x in on_a}
-    # a tied parameter sums the gradients of all its placeholders: defer an axis only if all do
+    # a tied parameter sums the gradients of all its placeholders: defer an axis only if all
+    # do; an f after computation shared by several parameters goes only if all of them defer
     members: dict[str, list[str]] = {}
     for ph in [n.name for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("param")]:
         members.setdefault(tied.get(ph, ph), []).append(ph)
+    sources = {node: _params_of(node) for by_axis in found.values() for nodes in by_axis.values() for node in nodes}
+    changed = True
+    while changed:
+        changed = False
+        for phs in members.values():
+            axes = set.intersection(*[set(found.get(p, {})) for p in phs])
+            for p in phs:
+                for a in set(found.get(p, {})) - axes:
+                    del found[p][a]
+                    changed = True
+        for ph, by_axis in found.items():
+            for a in [a for a, nodes in by_axis.items()
+                      if any(a not in found.get(q, {}) for node in nodes for q in sources[node])]:
+                del by_axis[a]
+                changed = True
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     def first_use(ph: str) -> int:
         node = next(n for n in gm.graph.nodes if n.name == ph)
-        ends = [p[-1] if p else node for p in _paths(node)]
+        ends = [p[-1] if p else node for p in _paths(node, through)]
         return min((order[u] for e in ends for u in e.users), default=len(order))
 
     deferred: dict[str, list[str]] = {}
     for root, phs in members.items():
-        axes = set.intersection(*[set(found.get(p, {})) for p in phs])
-        for p in phs:
-            for a in sorted(axes):
-                for node in found[p][a]:
-                    node.replace_all_uses_with(node.args[0])
-                    gm.graph.erase_node(node)
-        if axes:
-            deferred[phs[0]] = [groups[a] for a in sorted(axes)]
-    # ready order: the parameter used last in forward has its gradient first
+        if found.get(phs[0]):
+            deferred[phs[0]] = [groups[a] for a in sorted(found[phs[0]])]
     uses = {ph: min(first_use(p) for p in members[tied.get(ph, ph)]) for ph in deferred}
+    for node in {node for by_axis in found.values() for nodes in by_axis.values() for node in nodes}:
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    # ready order: the parameter used last in forward has its gradient first
     gm.meta["stpc_deferred_grads"] = {ph: deferred[ph] for ph in sorted(deferred, key=lambda ph: -uses[ph])}
     return finish(gm)

@@ -14,7 +14,12 @@ be summed at the very start of the step instead:
     and ``runtime.wait`` right before its first use.
 
 So the sum travels while the step computes, and the wait, late in forward, finds it done.
-A collective whose inputs depend on the step's computation stays where it is.
+
+Such a sum that is an output of the step and nothing else (the loss: ``insert_collectives``
+replicates the outputs) is issued where it stands and waited where the caller first reads
+its value (``runtime.wait_on_read``): ``loss.backward()`` reads only its shape, so the
+ranks go into backward without waiting for the slowest one's forward, as under DDP. Any
+other collective whose inputs depend on the step's computation stays where it is.
 
 Guarantees: the same values and gradients; every rank issues the same collectives in
 the same order (the graph is one SPMD program), now earlier.
@@ -54,8 +59,8 @@ def _cone(node: fx.Node) -> list[fx.Node] | None:
 
 
 def issue_early(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
-    """Hoist and split the forward-only all-reduces that depend on user inputs alone; see
-    the module docstring."""
+    """Hoist and split the forward-only all-reduces that depend on user inputs alone, and
+    leave an output's sum to be waited where it is read; see the module docstring."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not placeholders:
@@ -63,20 +68,27 @@ def issue_early(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
     anchor = placeholders[-1]
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is runtime.all_reduce
                  and n.kwargs.get("grad", "identity") == "identity"]:
-        cone = _cone(node)
-        if cone is None or not node.users:
+        if not node.users:
             continue
-        for n in sorted(cone, key=order.get):  # producers first, in their order
-            anchor.append(n)
-            anchor = n
-        with gm.graph.inserting_after(anchor):
+        output_only = all(u.op == "output" for u in node.users)
+        cone = _cone(node)
+        if cone is None and not output_only:
+            continue
+        where = node
+        if cone is not None:
+            for n in sorted(cone, key=order.get):  # producers first, in their order
+                anchor.append(n)
+                anchor = n
+            where = anchor
+        with gm.graph.inserting_after(where):
             start = gm.graph.call_function(runtime.all_reduce_start, (node.args[0],),
                                            {"group": node.kwargs["group"]})
         start.meta.update(node.meta)  # val, placement, comm: what verify and the dumps read
-        anchor = start
+        if cone is not None:
+            anchor = start
         first = min(node.users, key=order.get)
         with gm.graph.inserting_before(first):
-            done = gm.graph.call_function(runtime.wait, (start,))
+            done = gm.graph.call_function(runtime.wait_on_read if output_only else runtime.wait, (start,))
         done.meta.update({k: v for k, v in node.meta.items() if k != "comm"})
         node.replace_all_uses_with(done)
         gm.graph.erase_node(node)

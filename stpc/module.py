@@ -172,6 +172,7 @@ class Compiled:
         return (str(spec), tuple(keys), bool(training))
 
     def run(self, module: nn.Module, args, kwargs):
+        runtime.settle()  # what the last call handed out unread (its loss) is waited before this one
         flat, spec = flatten_call(args, kwargs)
         key = self.signature(flat, spec, module.training)
         hooked = self._hooked_submodules(module)

@@ -124,3 +124,50 @@ def test_every_path_must_be_partial():
     gm = defer_grad_sync(_graph(False))
     assert gm.meta["stpc_deferred_grads"] == {}
     assert targets(gm)["grad_all_reduce"] == 1
+
+
+def _shared(w2_read_whole: bool):
+    """w1 + w2 (computed from parameters alone) read through an f by batch-split work;
+    w2 also read directly by whole work when ``w2_read_whole``."""
+    g = torch.fx.Graph()
+    w1, w2 = g.placeholder("w1"), g.placeholder("w2")
+    w1.meta["param"], w2.meta["param"] = "w1", "w2"
+    x = g.placeholder("x")
+    s = g.call_function(torch.ops.aten.add.Tensor, (w1, w2))
+    f = g.call_function(runtime.grad_all_reduce, (s,), {"group": "g0"})
+    f.meta["comm"] = {"op": "grad_all_reduce", "axis": 0}
+    y = g.call_function(torch.ops.aten.mm.default, (x, f))
+    if w2_read_whole:
+        y = g.call_function(torch.ops.aten.mm.default, (y, w2))
+    g.output(y)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    gm.meta["stpc_groups"] = ["g0"]
+    return gm
+
+
+def test_computation_from_parameters_alone_defers_to_its_parameters():
+    # Before: add(w1, w2) -> f -> mm. Expected: f gone, both parameters deferred (the sum's
+    # values are the same on every rank, so its backward maps the partial gradient onto
+    # partial gradients of w1 and w2)
+    gm = defer_grad_sync(_shared(False))
+    assert gm.meta["stpc_deferred_grads"] == {"w1": ["g0"], "w2": ["g0"]}
+    assert targets(gm)["grad_all_reduce"] == 0
+    # Before: the same, and w2 also read whole. Expected: unchanged: w2's gradient is a mix,
+    # so the f both share must stay, and with it w1's reduction
+    gm = defer_grad_sync(_shared(True))
+    assert gm.meta["stpc_deferred_grads"] == {}
+    assert targets(gm)["grad_all_reduce"] == 1
+
+
+def test_position_embedding_is_deferred_not_reduced_in_backward():
+    # gpt's learned positions: embedding(wpe, arange(S)) is computed whole on every rank and
+    # read by the batch-split residual add through an f. That f, in backward, waited behind
+    # every gradient bucket in flight; it goes, and wpe joins the buckets
+    _, plan, gm = _lowered("gpt-tiny", "4", "dp")
+    wpe = next(n for n in gm.graph.nodes if n.name == "p_wpe_weight")
+    (emb,) = wpe.users
+    assert [u.target for u in emb.users] == [runtime.grad_all_reduce]
+    gm = defer_grad_sync(gm, plan)
+    assert gm.meta["stpc_deferred_grads"]["p_wpe_weight"] == ["g0"]
+    assert all(u.target is torch.ops.aten.add.Tensor for u in emb.users)
+    gm.graph.lint()

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from stpc.runtime.failure import comm_failure
+from stpc.runtime.lazy_wait import settle
 from stpc.runtime.reshard import _pg
 
 __all__ = ["GradReducer", "DEFAULT_FIRST_BUCKET_BYTES"]
@@ -155,6 +156,7 @@ class GradReducer:
                 self._next += 1
             for b in self.buckets:
                 b.work.wait()
+            settle()  # the step's loss, summed ahead of the buckets: done, and waited now
         except RuntimeError as e:
             raise comm_failure("bucketed gradient all_reduce", None, e) from e
         finally:

@@ -1,0 +1,85 @@
+"""lazy_wait: a collective's result handed out before it is waited, waited where it is read.
+
+In: the raw output of a functional collective issued and not waited (``all_reduce_start``).
+Out: a tensor that stands for it: the first op that reads its values waits for the
+collective; what reads only its shape, dtype and device does not.
+
+Why: the step's loss is a sum over ranks (``insert_collectives`` replicates the outputs).
+Waited where the forward computes it, that sum makes every rank wait for the slowest one's
+forward before its own backward can start, a synchronisation no data-parallel engine has
+(DDP reduces the loss, if at all, after backward). Its value is read by the user, later
+(``loss.item()``); ``loss.backward()`` reads only its metadata: the engine seeds the
+gradient with ``ones_like``. So the sum rides ahead of the gradient buckets on the comm
+thread, and the rank goes on into backward.
+
+How: :class:`LoadedLater` is torch's ``AsyncCollectiveTensor`` (the wrapper whose first use
+waits; views stay wrapped), except that the ``*_like`` factories, which read metadata
+only, do not wait. The autograd dual is the identity (``all_reduce_start``'s sum
+with ``grad="identity"``). Under ``torch.compile`` the result is waited in place:
+inductor schedules the wait itself.
+
+Every result handed out is also waited at the latest by :func:`settle` (the gradient
+reducer's end of backward, the next call of the program), so no collective is left
+unwaited when its tensor is never read.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+from stpc.runtime.reshard import _c10d
+
+__all__ = ["LoadedLater", "wait_on_read", "settle"]
+
+aten = torch.ops.aten
+# ops that read a tensor's metadata only: they make a new tensor "like" it
+_METADATA_ONLY = {aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
+                  aten.full_like.default}
+
+# id of each result handed out and not waited yet -> the collective's raw output (keyed by
+# id: a tensor's == is an op; the raw output kept, so it is waited even if its result dies)
+_pending: dict[int, Tensor] = {}
+
+
+class LoadedLater(AsyncCollectiveTensor):
+    """A collective's output, waited by the first op that reads its values."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA_ONLY:
+            kwargs = dict(kwargs or {})
+            like = args[0]
+            return func(torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device=like.device),
+                        *args[1:], **kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def trigger_wait(self):
+        _pending.pop(id(self), None)
+        return super().trigger_wait()
+
+
+class _WaitOnRead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        if torch.compiler.is_compiling():
+            return _c10d.wait_tensor(t).view_as(t)
+        out = LoadedLater(t)
+        _pending[id(out)] = t
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def wait_on_read(t: Tensor) -> Tensor:
+    """``t`` (a collective issued earlier, not waited), waited by the first op reading it."""
+    return _WaitOnRead.apply(t)
+
+
+def settle() -> None:
+    """Wait every result :func:`wait_on_read` handed out that nothing has read yet."""
+    for raw in list(_pending.values()):
+        _c10d.wait_tensor(raw)
+    _pending.clear()
