@@ -245,6 +245,10 @@ class GraphFacts:
     head_saved: Counter = field(default_factory=Counter)  # of those, saved by head ops only -> count
     # of those, saved by one op alone that reads it as an operand: Item -> (that op's Item, operand index)
     sole_saver: dict = field(default_factory=dict)
+    # of those, the ops that save it as an operand they read: Item -> {(that op's Item, operand
+    # index): [share, share where only head ops save it]}, a node's share 1 / its savers (all
+    # of them: its own output or a view saved counts), summed over the Item's nodes
+    savers: dict = field(default_factory=dict)
     num_groups: int = 0
     group_items: list = field(default_factory=list)  # group -> the Item that opened it
     shared: list = field(default_factory=list)       # SharedRead: decision inputs paid once per placement
@@ -279,6 +283,12 @@ class GraphFacts:
                 f.saved_uses[it] += 1
                 if by <= head_nodes:  # freed by the head's backward, before the last layer's began
                     f.head_saved[it] += 1
+                shares = f.savers.setdefault(it, {})
+                for s in sorted(by, key=lambda s: s.name):  # (one order on every rank: shares are rounded in it)
+                    if t in f._operands.get(s, ()) and f.node_item.get(s) is not None:
+                        share = shares.setdefault((f.node_item[s], f._operands[s].index(t)), [0.0, 0.0])
+                        share[0] += 1 / len(by)
+                        share[1] += (by <= head_nodes) / len(by)
                 saver = next(iter(by))
                 if len(by) == 1 and t in f._operands.get(saver, ()) and f.node_item.get(saver) is not None:
                     f.sole_saver[it] = (f.node_item[saver], f._operands[saver].index(t))

@@ -511,6 +511,60 @@ class Builder:
                 freed.append(Edge(e.u, e.v, e.ucls, e.vcls, {k: -b for k, b in e.table.items()}))
         return held, freed
 
+    def _saved_read_edges(self) -> tuple[list[Edge], list[Edge]]:
+        """A saved tensor its saver reads through a reshard is kept as the saver read it:
+        the op saves the reshard's output (a linear under sequence-parallel TP keeps the
+        all-gathered norm output, the whole sequence; the runtime bench's TP plan measured
+        those copies, 4 MiB each where the producer's shard is 1 MiB, as the 15 MiB its
+        modelled peak was short). ``_saved_memory`` charges the tensor at its producer's
+        placement; per (tensor, saver reading it as an operand under a spatial strategy) an
+        edge adds the difference to the bytes at the placement the saver reads it in (the
+        reshard's output; the producer's copy, read by nothing else, is gone). A tensor
+        several ops save shares the difference among them equally (per node: the Item's
+        nodes in tied layers may have other savers): exact where they read it in one placement (``cleanup`` merges their reshards into one: q, k and v reading
+        the gathered norm), an average where they do not (a named simplification). A
+        P(2^k x 2^k) saver keeps its own blocks instead (``_saved_edges``). Returns (held
+        from the end of forward: ``saved_edges``; for what only the head saves, the same
+        negated for the phases after the head's backward freed it: ``head_edges`` and
+        ``mem_edges``). Under recomputation only the head's savers keep theirs."""
+        f = self.facts
+        saved = f.kept_saved if self.recompute else f.saved_uses
+        held, freed = [], []
+        for it, shares in f.savers.items():
+            if not saved[it]:
+                continue
+            val = it.node.meta["val"]
+            nbytes, place = val.numel() * val.element_size(), self.place[it]
+            done = done_head = 0.0  # shares charged so far: each edge rounds the running sum (no
+            for (saver, i), (share, head_share) in shares.items():  # byte lost to thirds)
+                if saver.kind != "decision" or saver.group == it.group or (self.recompute and saver in f.layer_items):
+                    continue
+                before, before_head = done, done_head
+                done, done_head = done + share, done_head + head_share
+                strategies = self.groups[saver.group].strategies
+                reads = sorted({s.ins[i] for s in strategies if s.kind != "p2x2"})
+                none = len(reads)  # the column of the strategies that keep blocks of their own
+                table, head_table = {}, {}
+                for pc, p in enumerate(place):
+                    for qc, q in enumerate(reads):
+                        d = (self.memory.saved_bytes(nbytes, shard_factor(q, self.mesh))
+                             - self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)))
+                        b = int(round(done * d)) - int(round(before * d))
+                        if p != q and b:
+                            table[(pc, qc)] = b
+                            head_table[(pc, qc)] = int(round(before_head * d)) - int(round(done_head * d))
+                if not table:
+                    continue
+                qidx = {q: n for n, q in enumerate(reads)}
+                rows, cols, table = _merge_classes(len(place), none + 1, table)
+                vcls = tuple(cols[none if s.kind == "p2x2" else qidx[s.ins[i]]] for s in strategies)
+                held.append(Edge(it.group, saver.group, tuple(rows), vcls, table))
+                if any(head_table.values()):
+                    rows, cols, head_table = _merge_classes(len(place), none + 1, head_table)
+                    vcls = tuple(cols[none if s.kind == "p2x2" else qidx[s.ins[i]]] for s in strategies)
+                    freed.append(Edge(it.group, saver.group, tuple(rows), vcls, head_table))
+        return held, freed
+
     def _saved_edges(self) -> list[Edge]:
         """Memory edges of the tensors forward saves (``Problem.saved_edges``): a tensor kept
         for backward only because one op saves it, and that op under a P(2^k x 2^k) strategy
@@ -902,9 +956,10 @@ class Builder:
 
     def add_memory_edges(self, problem: Problem) -> Problem:
         kept_held, kept_freed = self._kept_head_edges()
-        problem.mem_edges = self._regather_edges() + kept_freed
-        problem.head_edges = self._head_reduction_edges() + kept_freed
-        problem.saved_edges = self._saved_edges() + kept_held
+        read_held, read_freed = self._saved_read_edges()
+        problem.mem_edges = self._regather_edges() + kept_freed + read_freed
+        problem.head_edges = self._head_reduction_edges() + kept_freed + read_freed
+        problem.saved_edges = self._saved_edges() + kept_held + read_held
         problem.transient_edges = self._transient_edges()
         return problem
 

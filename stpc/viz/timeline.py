@@ -7,8 +7,10 @@ What the model holds, and so what is drawn:
   ``plan.stats["breakdown"]``; the gradients only where the model counts them through
   forward (``MemoryModel.grads_at_forward``; by default ``zero_grad`` frees them and they
   come back in backward, shown in the optimizer step's phase of ``plan.summary()``);
-* activations kept for backward: each such tensor (``planner.analysis.saved_bases``) at its
-  producer's placement (``plan.nodes[...].out``), added when its producer runs in forward;
+* activations kept for backward: each such tensor (``planner.analysis.saved_savers``) at its
+  producer's placement (``plan.nodes[...].out``), or as the ops saving it read it where they
+  read it through a reshard (``Builder._saved_read_edges``), added when its producer runs in
+  forward;
 * the transient working set of each op (its local operands and output, a ring's double
   buffer), from the solved problem.
 
@@ -33,7 +35,8 @@ import torch
 from stpc.cost_models import MemoryModel
 from stpc.placement import shard_factor
 from stpc.planner import analyse
-from stpc.planner.analysis import saved_bases
+from stpc.planner.analysis import saved_savers
+from stpc.planner.strategies import tensor_operands
 from stpc.planner.summary import breakdown
 from stpc.viz._figure import COLORS, new_figure, save, unit
 
@@ -65,7 +68,8 @@ def memory_timeline(plan, tg=None) -> dict:
     facts = analyse(tg)
     mesh = tuple(plan.mesh_shape)
     saved = {}
-    for t in saved_bases(tg.graph, facts.rg, facts.params):
+    savers = saved_savers(tg.graph, facts.rg, facts.params)
+    for t in savers:
         it = facts.node_item.get(t)
         if it is None or it.kind == "param" or not isinstance(t.meta.get("val"), torch.Tensor):
             continue
@@ -74,8 +78,9 @@ def memory_timeline(plan, tg=None) -> dict:
                 and plan.nodes[saver[0].node.name].kind == "p2x2"):
             continue  # (its one saver keeps its own blocks instead: ``Builder._saved_edges``)
         val = t.meta["val"]
-        saved[t.name] = MemoryModel.saved_bytes(val.numel() * val.element_size(),
-                                                shard_factor(tuple(plan.nodes[t.name].out), mesh))
+        nbytes = val.numel() * val.element_size()
+        held = MemoryModel.saved_bytes(nbytes, shard_factor(tuple(plan.nodes[t.name].out), mesh))
+        saved[t.name] = held + sum(_read_delta(t, s, held, nbytes, len(savers[t]), facts, plan, mesh) for s in savers[t])
     # ZeRO-2's whole weights, kept for backward, count with the activations (drawn alive from
     # the first op: the model does not place each layer's gather)
     ops, act, tr, alive = [], [], [], float((parts or {}).get("kept_weight_bytes", 0.0))
@@ -92,6 +97,21 @@ def memory_timeline(plan, tg=None) -> dict:
             tr.append(float(working[g]) if kind == "decision" else 0.0)
     out.update(ops=ops, activations=np.array(act), transient=np.array(tr) if sv is not None else None)
     return out
+
+
+def _read_delta(t, s, held, nbytes, n, facts, plan, mesh) -> float:
+    """What saver ``s`` adds to saved tensor ``t`` (held at its producer's placement) by
+    reading it through a reshard, its share of ``n`` savers (``Builder._saved_read_edges``)."""
+    it, sv = facts.node_item.get(t), facts.node_item.get(s)
+    np_ = plan.nodes.get(s.name)
+    ops = tensor_operands(s)
+    if (sv is None or sv.kind != "decision" or sv.group == it.group or t not in ops or np_ is None
+            or np_.kind == "p2x2" or (plan.stats.get("recompute") and sv in facts.layer_items)):
+        return 0.0
+    i = ops.index(t)
+    if i >= len(np_.ins) or tuple(np_.ins[i]) == tuple(plan.nodes[t.name].out):
+        return 0.0
+    return (MemoryModel.saved_bytes(nbytes, shard_factor(tuple(np_.ins[i]), mesh)) - held) / n
 
 
 def memory(plan, tg=None, out=None):
