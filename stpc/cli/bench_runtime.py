@@ -372,9 +372,10 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
                  "ZeRO/FSDP programs, like FSDP2, free a layer's gathered weights after forward and gather "
                  "them again in backward (the previous layer's issued ahead; the head's, after the last layer, "
                  "kept for its backward, as FSDP2 keeps its root module's), but the gathers are stpc's own "
-                 "coalesced per-layer collectives on DTensor shards; stpc computes the global mean loss inside the step (a scalar all-reduce, and the "
-                 "target count's, issued at the step's start) where the torch engines reduce the loss after "
-                 "backward; stpc's parameters are DTensors for every plan, DDP's are plain tensors. The "
+                 "coalesced per-layer collectives on DTensor shards; stpc computes the global mean loss inside the "
+                 "step (a scalar all-reduce issued at the end of forward and waited where the loss is first read, "
+                 "not before backward; the target count's issued at the step's start) where the torch engines "
+                 "reduce the loss after backward; stpc's parameters are DTensors for every plan, DDP's are plain tensors. The "
                  "solved plan is the one stpc's cost model ranks first on the cluster named in its row."
                  + solved_note(records))
     lines.append("")
