@@ -13,6 +13,7 @@ of another shape comes back here to plan that shape too (``Compiled.run``).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import hashlib
@@ -193,10 +194,14 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
         view = plan if name == "traced" else _Placements(gm)
         snapshots.append((name, _table(gm, view), _dot(gm, view)))
 
-    tg.gm.meta["stpc_tied_params"] = dict(tg.tied_params)
+    # the passes give nodes their local values in place; the plan's solved problem
+    # (plan.summary(), breakdown) reads the traced graph again: lower a copy of it
+    traced = fx.GraphModule(tg.gm, copy.deepcopy(tg.gm.graph))
+    traced.meta.update(tg.gm.meta)
+    traced.meta["stpc_tied_params"] = dict(tg.tied_params)
     timeout = None if opts.timeout_s is None else datetime.timedelta(seconds=float(opts.timeout_s))
-    tg.gm.meta["stpc_joint_groups"] = _joint_groups(mesh, timeout)
-    gm = run_passes(tg.gm, plan, groups, mesh_device(mesh), on_pass=snap,
+    traced.meta["stpc_joint_groups"] = _joint_groups(mesh, timeout)
+    gm = run_passes(traced, plan, groups, mesh_device(mesh), on_pass=snap,
                     replicate_outputs=opts.outputs == "replicate", defer_grads=opts.bucket_mb is not None)
     leaf_of = {name: i for i, name in enumerate(tg.user_inputs)}
     feed = []
