@@ -40,6 +40,7 @@ def _cases(rank, world, plan_json):
     out["bare_unread_after_backward"] = not loss.completed
     out["bare_grad"] = torch.equal(x.grad, torch.full((3,), 2.0 * (rank + 1)))
     out["bare_value"] = loss.item() == 6.0 * sum(r + 1 for r in range(world))
+    out["bare_repr"] = repr(loss).startswith(f"tensor({6 * sum(r + 1 for r in range(world))}.")  # (its value, waited)
     out["bare_pending_after_read"] = len(lazy_wait._pending)
     # unread: settle waits it (no collective is left unwaited)
     runtime.wait_on_read(runtime.all_reduce_start(x.detach().sum(), group))
@@ -74,7 +75,7 @@ def _cases(rank, world, plan_json):
 def test_loss_is_waited_where_read_not_where_computed():
     plan = make_plan("gpt-tiny", "2", "dp", B, S).to_json()
     for r in spawn(_cases, 2, plan, timeout_s=240):
-        assert r["bare_unread_after_backward"] and r["bare_grad"] and r["bare_value"], r
+        assert r["bare_unread_after_backward"] and r["bare_grad"] and r["bare_value"] and r["bare_repr"], r
         assert r["bare_pending_after_read"] == 0 and r["unread_pending"] == 1 and r["unread_settled"] == 0, r
         assert r["compiled_lazy"], r
         # fp32; rtol 1e-4 (``_rel``: 1 means at the tolerance): the sums' order differs only

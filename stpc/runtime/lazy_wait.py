@@ -58,6 +58,9 @@ class LoadedLater(AsyncCollectiveTensor):
         _pending.pop(id(self), None)
         return super().trigger_wait()
 
+    def __repr__(self) -> str:  # the loss prints as its value, as a plain tensor would (waited)
+        return repr(self.trigger_wait())
+
 
 class _WaitOnRead(torch.autograd.Function):
     @staticmethod
