@@ -75,6 +75,11 @@ def n_of(mesh, axes) -> int:
     return math.prod(mesh[a] for a in axes)
 
 
+def is_random(n: fx.Node) -> bool:
+    """Whether ``n`` draws random numbers (moved or assumed alike on every rank, it would not be)."""
+    return torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+
+
 def is_tensor_node(n) -> bool:
     return isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
 

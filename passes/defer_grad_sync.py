@@ -39,15 +39,10 @@ one SPMD program).
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
-from ._common import finish
+from ._common import finish, is_random
 from stpc import runtime
-
-
-def _random(n: fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
 
 
 def _param_derived(gm: fx.GraphModule) -> set[fx.Node]:
@@ -59,7 +54,7 @@ def _param_derived(gm: fx.GraphModule) -> set[fx.Node]:
         if n.op == "placeholder":
             if n.meta.get("param"):
                 derived.add(n)
-        elif n.op == "get_attr" or (n.op == "call_function" and not _random(n)
+        elif n.op == "get_attr" or (n.op == "call_function" and not is_random(n)
                                     and all(i in derived for i in n.all_input_nodes)):
             derived.add(n)
     return derived

@@ -26,15 +26,10 @@ the same order (the graph is one SPMD program), now earlier.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
-from ._common import finish
+from ._common import finish, is_random
 from stpc import runtime
-
-
-def _random(n: fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
 
 
 def _cone(node: fx.Node) -> list[fx.Node] | None:
@@ -51,7 +46,7 @@ def _cone(node: fx.Node) -> list[fx.Node] | None:
                 if a.meta.get("param"):
                     return None
                 continue
-            if a.op != "call_function" or "comm" in a.meta or _random(a):
+            if a.op != "call_function" or "comm" in a.meta or is_random(a):
                 return None  # (a random op moved would draw in another order)
             seen.add(a)
             todo.append(a)
