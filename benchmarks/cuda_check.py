@@ -1,15 +1,16 @@
 """The CUDA path of stpc, checked on a machine with a GPU (CI has none; run it where one is lent):
 
     python benchmarks/cuda_check.py [--ranks 4] [--steps 10] [--batch 16] [--bf16 MODEL LAYERS BATCH SEQ]
-                                    [--json FILE] [--markdown FILE]
+                                    [--parity-families FAMILY ...] [--json FILE] [--markdown FILE]
 
 1. **Parity on CUDA.** ``stpc.compile`` on a CUDA mesh, trained ``--steps`` AdamW steps
    next to the single-device model by the multi-rank tests' own worker
    (``tests/_multirank.run_cases`` with ``device="cuda"``): the loss, every gradient and
    every parameter after each step, fp32 with TF32 off, at the tests' bound (rtol 1e-4).
    First on one rank over NCCL (a mesh of one: the NCCL path, eager and inductor, on any
-   GPU), then on ``--ranks`` ranks with the parity tests' families (Megatron TP+SP, AG/RS
-   rings, P(2x2), the solved plan, recomputed layers), eager and inductor: one rank per
+   GPU), then on ``--ranks`` ranks with the parity tests' families (data parallel, Megatron
+   TP+SP, AG/RS rings, P(2x2), the solved plan, recomputed layers; ``--parity-families``
+   picks some), eager and inductor: one rank per
    GPU over NCCL where the machine has that many, else ranks sharing the GPUs with CUDA
    tensors over gloo (``cpu:gloo,cuda:gloo``; gloo cannot send a CUDA tensor point to
    point, so every plan with a ring fails there, and ``probe_gloo_cuda`` says which
@@ -53,9 +54,10 @@ from stpc.planner import Plan  # noqa: E402
 from stpc.runtime.launch import SpawnError, SpawnTimeout, spawn  # noqa: E402
 
 PARITY = [  # (model, family, overrides, backend)
+    ("gpt-tiny", "dp", {}, None),  # all-reduces alone: the bucketed reducer and the loss read late
     ("gpt-tiny", "megatron", {}, None), ("llama-tiny", "ag_rs", {}, None), ("gpt-tiny", "p2x2", {"bias": False}, None),
     ("llama-tiny", "solved", {}, None), ("gpt-tiny", "megatron+recompute", {}, None),
-    ("gpt-tiny", "megatron", {}, "inductor"), ("llama-tiny", "ag_rs", {}, "inductor"),
+    ("gpt-tiny", "dp", {}, "inductor"), ("gpt-tiny", "megatron", {}, "inductor"), ("llama-tiny", "ag_rs", {}, "inductor"),
 ]
 SINGLE = [("llama-tiny", "solved", {}, None), ("gpt-tiny", "solved+recompute", {}, None),
           ("llama-tiny", "solved", {}, "inductor")]  # a mesh of one: NCCL on one GPU
@@ -72,10 +74,13 @@ def _parity_worker(rank, world, cases):
     return _multirank.run_cases(rank, world, cases)
 
 
-def parity(world: int, backend: str, steps: int) -> list[dict]:
+def parity(world: int, backend: str, steps: int, only=None) -> list[dict]:
+    """Each case of PARITY (``world`` > 1) or SINGLE; ``only``: the families to run (all if None)."""
     out = []
     cases = PARITY if world > 1 else SINGLE
     for model, family, overrides, compiler in cases:
+        if only is not None and family not in only:
+            continue
         if family == "p2x2" and world != 4:
             continue
         mesh = "4" if family in ("ag_rs", "p2x2") and world == 4 else str(world)
@@ -402,6 +407,8 @@ def main() -> int:
     ap.add_argument("--bf16", nargs=4, metavar=("MODEL", "LAYERS", "BATCH", "SEQ"),
                     default=["llama2-7b", "4", "4", "2048"], help="the bf16 step-time check's zoo model, its depth, "
                     "batch and seq (default: %(default)s)")
+    ap.add_argument("--parity-families", nargs="*", help="the multi-rank parity cases to run, by family "
+                    "(default: all; over gloo every plan with a ring or an all-gather dies, see the docstring)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["parity", "memory", "single", "gloo", "bf16"])
     ap.add_argument("--markdown", help="write the RESULTS.md section of this run (or of --from-json) here")
     ap.add_argument("--from-json", help="render --markdown from an earlier run's --json, running nothing")
@@ -425,7 +432,7 @@ def main() -> int:
     if "single" not in args.skip:
         records += parity(1, "nccl", args.steps)
     if "parity" not in args.skip:
-        records += parity(args.ranks, backend, args.steps)
+        records += parity(args.ranks, backend, args.steps, args.parity_families)
     if "gloo" not in args.skip and backend != "nccl":
         records += probe_gloo_cuda(args.ranks)
     if "memory" not in args.skip:

@@ -53,3 +53,21 @@ def test_the_section_is_rendered_from_the_runs_json(tmp_path):
     assert "bf16 step time: llama2-7b (4 layers), batch 4 x seq 2048" in text
     assert "| eager | 100.0 | 2.0 | 125.0 | 120.0 | 5.0 | -20.0% |" in text
     assert "The bf16-time check failed: RuntimeError: out of memory." in text
+
+
+def test_parity_families_picks_the_cases_it_names(monkeypatch):
+    """``--parity-families dp``: only the data-parallel cases spawn ranks (each case's failure is its record)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cuda_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    spawned = []
+
+    def fake_spawn(fn, world, cases, **kw):
+        spawned.append(cases[0]["id"])
+        raise RuntimeError("no GPU here")
+    monkeypatch.setattr(mod, "spawn", fake_spawn)
+    recs = mod.parity(4, "gloo", 1, only=["dp"])
+    assert spawned == ["gpt-tiny/dp/eager/4xgloo", "gpt-tiny/dp/inductor/4xgloo"]
+    assert [r["ok"] for r in recs] == [False, False] and all("no GPU here" in r["error"] for r in recs)
+    assert len(mod.parity(4, "gloo", 1, only=[])) == 0
