@@ -281,7 +281,10 @@ class Compiled:
             if kind == "param":
                 _, fqn, placement = entry
                 p = module.get_parameter(fqn)
-                local = p.to_local() if isinstance(p, DTensor) else p
+                if fqn in prog.deferred and prog.reducer is not None:  # its gradient straight to the reducer
+                    local = prog.reducer.local_input(p)
+                else:
+                    local = p.to_local() if isinstance(p, DTensor) else p
                 out.append(to_plan_layout(local, placement, self.groups) if any(is_grid(t) for t in placement)
                            else local)
             elif kind == "buffer":

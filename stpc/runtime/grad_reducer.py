@@ -12,9 +12,15 @@ several layouts, and only some of them are data-parallel, over some mesh axes):
 * buckets: consecutive parameters of one group and dtype, up to ``bucket_bytes`` (the
   first bucket ``first_bucket_bytes``, so communication starts early, as DDP's 1 MiB
   first bucket does), in the order their gradients become ready;
-* a gradient hook on each parameter sees the gradient autograd computed for it in this
-  backward pass (the sum over all its uses) and copies it into its bucket's flat
-  buffer (allocated, not zeroed, when the bucket's first gradient arrives); when every
+* a gradient hook sees the gradient autograd computed for a parameter in this backward
+  pass (the sum over all its uses) and copies it into its bucket's flat buffer
+  (allocated, not zeroed, when the bucket's first gradient arrives). A plain parameter
+  carries the hook itself. A DTensor parameter's program reads a leaf aliasing its local
+  shard (:meth:`GradReducer.local_input`, one per parameter) that carries the hook: its
+  gradient reaches the reducer as the local tensor backward computed, with no DTensor
+  wrapped around it and stored in ``.grad`` on the way (``DTensor.to_local``'s backward
+  does that per parameter per pass, a Python-level cost DDP's plain parameters do not
+  pay; the leaf's partial ``.grad`` is dropped at the end, as the DTensor's was). When every
   gradient of a bucket has arrived, and every earlier bucket has been launched, the
   bucket is all-reduced asynchronously (``async_op=True``) while backward goes on.
   Buckets launch strictly in index order, so every rank issues the same sequence;
@@ -31,6 +37,8 @@ It knows nothing of plans or graphs: the compiled model tells it which parameter
 which order, over which groups (``passes.defer_grad_sync``).
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
@@ -63,8 +71,14 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _as_grad(p, local: Tensor) -> Tensor:
-    """``local`` as a gradient of ``p`` (a DTensor of p's layout if p is one)."""
+    """``local`` as a gradient of ``p`` (a DTensor of p's layout if p is one). Where the
+    local piece is laid out as p's own shard, p's spec describes it and the DTensor is made
+    directly (``from_local`` is an autograd function that rebuilds the spec: per parameter
+    per step, that is the reducer's largest Python cost after the hooks)."""
     if isinstance(p, DTensor):
+        mine = p._local_tensor
+        if local.shape == mine.shape and local.stride() == mine.stride():
+            return DTensor(local, copy.copy(p._spec), requires_grad=False)
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
     return local
@@ -87,6 +101,8 @@ class GradReducer:
         self._next = 0   # the next bucket to launch (buckets go in index order on every rank)
         self.launch_log: list[int] = []  # last pass: gradients arrived when each bucket was launched
         self._arrived = 0
+        self._hooks: dict[int, object] = {}  # id(p) -> its gradient hook
+        self._leaves: dict[int, tuple[Tensor, Tensor]] = {}  # id(p) -> (its local_input leaf, the shard it aliases)
         for p, group in params:
             if id(p) in self._where:
                 continue
@@ -102,7 +118,36 @@ class GradReducer:
             b.params.append(p)
             b.offsets.append(b.numel)
             b.numel += local.numel()
-            self._handles.append(p.register_hook(self._hook_for(p)))
+            self._hooks[id(p)] = self._hook_for(p)
+            if not isinstance(p, DTensor):
+                self._handles.append(p.register_hook(self._hooks[id(p)]))
+            # a DTensor's hook goes on its local_input leaf, or on it where it has hooks of its own
+
+    def local_input(self, p) -> Tensor:
+        """What this pass's program reads for parameter ``p``: its local values, with autograd
+        bringing their gradient to this reducer. For a DTensor that has no hooks of its own
+        (the usual case), a leaf aliasing its local shard that carries the reducer's
+        hook (see the module docstring); else ``p.to_local()`` with the hook on ``p``, where
+        the user's hooks see its DTensor gradient as they expect."""
+        if not isinstance(p, DTensor):
+            return p
+        if not (p.requires_grad and torch.is_grad_enabled()):
+            return p.to_local()
+        hook = self._hooks[id(p)]
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            if not any(h is hook for h in (p._backward_hooks or {}).values()):
+                self._handles.append(p.register_hook(hook))
+            return p.to_local()
+        # One leaf per parameter, kept: a second forward before backward reads the same leaf,
+        # so autograd sums its uses before the hook fires once, as it does for p itself. It is
+        # made again if the shard was replaced (``p.data = ...``, ``to()``, a checkpoint load).
+        shard = p._local_tensor
+        leaf, base = self._leaves.get(id(p), (None, None))
+        if base is not shard or leaf.data_ptr() != shard.data_ptr() or leaf.shape != shard.shape:
+            leaf = shard.detach().requires_grad_()
+            leaf.register_hook(hook)
+            self._leaves[id(p)] = (leaf, shard)
+        return leaf
 
     # ------------------------------------------------------------------ backward
     def _hook_for(self, p):
@@ -123,6 +168,7 @@ class GradReducer:
             self._arrived += 1
             self._launch_ready()
             if p.grad is not None:  # accumulating over passes: add the reduced sum at the end
+                # (a leaf's own .grad is None: autograd keeps what is returned, dropped at the end)
                 b.accumulate.add(pi)
                 return torch.zeros_like(grad)
             return grad  # autograd makes it .grad for now; replaced by the reduced view at the end
@@ -161,6 +207,8 @@ class GradReducer:
             raise comm_failure("bucketed gradient all_reduce", None, e) from e
         finally:
             self._next = 0
+            for leaf, _ in self._leaves.values():  # this pass's partial gradients, as autograd stored them
+                leaf.grad = None
         with torch.no_grad():
             for b in self.buckets:
                 for i, p in enumerate(b.params):
