@@ -275,12 +275,19 @@ class Compiled:
 
     def _feed(self, module, prog: Program, flat) -> list:
         shape = tuple(prog.plan.mesh_shape)
+        params = {e[1]: module.get_parameter(e[1]) for e in prog.feed if e[0] == "param"}
+        if prog.reducer is not None and not prog.reducer.holds(params[f] for f in prog.deferred if f in params):
+            # a parameter was replaced since the reducer was made (load_state_dict(assign=True),
+            # a new nn.Parameter): its gradient must reach a reducer that knows it
+            prog.reducer.remove()
+            prog.reducer = None
+            self._arm_reducer(module, prog)
         out = []
         for entry in prog.feed:
             kind = entry[0]
             if kind == "param":
                 _, fqn, placement = entry
-                p = module.get_parameter(fqn)
+                p = params[fqn]
                 if fqn in prog.deferred and prog.reducer is not None:  # its gradient straight to the reducer
                     local = prog.reducer.local_input(p)
                 else:

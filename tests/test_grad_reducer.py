@@ -114,8 +114,19 @@ def _leaf_cases(pm, single, batches):
     single(*batches[1]).backward()
     grads = full_grads(pm)
     out["hooked"] = max(_rel(grads[k], p.grad) for k, p in single.named_parameters())
-    out["hook_saw"] = seen
+    out["hook_saw"] = list(seen)
     out["dtensor_grads"] = all(isinstance(p.grad, DTensor) for p in pm.parameters())
+    # a parameter replaced by a new object after the reducer was made: the next call makes
+    # the reducer again, so its gradient is still summed over the ranks
+    name2, old = next((k, p) for k, p in pm.named_parameters() if k.endswith("mlp.up_proj.weight"))
+    owner2, leaf2 = name2.rsplit(".", 1)
+    setattr(pm.get_submodule(owner2), leaf2, torch.nn.Parameter(old.detach().clone()))
+    pm.zero_grad()
+    single.zero_grad()
+    pm(*batches[0]).backward()
+    single(*batches[0]).backward()
+    grads = full_grads(pm)
+    out["replaced"] = max(_rel(grads[k], p.grad) for k, p in single.named_parameters())
     return out
 
 
@@ -136,5 +147,5 @@ def test_bucketed_reduction_matches_single_device():
         assert plain["deferred"] == 0 and plain["buckets"] == 0
         leaf = r["leaf"]
         assert leaf["no_to_local"] and leaf["hooked_to_local"] and leaf["dtensor_grads"], leaf
-        assert leaf["two_forwards"] <= 1 and leaf["hooked"] <= 1, leaf
+        assert leaf["two_forwards"] <= 1 and leaf["hooked"] <= 1 and leaf["replaced"] <= 1, leaf
         assert leaf["hook_saw"] == ["DTensor"], leaf

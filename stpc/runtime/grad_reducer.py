@@ -102,6 +102,7 @@ class GradReducer:
         self.launch_log: list[int] = []  # last pass: gradients arrived when each bucket was launched
         self._arrived = 0
         self._hooks: dict[int, object] = {}  # id(p) -> its gradient hook
+        self._param_of: dict[int, object] = {}  # id(p) -> p
         self._leaves: dict[int, tuple[Tensor, Tensor]] = {}  # id(p) -> (its local_input leaf, the shard it aliases)
         for p, group in params:
             if id(p) in self._where:
@@ -115,6 +116,7 @@ class GradReducer:
                 b = _Bucket(group, p.dtype, local.device)
                 self.buckets.append(b)
             self._where[id(p)] = (len(self.buckets) - 1, len(b.params))
+            self._param_of[id(p)] = p
             b.params.append(p)
             b.offsets.append(b.numel)
             b.numel += local.numel()
@@ -122,6 +124,10 @@ class GradReducer:
             if not isinstance(p, DTensor):
                 self._handles.append(p.register_hook(self._hooks[id(p)]))
             # a DTensor's hook goes on its local_input leaf, or on it where it has hooks of its own
+
+    def holds(self, params) -> bool:
+        """Whether every one of ``params`` is a parameter this reducer was made for (the very object)."""
+        return all(self._param_of.get(id(p)) is p for p in params)
 
     def local_input(self, p) -> Tensor:
         """What this pass's program reads for parameter ``p``: its local values, with autograd
@@ -225,7 +231,9 @@ class GradReducer:
                 b.flat, b.work = None, None
 
     def remove(self) -> None:
-        """Unhook every parameter."""
+        """Unhook every parameter (the hooks on leaves already handed out pass gradients through)."""
+        self.enabled = False
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._leaves.clear()
