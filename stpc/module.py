@@ -34,7 +34,7 @@ from stpc import passes, runtime
 from stpc.placement import is_grid, local_shape
 from stpc.runtime.dtensors import dtensor_placements, stored, to_plan_layout
 from stpc.runtime.failure import comm_failure
-from stpc.runtime.grad_reducer import GradReducer
+from stpc.runtime.grad_reducer import GradReducer, LocalLeaves
 from stpc.runtime.hook_taps import HookTaps, UnsupportedHook
 from stpc.runtime import RegatherSaved
 from stpc.validate import PlanWarning
@@ -124,6 +124,7 @@ class Compiled:
         self.max_plans = max_plans
         self.local_leaves = local_leaves  # leaf index -> placement of the shard the caller feeds
         self.programs: dict = {}
+        self.param_leaves = LocalLeaves()  # what every program reads for the parameters its reducer sums
         self.first = None
         self.check_group = check_group    # where every call's signature is compared (None: WORLD)
         self._digests: dict = {}
@@ -205,10 +206,11 @@ class Compiled:
         programs' reducers stand aside."""
         if prog.deferred and prog.reducer is None:
             prog.reducer = GradReducer([(module.get_parameter(fqn), group) for fqn, group in prog.deferred.items()],
-                                       prog.bucket_bytes)
+                                       prog.bucket_bytes, leaves=self.param_leaves)
         for other in self.programs.values():
             if other.reducer is not None:
                 other.reducer.enabled = other is prog
+        self.param_leaves.active = prog.reducer
 
     def _hooked_submodules(self, module) -> frozenset:
         """The submodules with forward hooks (their hooks fire from a tapped program,

@@ -116,6 +116,19 @@ def _leaf_cases(pm, single, batches):
     out["hooked"] = max(_rel(grads[k], p.grad) for k, p in single.named_parameters())
     out["hook_saw"] = list(seen)
     out["dtensor_grads"] = all(isinstance(p.grad, DTensor) for p in pm.parameters())
+    # two programs (a second call shape) before one backward: both read one leaf per parameter
+    half = [x[:, :S // 2].contiguous() for x in batches[1]]
+    pm.zero_grad()
+    single.zero_grad()
+    try:
+        (pm(*batches[0]) + pm(*half)).backward()
+        single(*batches[0]).backward()
+        single(*half).backward()
+        grads = full_grads(pm)
+        out["two_programs"] = max(_rel(grads[k], p.grad) for k, p in single.named_parameters())
+    except RuntimeError as e:
+        out["two_programs"] = str(e)
+    out["programs"] = [len(prog.deferred) for prog in pm.stpc.programs.values()]
     # a parameter replaced by a new object after the reducer was made: the next call makes
     # the reducer again, so its gradient is still summed over the ranks
     name2, old = next((k, p) for k, p in pm.named_parameters() if k.endswith("mlp.up_proj.weight"))
@@ -149,3 +162,7 @@ def test_bucketed_reduction_matches_single_device():
         assert leaf["no_to_local"] and leaf["hooked_to_local"] and leaf["dtensor_grads"], leaf
         assert leaf["two_forwards"] <= 1 and leaf["hooked"] <= 1 and leaf["replaced"] <= 1, leaf
         assert leaf["hook_saw"] == ["DTensor"], leaf
+        # two call shapes, two programs deferring the same parameters, one backward: each
+        # parameter's one leaf sums both programs' uses (per-program leaves lost one of them)
+        assert len(leaf["programs"]) == 2 and leaf["programs"][0] == leaf["programs"][1] > 10, leaf
+        assert leaf["two_programs"] <= 1, leaf
