@@ -34,7 +34,7 @@ from stpc import passes, runtime
 from stpc.placement import is_grid, local_shape
 from stpc.runtime.dtensors import dtensor_placements, stored, to_plan_layout
 from stpc.runtime.failure import comm_failure
-from stpc.runtime.grad_reducer import GradReducer, LocalLeaves
+from stpc.runtime.grad_reducer import GradReducer
 from stpc.runtime.hook_taps import HookTaps, UnsupportedHook
 from stpc.runtime import RegatherSaved
 from stpc.validate import PlanWarning
@@ -124,7 +124,6 @@ class Compiled:
         self.max_plans = max_plans
         self.local_leaves = local_leaves  # leaf index -> placement of the shard the caller feeds
         self.programs: dict = {}
-        self.param_leaves = LocalLeaves()  # what every program reads for the parameters its reducer sums
         self.first = None
         self.check_group = check_group    # where every call's signature is compared (None: WORLD)
         self._digests: dict = {}
@@ -206,11 +205,10 @@ class Compiled:
         programs' reducers stand aside."""
         if prog.deferred and prog.reducer is None:
             prog.reducer = GradReducer([(module.get_parameter(fqn), group) for fqn, group in prog.deferred.items()],
-                                       prog.bucket_bytes, leaves=self.param_leaves)
+                                       prog.bucket_bytes)
         for other in self.programs.values():
             if other.reducer is not None:
                 other.reducer.enabled = other is prog
-        self.param_leaves.active = prog.reducer
 
     def _hooked_submodules(self, module) -> frozenset:
         """The submodules with forward hooks (their hooks fire from a tapped program,
@@ -277,23 +275,13 @@ class Compiled:
 
     def _feed(self, module, prog: Program, flat) -> list:
         shape = tuple(prog.plan.mesh_shape)
-        params = {e[1]: module.get_parameter(e[1]) for e in prog.feed if e[0] == "param"}
-        if prog.reducer is not None and not prog.reducer.holds(params[f] for f in prog.deferred if f in params):
-            # a parameter was replaced since the reducer was made (load_state_dict(assign=True),
-            # a new nn.Parameter): its gradient must reach a reducer that knows it
-            prog.reducer.remove()
-            prog.reducer = None
-            self._arm_reducer(module, prog)
         out = []
         for entry in prog.feed:
             kind = entry[0]
             if kind == "param":
                 _, fqn, placement = entry
-                p = params[fqn]
-                if fqn in prog.deferred and prog.reducer is not None:  # its gradient straight to the reducer
-                    local = prog.reducer.local_input(p)
-                else:
-                    local = p.to_local() if isinstance(p, DTensor) else p
+                p = module.get_parameter(fqn)
+                local = p.to_local() if isinstance(p, DTensor) else p
                 out.append(to_plan_layout(local, placement, self.groups) if any(is_grid(t) for t in placement)
                            else local)
             elif kind == "buffer":
