@@ -201,11 +201,17 @@ class Compiled:
 
     def _arm_reducer(self, module, prog: Program) -> None:
         """The backward of this call sums its deferred gradients with this program's reducer
-        (built on first use: the parameters are the module's DTensors by then); other
-        programs' reducers stand aside."""
-        if prog.deferred and prog.reducer is None:
-            prog.reducer = GradReducer([(module.get_parameter(fqn), group) for fqn, group in prog.deferred.items()],
-                                       prog.bucket_bytes)
+        (built on first use: the parameters are the module's DTensors by then; built again
+        when one of them was replaced since); other programs' reducers stand aside."""
+        if prog.deferred:
+            params = [(module.get_parameter(fqn), group) for fqn, group in prog.deferred.items()]
+            if prog.reducer is not None and not prog.reducer.holds(params):
+                # a parameter was replaced or converted since: hook the module's own now, or its
+                # gradient would reach .grad unsummed over the data-parallel ranks
+                prog.reducer.remove()
+                prog.reducer = None
+            if prog.reducer is None:
+                prog.reducer = GradReducer(params, prog.bucket_bytes)
         for other in self.programs.values():
             if other.reducer is not None:
                 other.reducer.enabled = other is prog

@@ -1,7 +1,7 @@
 """The bucketed gradient reducer (``runtime.GradReducer``, installed by ``stpc.compile`` for the
 parameters ``passes.defer_grad_sync`` defers): gradients equal the single-device model's
-with buckets of any size, over one axis or two at once, under gradient accumulation, and
-buckets are launched while backward is still running.
+with buckets of any size, over one axis or two at once, under gradient accumulation and
+after parameters are replaced, and buckets are launched while backward is still running.
 
 Real gloo ranks, one spawn for every case.
 """
@@ -67,6 +67,31 @@ def _cases(rank, world, plans):
         out[label] = {"worst": worst, "deferred": len(prog.deferred),
                       "buckets": len(reducer.buckets) if reducer else 0,
                       "launch_log": reducer.launch_log if reducer else []}
+
+    # a parameter replaced after the first call (a new nn.Parameter; then every one, by
+    # load_state_dict(assign=True)): the new objects' gradients are summed too
+    torch.manual_seed(0)
+    model = models.build("llama-tiny")
+    single = copy.deepcopy(model)
+    pm = stpc.compile(model, (4,), batches[0], plan=Plan.from_json(plans[(4,)]))
+    prog = next(iter(pm.stpc.programs.values()))
+    fqn = next(iter(prog.deferred))
+    worst = []
+    for step in range(3):
+        if step == 1:
+            owner, name = fqn.rsplit(".", 1)
+            old = pm.get_parameter(fqn)
+            setattr(pm.get_submodule(owner), name, torch.nn.Parameter(old.detach().clone()))
+        if step == 2:
+            pm.load_state_dict({k: v.detach().clone() for k, v in pm.state_dict().items()}, assign=True)
+        pm.zero_grad()
+        single.zero_grad()
+        for idx, tgt in batches:
+            pm(idx, tgt).backward()
+            single(idx, tgt).backward()
+        grads = full_grads(pm)
+        worst.append(max(_rel(grads[k], p.grad) for k, p in single.named_parameters()))
+    out["replaced"] = {"worst": worst, "fqn": fqn}
     return out
 
 
@@ -85,3 +110,5 @@ def test_bucketed_reduction_matches_single_device():
         assert small["launch_log"] == list(range(1, small["buckets"] + 1))
         assert default["deferred"] > 10 and 1 <= default["buckets"] <= 2  # a 1 MiB first bucket, then 25 MiB
         assert plain["deferred"] == 0 and plain["buckets"] == 0
+        # before the reducer re-hooked replaced parameters, steps 1 and 2 left a gradient unsummed
+        assert max(r["replaced"]["worst"]) <= 1, r["replaced"]

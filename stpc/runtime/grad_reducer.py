@@ -51,6 +51,7 @@ class _Bucket:
         self.group, self.dtype, self.device = group, dtype, device
         self.params: list = []
         self.offsets: list[int] = []
+        self.numels: list[int] = []
         self.numel = 0
         self.flat: Tensor | None = None      # this pass's gradients, flattened
         self.arrived: set[int] = set()       # params whose gradient this pass has produced
@@ -101,8 +102,30 @@ class GradReducer:
             self._where[id(p)] = (len(self.buckets) - 1, len(b.params))
             b.params.append(p)
             b.offsets.append(b.numel)
+            b.numels.append(local.numel())
             b.numel += local.numel()
             self._handles.append(p.register_hook(self._hook_for(p)))
+
+    def holds(self, params: list[tuple[torch.nn.Parameter, str]]) -> bool:
+        """Whether this reducer hooks exactly ``params`` as they are now: the same objects, over
+        the same groups, of the dtype, device and size it sized their buckets for. A parameter
+        replaced since it was built (a new ``nn.Parameter``, ``load_state_dict(assign=True)``)
+        or converted in place (``model.to(dtype)``) fails it: the hook on the old object would
+        never fire and the new one's partial gradient would be left unsummed."""
+        seen = set()
+        for p, group in params:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            where = self._where.get(id(p))
+            if where is None:
+                return False
+            b, i = self.buckets[where[0]], where[1]
+            local = _local(p)
+            if (b.params[i] is not p or b.group != group or p.dtype != b.dtype or local.device != b.device
+                    or local.numel() != b.numels[i]):
+                return False
+        return len(seen) == len(self._where)
 
     # ------------------------------------------------------------------ backward
     def _hook_for(self, p):
