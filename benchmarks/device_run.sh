@@ -25,7 +25,7 @@ step() {  # step SECONDS NAME ARGS...: one cuda_check run, its tail printed
     >"$OUT/$name.log" 2>&1
   echo "rc $?"; tail -n 4 "$OUT/$name.log"
 }
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_lower_cuda.py tests/test_cuda_check.py 2>&1 | tail -n 2
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_lower_cuda.py tests/test_cuda_check.py tests/test_kernels.py 2>&1 | tail -n 2
 # Parity: one NCCL rank (eager, inductor), then 4 ranks sharing the GPU over gloo for the plans
 # gloo can run on CUDA tensors (all-reduces alone).
 step 200 parity --skip gloo memory bf16 --parity-families dp solved --steps 10

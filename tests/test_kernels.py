@@ -21,11 +21,12 @@ RTOL = ATOL = 1e-5
 
 def _cases():
     """(a, b, out, out_slice, accumulate) covering 2-D/3-D, strided a and out,
-    and sizes that are not multiples of the kernel's 64/64/32 blocks."""
+    and sizes that are not multiples of the kernel's 64/64/32 blocks (rows and columns
+    past the edge, with an inner dim that is a whole number of blocks and one that is not)."""
     g = torch.Generator().manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     cases = []
-    for m, n, k in [(1, 1, 1), (70, 45, 33), (64, 32, 64), (130, 97, 65), (5, 200, 3)]:
+    for m, n, k in [(1, 1, 1), (70, 45, 33), (64, 32, 64), (130, 97, 65), (5, 200, 3), (70, 64, 33)]:
         out = rnd(m + 20, k)
         cases.append((rnd(m, n), rnd(n, k), out, (slice(10, 10 + m),), False))
         cases.append((rnd(m, n), rnd(n, k), out.clone(), (slice(10, 10 + m),), True))
@@ -82,6 +83,26 @@ def test_triton_kernel_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "KERNEL-OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and a CUDA device")
+def test_triton_kernel_on_cuda():
+    # the compiled kernel, fp32 without TF32, on the interpreter's cases: fixed tiles, and the
+    # autotuned one (a first call per shape tries every config: slow, so three shapes only)
+    from stpc.runtime.ops import kernels
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for i, (a, b, out, sl, acc) in enumerate(_cases()):
+            for blocks in [(16, 16, 16), (64, 64, 32)] + ([()] if i in (11, 12, 13) else []):
+                o, a_, b_ = out.cuda(), a.cuda(), b.cuda()
+                expected = o.double()
+                expected[sl] = a_.double() @ b_.double() + (expected[sl] if acc else 0)
+                kernels.triton_ring_step_matmul(a_, b_, o[sl], acc, *blocks)
+                torch.testing.assert_close(o.double(), expected, rtol=RTOL, atol=ATOL)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def test_ring_kernel_choice_is_checked():

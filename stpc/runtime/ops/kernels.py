@@ -11,10 +11,13 @@ Dispatch (:func:`ring_step_matmul`):
 - CUDA tensors -> cuBLAS by default (``addmm_``/``mm``/``baddbmm_``/``bmm`` with
   ``out=``: they too write a strided output slice in place, without a temporary), the
   Triton kernel where :func:`set_ring_kernel` (or ``STPC_RING_KERNEL=triton`` in the
-  environment) asks for it. Measured on an H100 (bf16, the ring steps of llama2-7b on 4
+  environment) asks for it. Measured on an H200 (bf16, the ring steps of llama2-7b on 4
   and 8 devices: ``python -m stpc bench kernel``, benchmarks/RESULTS.md), the autotuned
-  Triton kernel reaches 0.3-0.7x of cuBLAS (geo-mean 0.47x and 0.53x in two runs), so it
-  is not the default.
+  Triton kernel's GEMMs run at 0.61-1.12x of cuBLAS's speed in GPU time (geo-mean 0.88x,
+  in CUDA graphs), but one call from Python costs 50-95 us to launch (the autotuner's wrapper
+  and Triton's launcher) against ``addmm_``'s 8-20, so an eager ring step, launched per
+  call, runs at 0.54x: it is not the default. (The H100 runs of the tenth session timed
+  single calls only, their launch included: 0.47x and 0.53x.)
 - anything else -> plain torch, because ``torch.compile`` of a graph holding a Triton
   op fails on CPU (the fake-tensor run reaches the interpreter), and the interpreter is
   far too slow for real work anyway.
@@ -111,6 +114,7 @@ if HAS_TRITON:
         ACCUMULATE: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):
         pid = tl.program_id(0)
         # batch offsets in int64: a ring slice of a big activation can exceed 2^31 elements
@@ -126,14 +130,21 @@ if HAS_TRITON:
         pid_n = (pid % in_group) // group_m
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # rows and columns past the edge wrap onto valid ones (their results are never
+        # stored), so the loads need no row/column mask and pipeline as unmasked loads
+        rows = offs_m % M
+        cols = offs_n % N
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + bid * stride_ab + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        a_ptrs = a_ptr + bid * stride_ab + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            # masks make any M, N, K legal (not only multiples of the block size)
-            a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] + k0 < K), other=0.0)
-            b = tl.load(b_ptrs, mask=(offs_k[:, None] + k0 < K) & (offs_n[None, :] < N), other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:  # the last block's tail reads zeros
+                a = tl.load(a_ptrs, mask=offs_k[None, :] + k0 < K, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] + k0 < K, other=0.0)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
@@ -150,18 +161,21 @@ if HAS_TRITON:
 
     # Tile shapes tried per GEMM shape on a GPU, the first call of each (Triton's matmul
     # tutorial's set for Hopper/Ampere): on an H100 the fixed 64x64x32 tile reached a
-    # geo-mean 0.42x of cuBLAS over the kernel bench's shapes, these 0.47-0.53x
-    # (benchmarks/RESULTS.md, kernel section). A config whose shared memory does not fit
+    # geo-mean 0.42x of cuBLAS's call time over the kernel bench's shapes, these 0.47-0.53x
+    # (the tenth session's runs; in GPU time, on an H200, 0.88x: the module docstring). A config whose shared memory does not fit
     # (fp32's large tiles) is skipped by the autotuner.
     _TUNED_CONFIGS = [
         _config(128, 256, 64, 3, 8), _config(256, 128, 64, 3, 8), _config(128, 128, 64, 4, 8),
         _config(128, 128, 64, 3, 4), _config(64, 256, 32, 4, 4), _config(128, 128, 32, 4, 4),
         _config(128, 64, 32, 4, 4), _config(64, 128, 32, 4, 4), _config(64, 64, 32, 4, 4),
     ]
+    # EVEN_K: the inner dim is a whole number of blocks, so no load is masked at all
+    _ring_step_mm = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
+        _ring_step_mm_kernel)
     # (restore_value: an accumulating call's output is put back after each trial run)
     _ring_step_mm_tuned = triton.autotune(
         configs=_TUNED_CONFIGS, key=["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "ACCUMULATE"],
-        restore_value=["o_ptr"])(_ring_step_mm_kernel)
+        restore_value=["o_ptr"])(_ring_step_mm)
 
 
 def triton_ring_step_matmul(
@@ -204,6 +218,6 @@ def triton_ring_step_matmul(
         return out
     block_m, block_n, block_k = block_m or 64, block_n or 64, block_k or 32
     grid = (triton.cdiv(m, block_m) * triton.cdiv(k, block_n), batch)
-    _ring_step_mm_kernel[grid](*args, ACCUMULATE=bool(accumulate), INPUT_PRECISION=precision,
-                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8)
+    _ring_step_mm[grid](*args, ACCUMULATE=bool(accumulate), INPUT_PRECISION=precision,
+                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8)
     return out
