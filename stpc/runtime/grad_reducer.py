@@ -121,7 +121,8 @@ class GradReducer:
             if where is None:
                 return False
             b, i = self.buckets[where[0]], where[1]
-            local = _local(p)
+            # (runs on every call: the local tensor itself, without to_local's autograd node)
+            local = p._local_tensor if isinstance(p, DTensor) else p
             if (b.params[i] is not p or b.group != group or p.dtype != b.dtype or local.device != b.device
                     or local.numel() != b.numels[i]):
                 return False
