@@ -338,6 +338,29 @@ def test_fit_overlap_reads_overhead_from_the_tiny_ring_and_slowdown_from_the_lon
     assert quiet["slowdown"] == 0.0 and quiet["ring_step_overhead_s"] == 0.0
 
 
+def test_fit_overlap_takes_each_term_per_round_then_the_median():
+    # the machine slows between rounds: a round's parts move together, and its terms hold;
+    # the medians of the parts, taken apart, would put the drift into the difference
+    from stpc.cli.calibrate import fit_overlap
+
+    def probe(g, c, s, load):  # a round's (alone, alone, both) under a load factor
+        return tuple(x * load for x in (g, c, max(g, c) + s * min(g, c)))
+
+    loads = [1.0, 1.0, 1.6, 1.6, 1.6]
+    ring = [probe(0.010, 0.004, 0.5, f) for f in loads]
+    tiny = [(1e-6, 1e-4, 1e-4 + 1e-6)] * 5
+    probes = {"async": [probe(0.28, 0.06, 1.2, f) for f in loads],
+              # compute and network loaded apart, round by round; each round's sync is 5 ms
+              "blocking": [(0.066 * f, 0.008 * h, 0.066 * f + 0.008 * h + 0.005)
+                           for f, h in zip([1.0, 1.6, 1.0, 1.6, 1.3], [1.5, 2.0, 2.0, 1.0, 1.0])]}
+    got = fit_overlap([{"long": ring, "tiny": tiny, "probes": probes}])
+    assert got["ring_slowdown"] == pytest.approx(0.5) and got["slowdown"] == pytest.approx(1.2)
+    assert got["collective_sync_s"] == pytest.approx(0.005) and got["rounds"] == 5
+    # the parts' medians, taken apart (the old fit's way), would say 1 ms
+    g, c, both = (sorted(r[i] for r in probes["blocking"])[2] for i in range(3))
+    assert both - g - c == pytest.approx(0.001)
+
+
 # ----------------------------------------------------------------------------- memory formulas
 
 

@@ -41,8 +41,12 @@ planner models):
     reshard): a block of ``SYNC_GEMMS`` GEMMs then an all-reduce of ``SYNC_BYTES``,
     against the two alone: what the ranks' skew in reaching the collective adds (on a
     CPU shared by more ranks than cores, the scheduler's time slices; on GPUs, launch
-    jitter). The noisiest figure here (2-12 ms on the development VM from run to run):
-    the median of ``SYNC_WINDOWS`` windows.
+    jitter). The noisiest figure here: ``SYNC_WINDOWS`` rounds.
+
+  Each probe's parts are timed in rounds, one window of each part per round, and every
+  term is the median of its per-round values (``_rounds``): a term is a difference of
+  parts, and parts timed one after the other carried the machine's drift between them
+  into it.
 
   On a CPU whose cores the ranks share, gloo's transfers take the same cores the GEMM
   needs, and the slowdowns come out near 1 (no overlap); on GPUs they are small.
@@ -253,29 +257,38 @@ OVERLAP_LONG = (512, 1024, 1024)
 OVERLAP_TINY = (8, 64, 64)
 
 
-def _ring_times(dev, world: int, rows: int, n: int, k: int, window_s: float) -> tuple[float, float, float]:
-    """(GEMM, P2P, ring step) seconds of one AG-ring step, each sustained on every rank at
-    once (the step: the ring's whole time over its ``world`` steps)."""
+def _ring_times(dev, world: int, rows: int, n: int, k: int, window_s: float) -> list[tuple[float, float, float]]:
+    """(GEMM, P2P, ring step) seconds of one AG-ring step, every rank at once (the step: the
+    ring's whole time over its ``world`` steps), in :func:`_rounds`."""
     x = torch.randn(rows, n, device=dev)
     w = torch.randn(n, k, device=dev)
-    gemm = _sustained(lambda: torch.mm(x, w), dev, window_s)
     # (a P2P or a ring needs every rank in every call: the same number of calls on each rank,
     # not a window each rank ends by its own clock)
-    p2p = _together(_collective_fn("p2p", x.numel() * x.element_size(), dist.get_rank(), world, dev), dev, window_s)
-    ring = _together(lambda: ring_allgather_matmul(x, w, 0, dist.group.WORLD), dev, window_s)
-    return gemm, p2p, ring / world
+    p2p = _collective_fn("p2p", x.numel() * x.element_size(), dist.get_rank(), world, dev)
+    rounds = _rounds([lambda: torch.mm(x, w), p2p, lambda: ring_allgather_matmul(x, w, 0, dist.group.WORLD)],
+                     dev, window_s)
+    return [(g, c, ring / world) for g, c, ring in rounds]
 
 
-def _together(fn, dev, window_s: float, windows: int = 3) -> float:
-    """Seconds per call of a ``fn`` every rank must join (a P2P, a ring): the median of
-    ``windows`` windows of the same call count on every rank, all ranks busy at once."""
-    reps = _repeats(fn, dev, window_s / windows)
-    return statistics.median(_window(fn, reps, dev) for _ in range(windows))
+OVERLAP_ROUNDS = 5
 
 
-def _overlap(dev, world: int, window_s: float = 0.6) -> dict:
+def _rounds(fns: list, dev, window_s: float, rounds: int = OVERLAP_ROUNDS) -> list[tuple[float, ...]]:
+    """Seconds per call of each of ``fns`` (every rank joins each call), in ``rounds`` rounds
+    of one window of about ``window_s`` per closure, round-robin. The overlap terms are
+    differences of these parts (a probe's both-at-once less its parts alone): timed moments
+    apart, a round's parts see the same machine, and :func:`fit_overlap` takes the median
+    of the per-round terms. (Timed part after part, each the median of its own windows,
+    a drift of the machine's load between the parts went whole into the difference: four
+    calibrations of the development VM in one afternoon gave ring slowdowns of 0.60-3.89,
+    the asynchronous one 1.18-1.53, the blocking sync 0-28 ms.)"""
+    reps = [_repeats(fn, dev, window_s) for fn in fns]
+    return [tuple(_window(fn, r, dev) for fn, r in zip(fns, reps)) for _ in range(rounds)]
+
+
+def _overlap(dev, world: int, window_s: float = 0.2) -> dict:
     """This rank's ring-step times, long and tiny blocks, and its asynchronous and blocking
-    collective probes (see the module docstring)."""
+    collective probes (see the module docstring), each a list of :func:`_rounds`."""
     return {"long": _ring_times(dev, world, *OVERLAP_LONG, window_s),
             "tiny": _ring_times(dev, world, *OVERLAP_TINY, window_s / 2),
             "probes": _async_and_blocking(dev)}
@@ -290,9 +303,9 @@ ASYNC_BYTES, ASYNC_GEMMS = 32 * 2**20, 16
 SYNC_BYTES, SYNC_GEMMS, SYNC_WINDOWS = 4 * 2**20, 4, 7
 
 
-def _async_and_blocking(dev, window_s: float = 1.2) -> dict:
+def _async_and_blocking(dev, window_s: float = 0.3) -> dict:
     """This rank's (GEMM block, collective, both) seconds of the asynchronous and the
-    blocking probe (see the module docstring)."""
+    blocking probe (see the module docstring), in :func:`_rounds`."""
     x = torch.randn(OVERLAP_LONG[0], OVERLAP_LONG[1], device=dev)
     w = torch.randn(OVERLAP_LONG[1], OVERLAP_LONG[2], device=dev)
 
@@ -307,42 +320,48 @@ def _async_and_blocking(dev, window_s: float = 1.2) -> dict:
         block(ASYNC_GEMMS)
         h.wait()
 
-    out = {}
     # (each part timed alike, a window of the same call count on every rank from a barrier:
     # a GEMM block timed by each rank's own clock instead came out slower than the block
     # beside the collective, and the slowdown 0)
-    out["async"] = [_together(lambda: block(ASYNC_GEMMS), dev, window_s),
-                    _together(lambda: dist.all_reduce(big), dev, window_s / 2), _together(beside, dev, window_s)]
-    out["blocking"] = [_together(lambda: block(SYNC_GEMMS), dev, 2 * window_s, windows=SYNC_WINDOWS),
-                       _together(lambda: dist.all_reduce(small), dev, window_s / 4),
-                       _together(lambda: (block(SYNC_GEMMS), dist.all_reduce(small)), dev, 2 * window_s,
-                                 windows=SYNC_WINDOWS)]
-    return out
+    return {"async": _rounds([lambda: block(ASYNC_GEMMS), lambda: dist.all_reduce(big), beside], dev, window_s),
+            "blocking": _rounds([lambda: block(SYNC_GEMMS), lambda: dist.all_reduce(small),
+                                 lambda: (block(SYNC_GEMMS), dist.all_reduce(small))], dev, window_s / 2,
+                                rounds=SYNC_WINDOWS)}
 
 
 def fit_overlap(per_rank: list[dict]) -> dict:
-    """The profile's ``overlap`` from every rank's :func:`_overlap`: the slowest rank's
-    times (a ring, a collective, waits for its slowest member); the ring's overhead from
-    the tiny ring, its slowdown from the long one; the asynchronous collective's slowdown
-    and the blocking one's synchronisation cost from their probes; all at least 0."""
-    def slowest(which, where=None):
+    """The profile's ``overlap`` from every rank's :func:`_overlap`: per round, the slowest
+    rank's times (a ring, a collective, waits for its slowest member) and the terms they
+    give: the ring's overhead from the tiny ring, its slowdown from the long one, the
+    asynchronous collective's slowdown and the blocking one's synchronisation cost from
+    their probes, all at least 0; each term the median over rounds, each part too. A
+    part given as one ``(a, b, c)`` is one round."""
+    def slowest(which, where=None) -> list[tuple[float, float, float]]:
         rows = [r[where][which] if where else r[which] for r in per_rank]
-        return [max(r[i] for r in rows) for i in range(3)]
+        rows = [[row] if isinstance(row[0], (int, float)) else row for row in rows]
+        return [tuple(max(r[k][i] for r in rows) for i in range(3)) for k in range(min(map(len, rows)))]
 
-    gemm, p2p, step = slowest("tiny")
-    overhead = max(0.0, step - max(gemm, p2p) - min(gemm, p2p))  # (tiny: the shorter part barely counts)
-    gemm_l, p2p_l, step_l = slowest("long")
-    ring_slowdown = max(0.0, (step_l - overhead - max(gemm_l, p2p_l)) / min(gemm_l, p2p_l))
+    def med(rounds, i):
+        return statistics.median(r[i] for r in rounds)
+
+    tiny, long = slowest("tiny"), slowest("long")
+    overhead = statistics.median(max(0.0, step - max(g, c) - min(g, c)) for g, c, step in tiny)
+    ring_slowdown = statistics.median(max(0.0, (step - overhead - max(g, c)) / min(g, c)) for g, c, step in long)
     out = {"slowdown": ring_slowdown, "ring_slowdown": ring_slowdown, "ring_step_overhead_s": overhead,
-           "long": {"gemm_s": gemm_l, "p2p_s": p2p_l, "ring_step_s": step_l, "shape": list(OVERLAP_LONG)},
-           "tiny": {"gemm_s": gemm, "p2p_s": p2p, "ring_step_s": step, "shape": list(OVERLAP_TINY)}}
+           "rounds": len(long),
+           "long": {"gemm_s": med(long, 0), "p2p_s": med(long, 1), "ring_step_s": med(long, 2),
+                    "shape": list(OVERLAP_LONG)},
+           "tiny": {"gemm_s": med(tiny, 0), "p2p_s": med(tiny, 1), "ring_step_s": med(tiny, 2),
+                    "shape": list(OVERLAP_TINY)}}
     if all("probes" in r for r in per_rank):
-        g, c, both = slowest("async", "probes")
-        out["slowdown"] = max(0.0, (both - max(g, c)) / min(g, c))
-        out["async"] = {"gemms_s": g, "all_reduce_s": c, "both_s": both, "bytes": ASYNC_BYTES, "gemms": ASYNC_GEMMS}
-        g, c, both = slowest("blocking", "probes")
-        out["collective_sync_s"] = max(0.0, both - g - c)
-        out["blocking"] = {"gemms_s": g, "all_reduce_s": c, "both_s": both, "bytes": SYNC_BYTES, "gemms": SYNC_GEMMS}
+        rounds = slowest("async", "probes")
+        out["slowdown"] = statistics.median(max(0.0, (both - max(g, c)) / min(g, c)) for g, c, both in rounds)
+        out["async"] = {"gemms_s": med(rounds, 0), "all_reduce_s": med(rounds, 1), "both_s": med(rounds, 2),
+                        "bytes": ASYNC_BYTES, "gemms": ASYNC_GEMMS}
+        rounds = slowest("blocking", "probes")
+        out["collective_sync_s"] = statistics.median(max(0.0, both - g - c) for g, c, both in rounds)
+        out["blocking"] = {"gemms_s": med(rounds, 0), "all_reduce_s": med(rounds, 1), "both_s": med(rounds, 2),
+                           "bytes": SYNC_BYTES, "gemms": SYNC_GEMMS}
     return out
 
 
