@@ -64,7 +64,7 @@ def test_solved_note_says_whose_gap_it_is():
 def test_a_tiny_run_end_to_end(tmp_path):
     js, md = str(tmp_path / "rt.json"), str(tmp_path / "RESULTS.md")
     rc = main(["bench", "runtime", "--model", "gpt-tiny", "--batch", "8", "--seq", "16", "--steps", "1",
-               "--warmup", "1", "--json", js, "--results", md])
+               "--warmup", "1", "--json", js, "--results", md, "--debug"])  # a failure's traceback in the log
     assert rc == 0
     got = json.load(open(js))
     engines = got["engines"]

@@ -148,6 +148,11 @@ def test_error_lines_keep_stpcs_own_fix():
     tb = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: boom\n"
     assert error_line(SpawnError(2, tb)) == ("rank 2 failed: ValueError: boom. Fix: rerun with --debug (or "
                                              "STPC_DEBUG=1) for the traceback of every rank")
+    # the root rank's own last line, not the note on the ranks that failed after it
+    note = "\n(ranks [0, 1, 3] failed after it, probably as a consequence)"
+    e = SpawnError(2, tb + note, {2: tb, 0: "RuntimeError: connection closed", 1: "x", 3: "y"})
+    assert error_line(e) == ("rank 2 failed: ValueError: boom (ranks [0, 1, 3] failed after it). Fix: rerun with "
+                             "--debug (or STPC_DEBUG=1) for the traceback of every rank")
     assert "Fix: raise --timeout" in error_line(SpawnTimeout("spawn: ranks [1] of 2 did not finish within 5 s"))
     assert error_line(OSError(2, "No such file or directory")).endswith("Fix: check that the path exists and can "
                                                                        "be written")

@@ -107,8 +107,14 @@ def error_line(e: BaseException) -> str:
                 f"smallest feasible budget is {need:.4g} GiB. Fix: --budget-gib {up:.3g} or more, more devices "
                 f"(--mesh), or a smaller --batch / --seq")
     if isinstance(e, SpawnError):
-        last = [line for line in e.remote_traceback.strip().splitlines() if line.strip()]
+        # the root rank's own last line: ``remote_traceback`` ends with the note on the
+        # ranks that failed after it, which says nothing of why
+        own = e.failures.get(e.rank, e.remote_traceback)
+        last = [line for line in own.strip().splitlines() if line.strip()]
         cause = f"rank {e.rank} failed: {last[-1].strip() if last else 'it exited without a result'}"
+        after = sorted(set(e.failures) - {e.rank})
+        if after:
+            cause += f" (ranks {after} failed after it)"
         return _one_line(cause) if "Fix:" in cause else f"{_one_line(cause)}. Fix: {DEBUG_HINT} of every rank"
     if isinstance(e, SpawnTimeout):
         return f"{_one_line(e)}. Fix: raise --timeout, or give the ranks less to do (--steps, a smaller model)"
