@@ -1,5 +1,6 @@
 """The planner: strategies, budget, determinism, hints, plans for the zoo."""
 import dataclasses
+import importlib
 import math
 import os
 import re
@@ -528,6 +529,46 @@ def test_infeasible_budget_states_smallest_feasible():
     assert p.peak_memory_bytes <= err.value.min_budget
     with pytest.raises(InfeasibleBudget):
         plan_graph(tg, cm, budget=err.value.min_budget - 1)
+
+
+def test_a_points_least_memory_is_found_only_when_no_point_fits(monkeypatch):
+    """A point over the budget by the cheap bound needs its exact least memory (a CP-SAT
+    solve) only for the error's smallest feasible budget: a search that finds a plan solves
+    none, and the budget the error names is the least that plans."""
+    mod = importlib.import_module("stpc.planner.search")
+    calls = []
+    real = mod.min_memory
+    monkeypatch.setattr(mod, "min_memory", lambda p, *a: calls.append(p) or real(p, *a))
+    tg = _meta_trace("gpt-tiny", batch=16, seq=64)
+    with pytest.raises(InfeasibleBudget) as err:
+        search(tg, 4, "primepar-v100", budget_bytes=1000)
+    least = err.value.min_budget
+    assert calls
+    calls.clear()
+    plan = search(tg, 4, "primepar-v100", budget_bytes=least)
+    # (a point the budget binds on that CP-SAT proves over has its own exact minimum)
+    over = [t for t in plan.stats["mesh_shapes_tried"] if "min_budget_bound_bytes" in t]
+    assert plan.peak_memory_bytes <= least and over and not calls
+    assert all(t["min_budget_bound_bytes"] > least and "min_budget_bytes" not in t for t in over)
+    with pytest.raises(InfeasibleBudget) as err:
+        search(tg, 4, "primepar-v100", budget_bytes=least - 1)
+    assert err.value.min_budget == least
+
+
+def test_the_least_budget_stops_at_the_first_bound_that_cannot_win(monkeypatch):
+    mod = importlib.import_module("stpc.planner.search")
+    exact = {"a": 50, "b": 40, "c": 70}
+    monkeypatch.setattr(mod, "min_memory", lambda p: exact[p])
+    builder = SimpleNamespace(add_memory_edges=lambda p: p)
+    entries = [{}, {}, {}]
+    over = [(60, 2, "c", None, entries[2]), (30, 0, "a", None, entries[0]), (45, 1, "b", None, entries[1])]
+    built = []
+    rebuild = lambda s, h: built.append(s) or (builder, s)  # noqa: E731
+    # by bound: a (exact 50), b (45 < 50: exact 40); c's bound 60 cannot beat 40, never built
+    assert mod._least_budget(over, math.inf, rebuild) == 40 and built == ["a", "b"]
+    assert entries[0]["min_budget_bytes"] == 50 and entries[1]["min_budget_bytes"] == 40 and not entries[2]
+    built.clear()  # a least already known (a point CP-SAT proved over) below every bound
+    assert mod._least_budget(over, 25, rebuild) == 25 and built == []
 
 
 class BigLinear(nn.Module):

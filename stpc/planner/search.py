@@ -24,8 +24,10 @@ selectively (their matmuls' and fused attentions' outputs kept) and, where that 
 fit either, in full: each a candidate of its own (``"recompute": "selective"`` or
 ``"full"`` in its layout record).
 
-Two phases. First every candidate's problem is built, its smallest feasible memory
-checked against the budget, and its objective minimised without the memory rows
+Two phases. First every candidate's problem is built, a cheap lower bound of its
+smallest feasible memory checked against the budget (one over it is out; its exact
+least memory, a CP-SAT solve, is found only if no candidate gives a plan, for the error's
+smallest feasible budget), and its objective minimised without the memory rows
 (variable elimination: milliseconds). That optimum is a lower bound of the
 candidate's budgeted optimum. Then candidates are visited cheapest bound first: one
 whose memory-blind optimum fits the budget is solved; one where the budget binds
@@ -263,6 +265,22 @@ def _better(a, b) -> bool:
     return a[:2] < b[:2]
 
 
+def _least_budget(over: list, least: float, rebuild: Callable) -> int:
+    """The smallest per-device budget any of the ``over`` points fits (none beats ``least``,
+    already known): each point's exact minimum (``min_memory``), in the order of their cheap
+    lower bounds, stopping at the first bound no lower than the best so far (the rest can
+    only need more). ``rebuild(shape, hints)`` gives a point's (builder, problem) again
+    (not kept from the first phase: a search that finds a plan never needs them). Each
+    point computed has its entry's ``min_budget_bytes`` filled in."""
+    for bound, _, s, h, entry in sorted(over, key=lambda o: o[:2]):
+        if bound >= least:
+            break
+        b, problem = rebuild(s, h)
+        entry["min_budget_bytes"] = need = min_memory(b.add_memory_edges(problem))
+        least = min(least, need)
+    return int(least)
+
+
 def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress=None,
             recompute=None, time_limit_s=TIME_LIMIT_S) -> Plan:
     t0 = time.perf_counter()
@@ -270,6 +288,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     shape, n = parse_mesh(mesh)
     facts = analyse(tg)  # (done by ``stpc.trace``: mesh-independent)
     tried, infeasible, candidates, unresolved = [], [], [], []
+    over = []  # (memory bound, index, shape, hints, its tried entry): points no assignment of fits
     points = _candidates(hints, shape, n, cl)
     report = _Reporter(progress, t0, len(points))
 
@@ -282,10 +301,14 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         except HintUnsatisfiable as e:  # e.g. a forced family this shape cannot run
             tried.append({**entry, "modelled_step_time_s": None, "skipped": str(e), "solve_time_s": 0.0})
             return True
-        if budget_bytes is not None and min_memory_bound(problem) > problem.budget:
-            infeasible.append(need := min_memory(b.add_memory_edges(problem)))
-            tried.append({**entry, "modelled_step_time_s": None, "infeasible": True,
-                          "min_budget_bytes": need, "solve_time_s": time.perf_counter() - t_shape})
+        if budget_bytes is not None and (least := min_memory_bound(problem)) > problem.budget:
+            # How little memory this point could do with matters only if no point fits: its
+            # exact minimum (every memory edge costed, then a CP-SAT solve: most of a search's
+            # time where a few points are over) waits for that (``_least_budget``); until
+            # then the entry holds the cheap lower bound.
+            tried.append({**entry, "modelled_step_time_s": None, "infeasible": True, "min_budget_bound_bytes": least,
+                          "solve_time_s": time.perf_counter() - t_shape})
+            over.append((least, idx, s, h, tried[-1]))
             return False
         b.add_edges(problem)
         t_built = time.perf_counter()
@@ -362,8 +385,11 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             f" on {', '.join(_name(c.layout) for c, _ in unresolved)}, and no other candidate gave a plan. "
             "Fix: rerun on an idle machine or with a longer time limit (the limit is wall-clock: "
             "--solver-time-limit, search(time_limit_s=)), or with a larger memory budget"))
-    if best is None and infeasible:
-        raise InfeasibleBudget(int(budget_bytes), min(infeasible))
+    if best is None and (infeasible or over):
+        least = _least_budget(over, min(infeasible, default=math.inf),
+                              lambda s, h: build_problem(tg, CostModel(cl, s), budget_bytes, h, optimizer_layout,
+                                                         facts, edges=False))
+        raise InfeasibleBudget(int(budget_bytes), least)
     if best is None:
         raise HintUnsatisfiable("no mesh shape satisfies the hints (change the hints or the device count): "
                                 + "; ".join(t["skipped"] for t in tried if t.get("skipped")))
