@@ -531,6 +531,22 @@ def test_infeasible_budget_states_smallest_feasible():
         plan_graph(tg, cm, budget=err.value.min_budget - 1)
 
 
+def test_merging_a_dense_table_gives_the_classes_of_the_sparse_one():
+    """``_merge_dense`` (the saved-read edges' tables, vectorised) against ``_merge_classes``:
+    the same row and column classes in the same order, the same merged table."""
+    import numpy as np
+
+    from stpc.planner.builder import _merge_classes, _merge_dense
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n_rows, n_cols = (int(x) for x in rng.integers(1, 9, size=2))
+        m = rng.integers(-2, 3, size=(n_rows, n_cols)) * rng.integers(0, 2, size=(n_rows, n_cols))
+        m[rng.integers(0, n_rows)] = m[0]  # repeated rows (columns repeat by chance)
+        sparse = {(p, q): int(m[p, q]) for p in range(n_rows) for q in range(n_cols) if m[p, q]}
+        assert _merge_dense(m) == _merge_classes(n_rows, n_cols, sparse)
+
+
 def test_a_points_least_memory_is_found_only_when_no_point_fits(monkeypatch):
     """A point over the budget by the cheap bound needs its exact least memory (a CP-SAT
     solve) only for the error's smallest feasible budget: a search that finds a plan solves

@@ -530,11 +530,20 @@ class Builder:
         f = self.facts
         saved = f.kept_saved if self.recompute else f.saved_uses
         held, freed = [], []
+        # (vectorised over (producer placement, read placement): at 32 devices a producer has
+        # hundreds of placements, and this loop was most of a search's time)
+        at = {}  # placement -> the bytes a saved copy holds, per tensor size
+
+        def kept(nbytes, placements):
+            return np.array([at.setdefault((nbytes, q), self.memory.saved_bytes(nbytes, shard_factor(q, self.mesh)))
+                             for q in placements], dtype=np.float64)
+
         for it, shares in f.savers.items():
             if not saved[it]:
                 continue
             val = it.node.meta["val"]
             nbytes, place = val.numel() * val.element_size(), self.place[it]
+            at_place, row_of = kept(nbytes, place), {p: n for n, p in enumerate(place)}
             done = done_head = 0.0  # shares charged so far: each edge rounds the running sum (no
             for (saver, i), (share, head_share) in shares.items():  # byte lost to thirds)
                 if saver.kind != "decision" or saver.group == it.group or (self.recompute and saver in f.layer_items):
@@ -544,23 +553,22 @@ class Builder:
                 strategies = self.groups[saver.group].strategies
                 reads = sorted({s.ins[i] for s in strategies if s.kind != "p2x2"})
                 none = len(reads)  # the column of the strategies that keep blocks of their own
-                table, head_table = {}, {}
-                for pc, p in enumerate(place):
-                    for qc, q in enumerate(reads):
-                        d = (self.memory.saved_bytes(nbytes, shard_factor(q, self.mesh))
-                             - self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)))
-                        b = int(round(done * d)) - int(round(before * d))
-                        if p != q and b:
-                            table[(pc, qc)] = b
-                            head_table[(pc, qc)] = int(round(before_head * d)) - int(round(done_head * d))
-                if not table:
+                d = kept(nbytes, reads)[None, :] - at_place[:, None]
+                table = np.zeros((len(place), none + 1), dtype=np.int64)
+                table[:, :none] = np.round(done * d) - np.round(before * d)
+                for qc, q in enumerate(reads):  # read as produced: no reshard, no copy
+                    if q in row_of:
+                        table[row_of[q], qc] = 0
+                if not table.any():
                     continue
+                head_table = np.zeros_like(table)
+                head_table[:, :none] = np.where(table[:, :none] != 0, np.round(before_head * d) - np.round(done_head * d), 0)
                 qidx = {q: n for n, q in enumerate(reads)}
-                rows, cols, table = _merge_classes(len(place), none + 1, table)
+                rows, cols, table = _merge_dense(table)
                 vcls = tuple(cols[none if s.kind == "p2x2" else qidx[s.ins[i]]] for s in strategies)
                 held.append(Edge(it.group, saver.group, tuple(rows), vcls, table))
-                if any(head_table.values()):
-                    rows, cols, head_table = _merge_classes(len(place), none + 1, head_table)
+                if head_table.any():
+                    rows, cols, head_table = _merge_dense(head_table)
                     vcls = tuple(cols[none if s.kind == "p2x2" else qidx[s.ins[i]]] for s in strategies)
                     freed.append(Edge(it.group, saver.group, tuple(rows), vcls, head_table))
         return held, freed
@@ -1108,6 +1116,23 @@ def _merge_classes(num_rows: int, num_cols: int, table: dict):
     qr = {q: i for i, q in enumerate(sorted(set(cmap)))}
     rows, cols = [pr[r] for r in rmap], [qr[c] for c in cmap]
     return rows, cols, {(rows[p], cols[q]): c for (p, q), c in table.items()}
+
+
+def _merge_dense(table: np.ndarray):
+    """:func:`_merge_classes` of a table given as a dense int matrix (0: no cost): the same
+    classes, in the same (first-seen) order, and the same merged table of nonzero pairs."""
+    def merged(m: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """(class per row, the first row of each class in class order)"""
+        _, first, inverse = np.unique(m, axis=0, return_index=True, return_inverse=True)
+        firsts = first[inverse.reshape(-1)]       # each row's first identical row
+        reps = np.sort(first)
+        order = {r: n for n, r in enumerate(reps.tolist())}
+        return [order[r] for r in firsts.tolist()], reps
+
+    (rows, rrep), (cols, crep) = merged(table), merged(table.T)
+    small = table[np.ix_(rrep, crep)]  # one entry per pair of classes
+    nz = np.nonzero(small)
+    return rows, cols, {(p, q): int(small[p, q]) for p, q in zip(nz[0].tolist(), nz[1].tolist())}
 
 
 def build_problem(tg: TracedGraph, cm: CostModel, budget: float | None = None, hints: Hints | None = None,
