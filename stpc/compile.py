@@ -38,7 +38,8 @@ from stpc.frontend.dump import table as _table
 from stpc.module import Compiled, DistributedModel, Program, adopt, flatten_call, full_meta_view, mesh_device
 from stpc.placement import fmt
 from stpc.planner import Hints, Plan, analyse, preset, search
-from stpc.planner.cache import PlanCache, plan_key
+from stpc.planner.cache import PlanCache, graph_digest, plan_key
+from stpc.planner.summary import breakdown
 from stpc.runtime.dtensors import grid_axes, storage_mesh, tokens_of
 from stpc.validate import InvalidArgument, NotPlanned, PlanWarning
 
@@ -288,6 +289,26 @@ def _check_schedules(prog: Program, mesh: DeviceMesh) -> None:
     runtime.check_schedule_agreement(expected[dist.get_rank()], expected)
 
 
+def _plan_once(tg, mesh_spec, opts: _Options, param_exact: dict, input_exact: dict) -> Plan:
+    """Rank 0 plans (searches, or reads the plan cache); every other rank takes its plan.
+    Each rank searching for itself would search the same problem once per rank, on cores
+    ranks often share, and a search that CP-SAT's wall-clock limit cuts short under that
+    contention could end differently on two ranks. First the ranks check that they traced
+    the same program: a rank with other example input shapes would run a plan made for
+    rank 0's. (Rank 0's plan keeps the problem it was solved from, ``plan.solved``; the
+    others' are read from its JSON, as a cached plan is.)"""
+    runtime.check_traced_agreement(f"{graph_digest(tg)}:{mesh_spec!r}")
+    mine = []  # (rank 0's plan object)
+
+    def plan_here() -> str:
+        mine.append(_plan(tg, mesh_spec, opts, param_exact, input_exact))
+        breakdown(mine[0])  # (kept in its stats: the others' summaries split the step too)
+        return mine[0].to_json()
+
+    text = runtime.from_rank0(plan_here)
+    return mine[0] if mine else Plan.from_json(text)
+
+
 def _plan(tg, mesh_spec, opts: _Options, param_exact: dict, input_exact: dict) -> Plan:
     """Search (or read from the plan cache) the plan of ``tg`` on ``mesh_spec``."""
     shape = mesh_spec if isinstance(mesh_spec, tuple) else None
@@ -322,7 +343,8 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     tracing: :class:`stpc.validate.InvalidArgument` names the cause and the fix.
     ``example_inputs`` / ``example_kwargs``: one call's positional and keyword inputs
     (full, global tensors; a plan is made for their shapes). ``plan`` skips the search
-    (every rank must pass the same one: the ranks check it). ``hints``: ``"megatron"``,
+    (every rank must pass the same one: the ranks check it); without one, rank 0 searches
+    and every rank runs its plan. ``hints``: ``"megatron"``,
     ``"dp"`` or a :class:`stpc.planner.Hints`. ``backend``: hand the program to
     ``torch.compile`` (``"inductor"``, ``"aot_eager"``). ``input_placements``: user inputs
     the caller feeds as this rank's shard, ``{name: placements}`` (DTensor placements or
@@ -397,7 +419,7 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
         raise InvalidArgument(f"stpc.compile: input_placements name {sorted(unknown)}, which are not inputs of "
                          f"{type(model).__name__}.forward; its tensor inputs are {tg.user_inputs}")
     if plan is None:
-        plan = _plan(tg, mesh_spec, opts, {}, local)
+        plan = _plan_once(tg, mesh_spec, opts, {}, local)
     _report(plan, tg, opts)
     dm = make_mesh(mesh if isinstance(mesh, DeviceMesh) else None, plan.mesh_shape, timeout_s)
     runtime.check_plan_agreement(plan.hash())
@@ -432,7 +454,7 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
 
     def make_program(module, args, kwargs, first: Program) -> Program:
         tg2 = _trace_call(module, args, kwargs, local_leaves, tuple(plan.mesh_shape))
-        plan2 = _plan(tg2, tuple(plan.mesh_shape), opts, all_exact, local)
+        plan2 = _plan_once(tg2, tuple(plan.mesh_shape), opts, all_exact, local)
         _report(plan2, tg2, opts)
         runtime.check_plan_agreement(plan2.hash())
         prog2 = _program(tg2, plan2, dm, groups, opts)

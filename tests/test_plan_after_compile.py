@@ -29,6 +29,8 @@ def _compare(rank, world):
     pm(idx, tgt).backward()  # (a step run: nothing of it may reach the plan either)
     after = breakdown(plan)
     summary = plan.summary()
+    if rank != 0:  # (rank 0 planned for every rank: the others run its plan, read from its JSON)
+        return {"same_plan": plan.solved is None, "diff": {}, "summary": "end of forward" in summary}
     # the same plan searched on a fresh trace, in this process, on the cluster compile costed it on
     ref = search(stpc.trace(models.build("gpt-tiny"), (idx, tgt)), (world,), plan.solved.b.cm.cluster,
                  hints=preset("megatron", (world,)))

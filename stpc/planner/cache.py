@@ -31,7 +31,7 @@ import torch
 from stpc.planner.hints import Hints
 from stpc.planner.plan import Plan
 
-__all__ = ["PlanCache", "default_dir", "plan_key", "CacheWarning"]
+__all__ = ["PlanCache", "default_dir", "plan_key", "graph_digest", "CacheWarning"]
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,8 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
-def _graph_digest(tg) -> str:
+def graph_digest(tg) -> str:
+    """The traced program: its code, every placeholder's shape and dtype, its tied parameters."""
     h = hashlib.sha256(tg.gm.code.encode())
     for n in tg.gm.graph.nodes:
         if n.op == "placeholder":
@@ -104,7 +105,7 @@ def plan_key(tg, mesh, cluster, budget_bytes, hints, temporal, dtype="fp32",
     ck, hk = _cluster_key(cluster), _hints_key(hints)
     if hk is None:
         return None
-    blob = json.dumps({"graph": _graph_digest(tg), "mesh": repr(mesh), "cluster": ck,
+    blob = json.dumps({"graph": graph_digest(tg), "mesh": repr(mesh), "cluster": ck,
                        "budget": budget_bytes, "hints": hk, "temporal": bool(temporal), "dtype": dtype,
                        "optimizer": optimizer_layout, "code": _code_digest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()

@@ -203,8 +203,11 @@ class SolverTimeout(RuntimeError):
     that a solution under the problem's cap exists nor that none does."""
 
     def __init__(self, status: str, time_limit_s: float, where: str = ""):
-        self.status, self.time_limit_s = status, time_limit_s
+        self.status, self.time_limit_s, self.where = status, time_limit_s, where
         super().__init__(f"CP-SAT returned {status} within {time_limit_s}s{where}")
+
+    def __reduce__(self):  # (rank 0's search error is sent to the other ranks)
+        return type(self), (self.status, self.time_limit_s, self.where)
 
 
 class InfeasibleBudget(ValueError):
@@ -216,6 +219,9 @@ class InfeasibleBudget(ValueError):
             f"no plan fits the memory budget of {budget / 2**30:.3f} GiB per device; the smallest "
             f"feasible budget is {min_budget / 2**30:.3f} GiB ({min_budget} bytes). "
             "Raise --budget-gib, use more devices, or a smaller batch/sequence.")
+
+    def __reduce__(self):  # (rank 0's search error is sent to the other ranks)
+        return type(self), (self.budget, self.min_budget)
 
 
 def _build(p: Problem, minimise_memory: bool):

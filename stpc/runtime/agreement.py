@@ -1,5 +1,7 @@
 """agreement: before any step runs, every rank checks that it holds what rank 0 holds.
 
+* the same traced program: rank 0 plans for everyone (:func:`from_rank0`), so a rank that
+  traced another program (other example input shapes) would run a plan made for rank 0's;
 * the same plan: a rank with a different plan would issue a different sequence of
   collectives and P2P transfers, a hang or a silent wrong answer. The check takes the
   plan's hash (a string), not the plan: the runtime knows nothing of plans;
@@ -16,13 +18,15 @@ device under NCCL alone (which moves no CPU tensors).
 from __future__ import annotations
 
 import hashlib
+import pickle
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 __all__ = ["check_plan_agreement", "PlanMismatch", "check_tensors_agree", "TensorMismatch",
-           "check_schedule_agreement", "ScheduleMismatch"]
+           "check_schedule_agreement", "ScheduleMismatch", "check_traced_agreement", "TraceMismatch", "from_rank0"]
 
 
 def _comm_device(group=None) -> torch.device:
@@ -44,6 +48,59 @@ def _all_gather(mine: torch.Tensor, group=None) -> list[torch.Tensor]:
     got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(got, mine, group=group)
     return [t.cpu() for t in got]
+
+
+class TraceMismatch(RuntimeError):
+    """Ranks traced different programs from their models and example inputs."""
+
+
+def check_traced_agreement(digest: str, group=None) -> None:
+    """All-gather each rank's digest of its traced program (graph, input shapes, mesh) over
+    ``group`` (default WORLD) and raise :class:`TraceMismatch` on every rank, naming the ranks
+    whose digest differs from rank 0's."""
+    mine = torch.tensor(list(hashlib.sha256(digest.encode()).digest()), dtype=torch.uint8)
+    got = _all_gather(mine, group)
+    bad = [r for r in range(len(got)) if not torch.equal(got[r], got[0])]
+    if bad:
+        raise TraceMismatch(
+            f"ranks {bad} traced another program than rank 0 (other example input shapes or dtypes, "
+            f"another model, or another mesh). Fix: call stpc.compile with the same model and example "
+            f"inputs of the same shapes on every rank.")
+
+
+def _portable(e: BaseException) -> BaseException:
+    """``e`` as it can cross to another process: itself where it pickles back to its own
+    type, else a RuntimeError carrying its type and message."""
+    try:
+        back = pickle.loads(pickle.dumps(e))
+        if type(back) is type(e) and str(back) == str(e):
+            return back
+    except Exception:  # (an exception whose __init__ takes other arguments than its args)
+        pass
+    return RuntimeError(f"{type(e).__name__} on rank 0: {e}")
+
+
+def from_rank0(make: Callable[[], object], group=None):
+    """``make()`` run on ``group``'s first rank alone (default WORLD: rank 0), its result
+    (picklable) returned on every rank, with one broadcast. An exception ``make`` raises is
+    raised on every rank (rank 0's own; on the others a copy, :func:`_portable`), so no rank
+    waits for a value that is not coming."""
+    if dist.get_world_size(group) == 1:
+        return make()
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    box, error = [None], None
+    if dist.get_rank() == src:
+        try:
+            box[0] = (True, make())
+        except Exception as e:
+            box[0], error = (False, _portable(e)), e
+    dist.broadcast_object_list(box, src=src, group=group, device=_comm_device(group))
+    if error is not None:
+        raise error
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 class PlanMismatch(RuntimeError):
