@@ -229,6 +229,7 @@ def test_a_layer_in_grid_layout_matches_single_device_for_twenty_adamw_steps(mod
     _check(spawn(run_cases, world, cases, timeout_s=590), cases)
 
 
+@pytest.mark.slow  # (two minutes of inductor on 2 cores: the default run keeps the grid layer's eager parity)
 @pytest.mark.multirank
 def test_a_layer_in_grid_layout_compiles_without_graph_breaks():
     """The grid program through torch.compile (aot_eager and inductor): the norms' statistics

@@ -206,7 +206,7 @@ def test_a_view_reads_its_input_resharded_to_a_layout_it_can_keep():
     _check(spawn(run_cases, 4, cases, timeout_s=600), cases)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", [pytest.param("aot_eager", marks=pytest.mark.slow), "inductor"])
 def test_torch_compile_backends_match_single_device(backend):
     """The same program through torch.compile: functional collectives, the ring custom ops and
     ZeRO's coalesced parameter gathers traced (no graph break at any of them: reading an

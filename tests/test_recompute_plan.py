@@ -62,6 +62,7 @@ def test_kept_tensors_are_the_layers_inputs_and_the_heads(gpt):
     assert sum(facts.kept_saved.values()) < sum(facts.saved_uses.values()) / 3
 
 
+@pytest.mark.slow  # (two minutes of CP-SAT on 2 cores)
 def test_the_search_recomputes_only_where_the_budget_binds(gpt):
     free = search(gpt, 4)
     assert "recompute" not in free.stats and not free.stats["layout"].get("recompute")
