@@ -532,7 +532,7 @@ class Builder:
         held, freed = [], []
         # (vectorised over (producer placement, read placement): at 32 devices a producer has
         # hundreds of placements, and this loop was most of a search's time)
-        at = {}  # placement -> the bytes a saved copy holds, per tensor size
+        at = {}  # (tensor bytes, placement) -> the bytes a saved copy of it holds
 
         def kept(nbytes, placements):
             return np.array([at.setdefault((nbytes, q), self.memory.saved_bytes(nbytes, shard_factor(q, self.mesh)))

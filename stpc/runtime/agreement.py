@@ -80,21 +80,20 @@ def _portable(e: BaseException) -> BaseException:
     return RuntimeError(f"{type(e).__name__} on rank 0: {e}")
 
 
-def from_rank0(make: Callable[[], object], group=None):
-    """``make()`` run on ``group``'s first rank alone (default WORLD: rank 0), its result
-    (picklable) returned on every rank, with one broadcast. An exception ``make`` raises is
-    raised on every rank (rank 0's own; on the others a copy, :func:`_portable`), so no rank
-    waits for a value that is not coming."""
-    if dist.get_world_size(group) == 1:
+def from_rank0(make: Callable[[], object]):
+    """``make()`` run on rank 0 alone, its result (picklable) returned on every rank of the
+    world, with one broadcast. An exception ``make`` raises is raised on every rank (rank
+    0's own; on the others a copy, :func:`_portable`), so no rank waits for a value that is
+    not coming."""
+    if dist.get_world_size() == 1:
         return make()
-    src = 0 if group is None else dist.get_global_rank(group, 0)
     box, error = [None], None
-    if dist.get_rank() == src:
+    if dist.get_rank() == 0:
         try:
             box[0] = (True, make())
         except Exception as e:
             box[0], error = (False, _portable(e)), e
-    dist.broadcast_object_list(box, src=src, group=group, device=_comm_device(group))
+    dist.broadcast_object_list(box, src=0, device=_comm_device())
     if error is not None:
         raise error
     ok, value = box[0]
