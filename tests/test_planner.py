@@ -785,12 +785,14 @@ def test_zoo_plans_on_4_to_64_devices(name):
             assert plan.modelled_step_time_s > 0
 
 
-@pytest.mark.parametrize("name,budget_frac", [("gpt-tiny", None),
-                                              pytest.param("gpt-tiny", 0.35, marks=pytest.mark.slow),
-                                              pytest.param("llama-tiny", 0.5, marks=pytest.mark.slow)])
-def test_search_equals_cpsat_on_every_shape(name, budget_frac):
-    """The search (bounds, elimination, CP-SAT only where the budget binds) finds the
-    plan CP-SAT finds solving every mesh shape to the end."""
+@pytest.mark.parametrize("name,budget_frac,lagrangian_prunes", [
+    ("gpt-tiny", None, False),
+    pytest.param("gpt-tiny", 0.35, True, marks=pytest.mark.slow),
+    pytest.param("llama-tiny", 0.5, False, marks=pytest.mark.slow)])
+def test_search_equals_cpsat_on_every_shape(name, budget_frac, lagrangian_prunes):
+    """The search (bounds, elimination, CP-SAT only where the budget binds, candidates a
+    Lagrangian bound proves worse than the best left out) finds the plan CP-SAT finds
+    solving every mesh shape to the end."""
     from stpc.planner import build_problem, search
     from stpc.planner.solver import NoBetterPlan, solve
 
@@ -814,6 +816,11 @@ def test_search_equals_cpsat_on_every_shape(name, budget_frac):
     got = search(tg, 8, cl, budget_bytes=budget)
     # (the fastest, or a plan as fast within the search's tie tolerance and smaller)
     assert abs(round(got.modelled_step_time_s * 1e9) - min(want)) <= TIE_TOLERANCE * min(want)
+    # (where some candidates were left out on their Lagrangian bound, the line above is
+    # the check that none of them held the best plan)
+    proven = [t for t in got.stats["mesh_shapes_tried"] if "lagrangian_bound_s" in t]
+    assert bool(proven) == lagrangian_prunes
+    assert all(t["lagrangian_bound_s"] > got.modelled_step_time_s for t in proven)
     if budget is not None:
         assert got.peak_memory_bytes <= budget
         assert recompute_peak(tg, got) <= budget

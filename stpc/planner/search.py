@@ -31,8 +31,10 @@ smallest feasible budget), and its objective minimised without the memory rows
 (variable elimination: milliseconds). That optimum is a lower bound of the
 candidate's budgeted optimum. Then candidates are visited cheapest bound first: one
 whose memory-blind optimum fits the budget is solved; one where the budget binds
-goes to CP-SAT, capped by the best plan so far; and once a bound cannot beat the
-best plan, no later candidate can, and the rest are discarded unsolved.
+goes to CP-SAT, capped by the best plan so far, unless its Lagrangian bound (its memory
+rows priced into the objective, ``stpc.planner.lagrangian``: eliminations, no CP-SAT)
+already proves it cannot beat that plan; and once a bound cannot beat the best plan, no
+later candidate can, and the rest are discarded unsolved.
 
 ``progress=`` takes a callable that receives a :class:`SearchProgress` as each candidate
 is taken up in either phase (and, while CP-SAT runs, at each better solution or bound it
@@ -52,7 +54,7 @@ from typing import Callable
 
 from stpc.cost_models import CostModel, get_cluster
 from stpc.frontend.trace import TracedGraph
-from stpc.planner import baselines
+from stpc.planner import baselines, lagrangian
 from stpc.planner.analysis import analyse
 from stpc.planner.builder import NS, Builder, build_problem, make_plan
 from stpc.planner.hints import RECOMPUTE_LEVELS, HintUnsatisfiable, Hints, preset
@@ -349,6 +351,13 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         else:  # the budget binds on this shape: CP-SAT, capped by the best so far
             if best is not None:
                 c.problem.cap = best[0] - (0 if c.index < best[1] else 1)
+                # Its memory rows relaxed (milliseconds a try): a bound above the cap proves
+                # no plan here beats the best, where CP-SAT's full model takes seconds to
+                bound = lagrangian.lower_bound(c.problem, c.problem.cap, at=c.choice)
+                if bound is not None and bound > c.problem.cap:
+                    tried.append({**entry, "modelled_step_time_s": None, "pruned": True, "lagrangian_bound_s": bound / NS,
+                                  "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
+                    continue
             watch = _CpsatWatch(report, _name(c.layout), i, incumbent, rest) if progress is not None else None
             try:
                 sol = solve(c.problem, method="cpsat", on_progress=watch, time_limit_s=time_limit_s)
