@@ -179,8 +179,9 @@ def lower_bound(p: Problem, cap: int | None = None, at: list[int] | None = None,
             else:
                 hi = (lam, value, slope)
             if hi is None:
-                if lam * 8 * (ph.magnitude() + abs(p.budget)) >= 2.0 ** 50:  # (past this, rounding could
-                    break                                  # reach 1: no larger lambda is tried)
+                # (past 2**50 ns a rounded term could be off by 1: no larger lambda is tried)
+                if lam * 8 * (ph.magnitude() + abs(p.budget)) >= 2.0 ** 50:
+                    break
                 lam *= 8
                 continue
             if lo is None:
