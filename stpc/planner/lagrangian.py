@@ -80,21 +80,22 @@ def phases(p: Problem, at: list[int] | None = None) -> list[Phase]:
         for e in edges:
             if not e.table:
                 continue
+            if e.u != e.v and n[e.u] > 1 and n[e.v] > 1 and (min(e.u, e.v), max(e.u, e.v)) in joined:
+                kept.append(e)
+                continue
             t = np.zeros((max(e.ucls) + 1, max(e.vcls) + 1), dtype=np.int64)
             for (a, b), v in e.table.items():
                 if a < t.shape[0] and b < t.shape[1]:
                     t[a, b] = v
-            at_ = t[np.asarray(e.ucls)[:, None], np.asarray(e.vcls)[None, :]]  # choice of u x choice of v
+            ucls, vcls = np.asarray(e.ucls), np.asarray(e.vcls)
             if e.u == e.v:
-                unary[e.u] += np.diagonal(at_)
+                unary[e.u] += t[ucls, vcls]
             elif n[e.v] == 1:
-                unary[e.u] += at_[:, 0]
+                unary[e.u] += t[ucls, vcls[0]]
             elif n[e.u] == 1:
-                unary[e.v] += at_[0, :]
-            elif (min(e.u, e.v), max(e.u, e.v)) in joined:
-                kept.append(e)
-            else:  # (no time edge here: its least over the consumer, on the producer)
-                unary[e.u] += at_.min(axis=1)
+                unary[e.v] += t[ucls[0], vcls]
+            else:  # (no time edge here: its least over the consumer's classes, on the producer)
+                unary[e.u] += t[ucls][:, np.unique(vcls)].min(axis=1)
         return Phase(name, unary, kept, most)
 
     def variants(name, rows, edges, working, incoming_edges=()):
