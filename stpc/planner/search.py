@@ -352,7 +352,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             if best is not None:
                 c.problem.cap = best[0] - (0 if c.index < best[1] else 1)
                 # Its memory rows relaxed (milliseconds a try): a bound above the cap proves
-                # no plan here beats the best, where CP-SAT's full model takes seconds to
+                # no plan here beats the best, which CP-SAT's full model takes seconds to prove
                 bound = lagrangian.lower_bound(c.problem, c.problem.cap, at=c.choice)
                 if bound is not None and bound > c.problem.cap:
                     tried.append({**entry, "modelled_step_time_s": None, "pruned": True, "lagrangian_bound_s": bound / NS,
