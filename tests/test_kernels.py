@@ -11,10 +11,16 @@ import subprocess
 import sys
 import textwrap
 
+import numpy
 import pytest
 import torch
 
 from stpc.runtime.ops.kernels import HAS_TRITON, ring_step_matmul
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+    from triton.runtime.errors import InterpreterError
 
 RTOL = ATOL = 1e-5
 
@@ -74,6 +80,10 @@ def test_triton_kernel_under_interpreter():
         from test_kernels import _check
         # the env var took effect: the kernel is the interpreter's, not a GPU JIT
         assert type(kernels._ring_step_mm_kernel).__name__ == "InterpretedFunction", type(kernels._ring_step_mm_kernel)
+        from test_kernels import interpreter_takes_scalar_ranges
+        if not interpreter_takes_scalar_ranges():
+            print("UPSTREAM-INTERPRETER-BUG")
+            sys.exit(0)
         _check(kernels.triton_ring_step_matmul)
         # small blocks: many programs per dim and several K iterations, with edges
         _check(lambda a, b, o, acc: kernels.triton_ring_step_matmul(a, b, o, acc, 16, 16, 16))
@@ -82,7 +92,34 @@ def test_triton_kernel_under_interpreter():
     ).format(tests=os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if proc.returncode == 0 and "UPSTREAM-INTERPRETER-BUG" in proc.stdout:
+        pytest.skip(f"this Triton's interpreter (triton {triton.__version__}, numpy {numpy.__version__}) cannot "
+                    f"loop over a scalar argument: triton-lang/triton#9171, fixed by #9172 (a GPU image's "
+                    f"Triton 3.6 with NumPy 2.5); CI's Triton has the fix")
     assert proc.returncode == 0 and "KERNEL-OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def interpreter_takes_scalar_ranges() -> bool:
+    """Whether Triton's interpreter (``TRITON_INTERPRET=1`` in this process) runs ``range``
+    over a scalar kernel argument. Its ``__index__`` took ``int()`` of a one-element array,
+    which NumPy 2.4 made an error (triton-lang/triton#9171, fixed upstream by #9172): with
+    such a pair every kernel with a loop bound by an argument fails, ours included."""
+    @triton.jit
+    def _count(out_ptr, n):
+        total = 0
+        for _ in range(0, n, 1):
+            total += 1
+        tl.store(out_ptr, total)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        _count[(1,)](out, 3)
+    except InterpreterError as e:
+        if "0-dimensional arrays" in str(e):
+            return False
+        raise
+    assert out.item() == 3, out
+    return True
 
 
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and a CUDA device")
