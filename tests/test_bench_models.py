@@ -99,6 +99,27 @@ def test_primepar_tiny(tmp_path, capsys):
     assert {r["inter_node_gbs_per_node"] for r in data["sensitivity"]} == {12.5, 100.0}
 
 
+def test_primepar_jobs_plan_the_same_cells(tmp_path):
+    # two (model, cluster) pairs planned in two processes: the same cells, in the same order,
+    # as one process plans them (times aside)
+    argv = ["--models", "llama2-7b", "opt-6.7b", "--layers", "1", "--sizes", "4", "--clusters", "primepar-v100:fp16",
+            "--baselines", "megatron", "--inter-node-gbs", "--quiet"]
+    got = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"pp{jobs}.json"
+        assert main_primepar([*argv, "--jobs", str(jobs), "--json", str(out)], machine_line, write_section) == 0
+        got[jobs] = json.loads(out.read_text())
+
+    def planned(cell):
+        return {k: v for k, v in cell.items() if k not in ("wall_s", "search_s")} | {
+            "stpc": {k: v for k, v in cell["stpc"].items() if k != "search_s"},
+            "baselines": {b: {k: v for k, v in r.items() if k != "search_s"} for b, r in cell["baselines"].items()}}
+
+    assert [c["model"] for c in got[2]["cells"]] == ["llama2-7b", "opt-6.7b"]
+    assert [planned(c) for c in got[2]["cells"]] == [planned(c) for c in got[1]["cells"]]
+    assert got[2]["config"]["jobs"] == 2
+
+
 def test_recompute_line_names_each_level_per_plan():
     cells = [{"model": m, "devices": n, "stpc": {"fits": True, "recompute": r},
               "baselines": {"megatron": {"fits": fits, "recompute": "full"}}}

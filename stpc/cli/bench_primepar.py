@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import multiprocessing
 import re
 import statistics
 import time
@@ -503,7 +504,9 @@ def report(cfg: dict, cells: list[dict], sens: list[dict], machine: str, command
         lines.append("")
     if example is not None:
         lines += primepar_example.section(example) + [""]
-    lines.append(f"Wall time of this run: {wall_s:.0f} s (tracing, depth search and planning).")
+    jobs = cfg.get("jobs", 1)
+    side = f"; {jobs} (model, cluster) pairs at a time, each in its own process" if jobs > 1 else ""
+    lines.append(f"Wall time of this run: {wall_s:.0f} s (tracing, depth search and planning{side}).")
     return "\n".join(lines) + "\n"
 
 
@@ -520,28 +523,55 @@ def quiet_line(cfg: dict, cells: list[dict]) -> str:
 # ----------------------------------------------------------------------------- verb
 
 
-def run(cfg: dict, targets: list[Target], progress: bool = False) -> tuple[list[dict], list[dict]]:
-    """Every cell (model-major, so one model's traces are reused and then dropped), then the
-    sensitivity cells."""
-    traces = TraceCache(cfg["batch"], cfg["seq"])
-    cells = []
-    steps = bar(len(cfg["models"]) * len(targets) * len(cfg["sizes"]), "[bench primepar] cells", progress)
+def plan_model(cfg: dict, model: str, ti: int, traces: TraceCache | None = None) -> tuple[list[dict], list[dict]]:
+    """One model's cells on ``cfg["clusters"][ti]`` (every size), and its sensitivity cells
+    where that is the first cluster."""
+    traces = traces or TraceCache(cfg["batch"], cfg["seq"])
+    t = parse_target(cfg["clusters"][ti])
+    budget = cfg["budget_gib"] * GIB if cfg["budget_gib"] else t.cluster.default_budget_bytes
     top = max(cfg["sizes"])
-    sens = []
-    for model in cfg["models"]:
-        for t in targets:
-            budget = cfg["budget_gib"] * GIB if cfg["budget_gib"] else t.cluster.default_budget_bytes
-            for n in cfg["sizes"]:
-                steps.set_postfix_str(f"{model} on {n} ({t.label})", refresh=False)
-                cells.append(plan_cell(traces, model, n, t, budget, cfg["baselines"], cfg["layers"]))
-                steps.update()
-                if t is targets[0] and n == top:
-                    sens += sensitivity_cells(traces, cells[-1], t, budget, tuple(cfg["inter_node_gbs"]),
-                                              cfg["baselines"])
-        traces.clear()
+    cells, sens = [], []
+    for n in cfg["sizes"]:
+        cells.append(plan_cell(traces, model, n, t, budget, cfg["baselines"], cfg["layers"]))
+        if ti == 0 and n == top:
+            sens += sensitivity_cells(traces, cells[-1], t, budget, tuple(cfg["inter_node_gbs"]), cfg["baselines"])
+    return cells, sens
+
+
+def _plan_model_job(job: tuple[dict, str, int]) -> tuple[str, int, list[dict], list[dict]]:
+    cfg, model, ti = job
+    return (model, ti, *plan_model(cfg, model, ti))
+
+
+def run(cfg: dict, targets: list[Target], progress: bool = False, jobs: int = 1) -> tuple[list[dict], list[dict]]:
+    """Every cell, then the sensitivity cells, in the same order however many ``jobs`` plan
+    them (a CP-SAT solve cut at its time limit aside: what it had found by then depends on the
+    machine's load). One job: model-major, so one model's traces are reused and then
+    dropped. More: each (model, cluster) pair is a job of its own process, the largest models
+    first (the pairs' times differ by orders of magnitude; the solver is single-threaded, so
+    a process a core)."""
+    pairs = [(m, ti) for m in cfg["models"] for ti in range(len(targets))]
+    steps = bar(len(pairs) * len(cfg["sizes"]), "[bench primepar] cells", progress)
+    done: dict[tuple[str, int], tuple[list[dict], list[dict]]] = {}
+    if jobs <= 1:
+        traces = TraceCache(cfg["batch"], cfg["seq"])
+        for m, ti in pairs:
+            steps.set_postfix_str(f"{m} ({targets[ti].label})", refresh=False)
+            done[m, ti] = plan_model(cfg, m, ti, traces)
+            steps.update(len(cfg["sizes"]))
+            if ti == len(targets) - 1:
+                traces.clear()
+    else:
+        largest_first = sorted(pairs, key=lambda p: -model_states_bytes(p[0], models.get_config(p[0]).n_layers, "fp32"))
+        with multiprocessing.get_context("spawn").Pool(min(jobs, len(pairs))) as pool:
+            for m, ti, cells, sens in pool.imap_unordered(_plan_model_job, [(cfg, m, ti) for m, ti in largest_first]):
+                done[m, ti] = (cells, sens)
+                steps.set_postfix_str(f"{m} ({targets[ti].label}) done", refresh=False)
+                steps.update(len(cfg["sizes"]))
     steps.close()
-    order = {(t.cluster.name, t.dtype): i for i, t in enumerate(targets)}
-    cells.sort(key=lambda c: order[c["cluster"], c["dtype"]])   # table by table (stable: model, then size)
+    # table by table, then model and size as given; sensitivity rows in model order
+    cells = [c for ti in range(len(targets)) for m in cfg["models"] for c in done[m, ti][0]]
+    sens = [r for m in cfg["models"] for r in done[m, 0][1]]
     return cells, sens
 
 
@@ -577,12 +607,16 @@ def main_primepar(argv: list[str], machine_line, write_section) -> int:
                     help="sensitivity rows: inter-node GB/s per node, on the first --clusters entry at the largest "
                          "--sizes (default: %(default)s; none: no sensitivity rows)")
     ap.add_argument("--results", help="regenerate this markdown file's primepar section (e.g. benchmarks/RESULTS.md)")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="plan N (model, cluster) pairs at once, each in its own process (default: %(default)s; "
+                         "the same cells whatever N, unless a CP-SAT solve reaches its time limit: the solver is "
+                         "single-threaded and deterministic)")
     args = ap.parse_args(argv)
     for m in args.models:
         if m not in models.CONFIGS:
             ap.error(f"unknown model {m!r}; known: {', '.join(sorted(models.CONFIGS))}. Fix: give zoo names")
-    if min(args.sizes) < 1 or any(g <= 0 for g in args.inter_node_gbs):
-        ap.error("--sizes and --inter-node-gbs must be positive. Fix: give e.g. --sizes 4 8 16 32")
+    if min(args.sizes) < 1 or any(g <= 0 for g in args.inter_node_gbs) or args.jobs < 1:
+        ap.error("--sizes, --inter-node-gbs and --jobs must be positive. Fix: give e.g. --sizes 4 8 16 32")
     targets = [parse_target(t) for t in args.clusters]
     for t in targets:
         if max(args.sizes) > t.cluster.num_devices:
@@ -590,9 +624,10 @@ def main_primepar(argv: list[str], machine_line, write_section) -> int:
                              "give smaller --sizes, or a larger cluster")
     cfg = {"models": args.models, "sizes": sorted(args.sizes), "clusters": args.clusters, "baselines": args.baselines,
            "batch": args.batch, "seq": args.seq, "layers": args.layers, "budget_gib": args.budget_gib,
-           "inter_node_gbs": args.inter_node_gbs, "sensitivity_preset_gbs": inter_node_gbs(targets[0].cluster)}
+           "inter_node_gbs": args.inter_node_gbs, "sensitivity_preset_gbs": inter_node_gbs(targets[0].cluster),
+           "jobs": args.jobs}
     t0 = time.perf_counter()
-    cells, sens = run(cfg, targets, progress=not args.quiet)
+    cells, sens = run(cfg, targets, progress=not args.quiet, jobs=args.jobs)
     example = run_example(cfg, cells, targets[0])
     wall = time.perf_counter() - t0
     command = ("python -m stpc bench primepar " + " ".join(argv)).strip()
@@ -607,4 +642,4 @@ def main_primepar(argv: list[str], machine_line, write_section) -> int:
 
 
 __all__ = ["main_primepar", "run_example", "plan_cell", "best_fitting", "greatest_fitting_depth", "compare", "TraceCache",
-           "parse_target", "with_inter_node", "geo_mean", "report", "run", "why", "PRIMEPAR_MODELS", "Target"]
+           "parse_target", "with_inter_node", "geo_mean", "report", "run", "plan_model", "why", "PRIMEPAR_MODELS", "Target"]
