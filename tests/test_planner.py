@@ -15,7 +15,7 @@ import torch.nn as nn
 from stpc import models, trace
 from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, Link, bytes_per_param, get_cluster
 from stpc.placement import local_shape
-from stpc.planner import Hints, InfeasibleBudget, Plan, mesh_shapes, plan_graph
+from stpc.planner import Hints, InfeasibleBudget, Plan, lagrangian, mesh_shapes, plan_graph
 from stpc.planner.hints import data_parallel, megatron
 from stpc.planner.analysis import after_last_layer, analyse, layer_of, layer_param_bytes, saved_savers
 from stpc.planner.costs import NodeTimer
@@ -905,10 +905,37 @@ def test_a_cpsat_time_out_on_one_candidate_keeps_the_others_plan(monkeypatch):
     assert got.peak_memory_bytes <= budget
     assert got.modelled_step_time_s >= whole.modelled_step_time_s * (1 - TIE_TOLERANCE)
 
+    # A solve cut at its limit with a solution (status FEASIBLE) leaves its candidate
+    # unproven too, chosen or not: the plan is not proven optimal.
+    def first_only_feasible(problem, **kw):
+        sol = real_solve(problem, **kw)
+        calls.append(problem)
+        return dataclasses.replace(sol, status="FEASIBLE") if len(calls) == 1 else sol
+
+    calls.clear()
+    real_relax = lagrangian.relax   # (its bounds alone: no plan in hand, so CP-SAT's solution stands)
+    monkeypatch.setattr(lagrangian, "relax", lambda p, cap=None, at=None, max_evals=32:
+                        lagrangian.Relaxation(real_relax(p, cap, at, max_evals).bound))
+    monkeypatch.setattr(search_module, "solve", first_only_feasible)
+    got = search(tg, 4, "primepar-v100", budget_bytes=budget)
+    monkeypatch.setattr(lagrangian, "relax", real_relax)
+    out = [t for t in got.stats["mesh_shapes_tried"] if t.get("unresolved")]
+    assert len(out) == 1 and "FEASIBLE" in out[0]["unresolved"] and out[0]["modelled_step_time_s"] is not None
+    assert not got.stats["optimal"] and got.stats["unresolved"] == [describe_layout(out[0]["layout"])]
+    assert round(got.modelled_step_time_s * 1e9) == round(whole.modelled_step_time_s * 1e9)
+
     def always_times_out(problem, **kw):
         raise SolverTimeout("UNKNOWN", 120.0)
 
+    # Every CP-SAT solve out of time: the plans in hand from the candidates' Lagrangian
+    # relaxations stand (a loaded machine still gets a plan), none proven optimal.
     monkeypatch.setattr(search_module, "solve", always_times_out)  # (no recomputation: no point fits unsolved)
+    held = search(tg, 4, "primepar-v100", budget_bytes=budget, recompute="none")
+    assert held.stats["method"] == "lagrangian" and not held.stats["optimal"] and held.stats["unresolved"]
+    assert held.peak_memory_bytes <= budget
+    assert held.modelled_step_time_s >= whole.modelled_step_time_s * (1 - TIE_TOLERANCE)
+    # With no plan in hand either, the search fails, naming the candidates and the fix.
+    monkeypatch.setattr(lagrangian, "relax", lambda p, cap=None, at=None, max_evals=32: lagrangian.Relaxation(None))
     with pytest.raises(SolverTimeout, match=r"within 120.0s on mesh .*no other candidate gave a plan. Fix: .*"
                                             r"--solver-time-limit"):
         search(tg, 4, "primepar-v100", budget_bytes=budget, recompute="none")

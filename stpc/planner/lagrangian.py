@@ -17,7 +17,7 @@ minimised exactly by variable elimination, as fast as the memory-blind optimum:
   only lower the bound.
 
 The bound is concave and piecewise linear in lambda, with slope ``M(x_lambda) - budget`` at
-the minimiser ``x_lambda``. :func:`lower_bound` brackets the best lambda geometrically, then
+the minimiser ``x_lambda``. :func:`relax` brackets the best lambda geometrically, then
 cuts the bracket at the two supporting lines' intersection (whose height bounds every
 lambda's value from above: once it is at or below the cap, this relaxation cannot prove
 anything and the search stops).
@@ -25,7 +25,10 @@ anything and the search stops).
 Where it pays: the search caps a candidate the budget binds on by the best plan so far
 (``Problem.cap``); a bound above the cap proves that no plan of the candidate beats it
 without CP-SAT's full model. bloom-7b1 on 8 V100s: three such candidates proven in 0.04-0.11 s
-each, which the full model took 1.6-7.8 s to prove infeasible under the cap.
+each, which the full model took 1.6-7.8 s to prove infeasible under the cap. And each
+minimiser that fits the budget in truth is a plan in hand (:func:`relax`): the search caps
+CP-SAT by it and keeps it where CP-SAT runs out of time (on that cell, the first
+candidate's is already the optimum).
 """
 from __future__ import annotations
 
@@ -152,15 +155,33 @@ def relaxed_minimum(p: Problem, ph: Phase, lam: float) -> tuple[int, list[int]]:
     return value + math.floor(lam * (ph.const - p.budget)) - 1, choice
 
 
-def lower_bound(p: Problem, cap: int | None = None, at: list[int] | None = None, max_evals: int = 32) -> int | None:
+@dataclass
+class Relaxation:
+    """What :func:`relax` found: ``bound``, a lower bound of the budgeted optimum (None where
+    none was computed), and the best relaxed minimiser that fits the budget in truth
+    (``Problem.evaluate``), a plan in hand: ``choice`` and its ``objective_ns`` (None where no
+    minimiser fitted). (The bound never proves that plan optimal alone: rounded down and
+    less 1 ns, it lies strictly under every fitting assignment's objective.)"""
+
+    bound: int | None
+    choice: list[int] | None = None
+    objective_ns: int | None = None
+
+
+def relax(p: Problem, cap: int | None = None, at: list[int] | None = None, max_evals: int = 32) -> Relaxation:
     """The best Lagrangian lower bound of ``p``'s budgeted optimum found over its memory
     phases (each relaxed alone), stopping as soon as one exceeds ``cap`` (then no assignment
-    that fits the budget costs ``cap`` or less), or once no lambda of any phase can. None
+    that fits the budget costs ``cap`` or less) or once no lambda of any phase can. The bound is None
     where the graph is too wide to eliminate or ``p`` has no budget. At most ``max_evals``
-    eliminations in all."""
+    eliminations in all.
+
+    Every minimiser is also checked against the true memory phases: a large enough lambda
+    drives the relaxed phase under the budget, and its minimiser often fits in truth too,
+    a plan for no more than its evaluation (the search's incumbent before CP-SAT runs)."""
+    out = Relaxation(None)
     if p.budget is None:
-        return None
-    best, evals = None, 0
+        return out
+    evals = 0
     scale = max(1, sum(max(c) for c in p.cost)) / max(1, p.budget)  # ns per byte, the step's over the budget's
     for ph in phases(p, at):
         lo, hi = None, None  # (lam, value, slope) with slope > 0 / <= 0
@@ -169,11 +190,14 @@ def lower_bound(p: Problem, cap: int | None = None, at: list[int] | None = None,
             try:
                 value, choice = relaxed_minimum(p, ph, lam)
             except TooWide:
-                return best
+                return out
             evals += 1
-            best = value if best is None else max(best, value)
-            if cap is not None and best > cap:
-                return best
+            out.bound = value if out.bound is None else max(out.bound, value)
+            obj, peak = p.evaluate(choice)
+            if peak <= p.budget and (out.objective_ns is None or obj < out.objective_ns):
+                out.choice, out.objective_ns = choice, obj
+            if cap is not None and out.bound > cap:
+                return out
             slope = ph.bytes_at(choice) - p.budget
             if slope > 0:
                 lo = (lam, value, slope)
@@ -192,7 +216,12 @@ def lower_bound(p: Problem, cap: int | None = None, at: list[int] | None = None,
             (l0, v0, s0), (l1, v1, s1) = lo, hi
             cross = (v1 - v0 + s0 * l0 - s1 * l1) / (s0 - s1)
             top = v0 + s0 * (cross - l0)
-            if (cap is not None and top <= cap) or top - best < 1 or not l0 < cross < l1:
+            if (cap is not None and top <= cap) or top - out.bound < 1 or not l0 < cross < l1:
                 break
             lam = cross
-    return best
+    return out
+
+
+def lower_bound(p: Problem, cap: int | None = None, at: list[int] | None = None, max_evals: int = 32) -> int | None:
+    """:func:`relax`'s bound alone."""
+    return relax(p, cap, at, max_evals).bound

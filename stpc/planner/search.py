@@ -33,8 +33,11 @@ candidate's budgeted optimum. Then candidates are visited cheapest bound first: 
 whose memory-blind optimum fits the budget is solved; one where the budget binds
 goes to CP-SAT, capped by the best plan so far, unless its Lagrangian bound (its memory
 rows priced into the objective, ``stpc.planner.lagrangian``: eliminations, no CP-SAT)
-already proves it cannot beat that plan; and once a bound cannot beat the best plan, no
-later candidate can, and the rest are discarded unsolved.
+already proves it cannot beat that plan. The same relaxation's minimisers that fit the
+budget are plans in hand: the best of them caps CP-SAT further (it has only to beat it, or
+prove nothing does) and stands for its candidate where CP-SAT runs out of time (not proven
+optimal), so a loaded machine still gets a plan. Once a bound cannot beat the best plan,
+no later candidate can, and the rest are discarded unsolved.
 
 ``progress=`` takes a callable that receives a :class:`SearchProgress` as each candidate
 is taken up in either phase (and, while CP-SAT runs, at each better solution or bound it
@@ -60,8 +63,8 @@ from stpc.planner.builder import NS, Builder, build_problem, make_plan
 from stpc.planner.hints import RECOMPUTE_LEVELS, HintUnsatisfiable, Hints, preset
 from stpc.planner.plan import Plan
 from stpc.planner.report import indivisible
-from stpc.planner.solver import (TIME_LIMIT_S, InfeasibleBudget, NoBetterPlan, Problem, SolverTimeout, eliminated,
-                                 memory_blind_optimum, min_memory, min_memory_bound, solve)
+from stpc.planner.solver import (TIME_LIMIT_S, InfeasibleBudget, NoBetterPlan, Problem, Solution, SolverTimeout,
+                                 eliminated, memory_blind_optimum, min_memory, min_memory_bound, solve)
 
 
 def mesh_shapes(n: int, max_axes: int = 3, cluster=None) -> list[tuple[int, ...]]:
@@ -349,38 +352,63 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         if c.fits():
             sol = eliminated(c.problem, c.choice, c.bound, c.peak, c.bound_s)
         else:  # the budget binds on this shape: CP-SAT, capped by the best so far
-            if best is not None:
-                c.problem.cap = best[0] - (0 if c.index < best[1] else 1)
-                # Its memory rows relaxed (milliseconds a try): a bound above the cap proves
-                # no plan here beats the best, which CP-SAT's full model takes seconds to prove
-                bound = lagrangian.lower_bound(c.problem, c.problem.cap, at=c.choice)
-                if bound is not None and bound > c.problem.cap:
-                    tried.append({**entry, "modelled_step_time_s": None, "pruned": True, "lagrangian_bound_s": bound / NS,
-                                  "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
-                    continue
-            watch = _CpsatWatch(report, _name(c.layout), i, incumbent, rest) if progress is not None else None
+            cap = c.problem.cap = None if best is None else best[0] - (0 if c.index < best[1] else 1)
+            # Its memory rows relaxed (milliseconds a try): a bound above the cap proves no
+            # plan here beats the best, which CP-SAT's full model takes seconds to prove; a
+            # relaxed minimiser that fits is a plan in hand, which CP-SAT then has to beat
+            relaxed = lagrangian.relax(c.problem, c.problem.cap, at=c.choice)
+            if relaxed.bound is not None and c.problem.cap is not None and relaxed.bound > c.problem.cap:
+                tried.append({**entry, "modelled_step_time_s": None, "pruned": True,
+                              "lagrangian_bound_s": relaxed.bound / NS,
+                              "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
+                continue
+            held = None
+            if relaxed.choice is not None and (c.problem.cap is None or relaxed.objective_ns <= c.problem.cap):
+                held = Solution(choice=relaxed.choice, objective_ns=relaxed.objective_ns,
+                                peak_bytes=c.problem.evaluate(relaxed.choice)[1], status="FEASIBLE", solve_time_s=0.0,
+                                num_variables=sum(len(k) for k in c.problem.cost if len(k) > 1), num_constraints=0,
+                                method="lagrangian")
+                c.problem.cap = relaxed.objective_ns - 1
+            watch = None
+            if progress is not None:
+                watch = _CpsatWatch(report, _name(c.layout), i, _least(incumbent, held and held.objective_ns), rest)
             try:
                 sol = solve(c.problem, method="cpsat", on_progress=watch, time_limit_s=time_limit_s)
             except NoBetterPlan:
-                tried.append({**entry, "modelled_step_time_s": None, "pruned": True,
-                              "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
-                continue
+                if held is None:
+                    tried.append({**entry, "modelled_step_time_s": None, "pruned": True,
+                                  "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
+                    continue
+                # CP-SAT proved nothing here beats it: optimal, as CP-SAT's own would be (the
+                # method says who proved it; the plan's choice came from the relaxation)
+                sol = dataclasses.replace(held, status="OPTIMAL", method="cpsat")
             except InfeasibleBudget as e:  # (both memory phases together: past the phases' own bounds)
                 infeasible.append(e.min_budget)
                 tried.append({**entry, "modelled_step_time_s": None, "infeasible": True,
-                              "min_budget_bytes": e.min_budget, "solve_time_s": time.perf_counter() - t_solve})
+                              "min_budget_bytes": e.min_budget, "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
                 continue
             except SolverTimeout as e:
                 # CP-SAT ran out of time without a solution under the cap: this candidate may
                 # hold a better plan, unproven either way. One such candidate must not throw
                 # away the plans in hand (under CPU contention the wall-clock limit buys
                 # CP-SAT less work): it is recorded, the plan returned says it is not proven
-                # optimal, and only a search that found no plan at all fails on it.
+                # optimal, and only a search that found no plan at all fails on it. Its own
+                # relaxation's plan, where it found one, stands for it.
                 unresolved.append((c, e))
-                tried.append({**entry, "modelled_step_time_s": None, "unresolved": str(e),
-                              "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
-                continue
-            sol.solve_time_s += c.bound_s
+                if held is None:
+                    tried.append({**entry, "modelled_step_time_s": None, "unresolved": str(e),
+                                  "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
+                    continue
+                entry["unresolved"] = str(e)
+                sol = held
+            if sol.status == "FEASIBLE" and sol is not held:
+                # CP-SAT's time ran out with a solution under the cap: a better one may be left
+                # here, so the search's plan is not proven optimal either
+                e = SolverTimeout("FEASIBLE", time_limit_s)
+                unresolved.append((c, e))
+                entry["unresolved"] = str(e)
+            sol.solve_time_s = c.bound_s + time.perf_counter() - t_solve
+            c.problem.cap = cap   # (the plan's own problem keeps no cap below the plan itself)
         plan = make_plan(c.builder, c.problem, sol, c.build_s, dtype)
         tried.append({**entry, "modelled_step_time_s": plan.modelled_step_time_s, "pruned": False,
                       "peak_memory_bytes": plan.peak_memory_bytes, "solve_time_s": sol.solve_time_s,
