@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from stpc import models
@@ -429,6 +429,7 @@ def test_closed_form_llama_matches_paper_formula():
 
 
 @given(st.floats(1e3, 1e9), st.floats(1e3, 1e9), st.integers(0, 2))
+@example(999999999.9999999, 1e9, 0)   # (the part is the whole message to float precision)
 def test_a_coalesced_collective_shares_one_latency_by_bytes(nbytes, message, which):
     """A parameter's part of a coalesced collective (a gradient bucket, a ZeRO layer's one
     gather) is the message's time in proportion to its bytes; a part at least as large as
@@ -441,7 +442,12 @@ def test_a_coalesced_collective_shares_one_latency_by_bytes(nbytes, message, whi
         assert got == fn(nbytes, 0)
     else:
         assert got == pytest.approx(fn(message, 0) * nbytes / message, rel=1e-12)
-        assert got < fn(nbytes, 0)  # (one latency shared, not one each)
+        # (one latency shared, not one each: strictly less unless the part is the whole
+        # message to float precision, where the two are the same number: hypothesis found
+        # nbytes = 999999999.9999999 against a message of 1e9)
+        assert got <= fn(nbytes, 0)
+        if nbytes < message * (1 - 1e-9):
+            assert got < fn(nbytes, 0)
     parts = [message / 4] * 4
     assert sum(cm.coalesced(kind, x, 0, message) for x in parts) == pytest.approx(fn(message, 0), rel=1e-12)
     assert cm.coalesced(kind, nbytes, 0, 0.0) == fn(nbytes, 0)
