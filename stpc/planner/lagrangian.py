@@ -159,13 +159,14 @@ def relaxed_minimum(p: Problem, ph: Phase, lam: float) -> tuple[int, list[int]]:
 class Relaxation:
     """What :func:`relax` found: ``bound``, a lower bound of the budgeted optimum (None where
     none was computed), and the best relaxed minimiser that fits the budget in truth
-    (``Problem.evaluate``), a plan in hand: ``choice`` and its ``objective_ns`` (None where no
-    minimiser fitted). (The bound never proves that plan optimal alone: rounded down and
+    (``Problem.evaluate``), a plan in hand: ``choice``, its ``objective_ns`` and
+    ``peak_bytes`` (None where no minimiser fitted). (The bound never proves that plan optimal alone: rounded down and
     less 1 ns, it lies strictly under every fitting assignment's objective.)"""
 
     bound: int | None
     choice: list[int] | None = None
     objective_ns: int | None = None
+    peak_bytes: int | None = None
 
 
 def relax(p: Problem, cap: int | None = None, at: list[int] | None = None, max_evals: int = 32) -> Relaxation:
@@ -195,7 +196,7 @@ def relax(p: Problem, cap: int | None = None, at: list[int] | None = None, max_e
             out.bound = value if out.bound is None else max(out.bound, value)
             obj, peak = p.evaluate(choice)
             if peak <= p.budget and (out.objective_ns is None or obj < out.objective_ns):
-                out.choice, out.objective_ns = choice, obj
+                out.choice, out.objective_ns, out.peak_bytes = choice, obj, peak
             if cap is not None and out.bound > cap:
                 return out
             slope = ph.bytes_at(choice) - p.budget

@@ -356,16 +356,16 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             # Its memory rows relaxed (milliseconds a try): a bound above the cap proves no
             # plan here beats the best, which CP-SAT's full model takes seconds to prove; a
             # relaxed minimiser that fits is a plan in hand, which CP-SAT then has to beat
-            relaxed = lagrangian.relax(c.problem, c.problem.cap, at=c.choice)
-            if relaxed.bound is not None and c.problem.cap is not None and relaxed.bound > c.problem.cap:
+            relaxed = lagrangian.relax(c.problem, cap, at=c.choice)
+            if relaxed.bound is not None and cap is not None and relaxed.bound > cap:
                 tried.append({**entry, "modelled_step_time_s": None, "pruned": True,
                               "lagrangian_bound_s": relaxed.bound / NS,
                               "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
                 continue
             held = None
-            if relaxed.choice is not None and (c.problem.cap is None or relaxed.objective_ns <= c.problem.cap):
+            if relaxed.choice is not None and (cap is None or relaxed.objective_ns <= cap):
                 held = Solution(choice=relaxed.choice, objective_ns=relaxed.objective_ns,
-                                peak_bytes=c.problem.evaluate(relaxed.choice)[1], status="FEASIBLE", solve_time_s=0.0,
+                                peak_bytes=relaxed.peak_bytes, status="FEASIBLE", solve_time_s=0.0,
                                 num_variables=sum(len(k) for k in c.problem.cost if len(k) > 1), num_constraints=0,
                                 method="lagrangian")
                 c.problem.cap = relaxed.objective_ns - 1
