@@ -4,7 +4,8 @@ its ops saved (activation checkpointing, at graph level).
 Expects: a graph after ``cleanup`` (and ``defer_grad_sync``), before ``prefetch_params``.
 Runs only for a plan that asks for it (``plan.stats["recompute"]`` is ``"full"`` or
 ``"selective"``, written by the search, ``Hints.recompute``); any other plan's graph is
-returned unchanged.
+returned unchanged. ``plan.stats["recompute_layers"]`` = k (``Hints.recompute_layers``):
+only the first k layers in index order are recomputed, the others run as they are.
 
 For each layer (the nodes whose module path names an indexed module such as
 ``layers.3``: ``planner.analysis.layer_of``), the span of the graph from its first node to
@@ -193,6 +194,8 @@ def recompute(gm: fx.GraphModule, plan) -> fx.GraphModule:
     if level not in ("full", "selective"):
         return gm
     spans = sorted(_spans(gm).items(), key=lambda kv: kv[1])
+    count = plan.stats.get("recompute_layers")
+    chosen = set(sorted(layer for layer, _ in spans)[:count])  # (None: every layer)
     for (la, (_, end)), (lb, (start, _)) in zip(spans, spans[1:]):
         if start <= end:
             node = list(gm.graph.nodes)[start]
@@ -205,7 +208,8 @@ def recompute(gm: fx.GraphModule, plan) -> fx.GraphModule:
                             f"this program lacks ({', '.join(sorted(lost)[:3])}): a plan of another model. "
                             f"Fix: plan this model (stpc.compile does), or Hints(recompute='full')")
     for layer, (a, b) in spans:
-        _outline(gm, [n for n in nodes[a:b + 1] if n.op == "call_function"], layer, kept)
+        if layer in chosen:
+            _outline(gm, [n for n in nodes[a:b + 1] if n.op == "call_function"], layer, kept)
     gm.delete_all_unused_submodules()
     return finish(gm)
 

@@ -179,6 +179,10 @@ def make_plan(model: str, mesh, family: str, batch: int, seq: int, **overrides):
     if isinstance(mesh, str):  # "4" -> (4,), "2x2" -> (2, 2): a fixed shape, not a search over shapes
         mesh = tuple(int(x) for x in mesh.split("x"))
     base, _, level = family.partition("+")
+    count = None  # "+recompute1": only the first layer recomputed (``Hints.recompute_layers``)
+    if level.rstrip("0123456789") in ("recompute", "selective") and level[-1:].isdigit():
+        stripped = level.rstrip("0123456789")
+        level, count = stripped, int(level[len(stripped):])
     if level in ("recompute", "selective"):  # the family's plan, its layers recomputed in backward
         import dataclasses
 
@@ -188,7 +192,8 @@ def make_plan(model: str, mesh, family: str, batch: int, seq: int, **overrides):
             hints = _megatron_hints(base, mesh)
         hints = preset(hints, mesh) if isinstance(hints, str) else (hints or Hints())
         level = "full" if level == "recompute" else level
-        return search(tg, mesh, cluster="cpu-local", hints=dataclasses.replace(hints, recompute=level))
+        return search(tg, mesh, cluster="cpu-local",
+                      hints=dataclasses.replace(hints, recompute=level, recompute_layers=count))
     cluster = {"solved-h100": "dgx-h100", "solved-v100": "primepar-v100"}.get(family, "cpu-local")
     budget = None
     if family == "solved-budget":  # a third of what the unconstrained plan needs: the solver must shard

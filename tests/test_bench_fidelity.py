@@ -11,7 +11,7 @@ import torch
 
 from stpc.cli import bench
 from stpc.cli._stats import sign_test_p
-from stpc.cli.bench_fidelity import (DEFAULT_PLANS, _profile_step, json_records, judge, kendall_tau, notes,
+from stpc.cli.bench_fidelity import (DEFAULT_PLANS, KNOWN_PLANS, _profile_step, json_records, judge, kendall_tau, notes,
                                      other_ops, param_mismatches, plan_spec, rel_error, report, separated_pairs)
 from stpc.cli.bench_runtime import StpcEngine, _peak_of_step, _step
 from stpc.frontend import models
@@ -147,6 +147,8 @@ def test_plan_specs():
     assert DEFAULT_PLANS == ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "grid", "recompute", "selective")
     assert plan_spec("recompute", 4)[1].recompute == "full"
     assert plan_spec("selective", 4)[1].recompute == "selective"
+    assert (plan_spec("partial", 4, 6)[1].recompute, plan_spec("partial", 4, 6)[1].recompute_layers) == ("full", 3)
+    assert "partial" in KNOWN_PLANS and "partial" not in DEFAULT_PLANS
     assert plan_spec("megatron", 4) == (4, "megatron")
     assert plan_spec("solved", 4) == (4, None)
     mesh, hints = plan_spec("p2x2", 4)

@@ -144,3 +144,17 @@ def test_plan_cli_recompute(tmp_path):
         assert ("but for their matmuls" in r.stdout) == (mode == "selective")
         peaks[mode] = d["peak_memory_bytes"]
     assert peaks["full"] < peaks["selective"] < peaks["none"]
+    # --recompute-layers 1: the first of llama-tiny's two layers only, between none and full
+    out = tmp_path / "first.json"
+    r = subprocess.run([sys.executable, "-m", "stpc", "plan", "--model", "llama-tiny", "--mesh", "4",
+                        "--cluster", "cpu-local", "--batch", "8", "--seq", "64", "--recompute", "full",
+                        "--recompute-layers", "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert d["layout"]["recompute_layers"] == 1 and "the first layer recomputed in backward" in r.stdout
+    assert peaks["full"] < d["peak_memory_bytes"] < peaks["none"]
+
+
+def test_plan_cli_recompute_layers_needs_a_level(capsys):
+    code, _, err = _main(capsys, "plan", "--model", "llama-tiny", "--mesh", "2", "--recompute-layers", "1")
+    assert code == 2 and "--recompute-layers 1" in err and "Fix: add --recompute full" in err

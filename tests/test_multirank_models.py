@@ -168,6 +168,21 @@ def test_selectively_recomputed_layers_match_single_device(matrix):
     _check(spawn(run_cases, 4, cases, timeout_s=590), cases)
 
 
+# Only the first of the two layers recomputed (``Hints.recompute_layers``): the second runs as
+# without recomputation, tied apart from the first (its own strategies).
+PARTIAL_4 = [("gpt-tiny", "megatron+recompute1", "4"), ("llama-tiny", "solved+selective1", "2x2"),
+             ("llama-tiny", "ag_rs+recompute1", "2x2")]
+
+
+@pytest.mark.parametrize("matrix", [pytest.param(PARTIAL_4[:2], id="default"),
+                                    pytest.param(PARTIAL_4[2:], id="rest", marks=pytest.mark.slow)])
+def test_the_first_layers_recomputed_match_single_device(matrix):
+    cases = [_case(m, f, mesh, steps=20, opt="adamw") for m, f, mesh in matrix]
+    plans = [Plan.from_json(c["plan"]) for c in cases]
+    assert all(p.stats["recompute"] in ("full", "selective") and p.stats["recompute_layers"] == 1 for p in plans)
+    _check(spawn(run_cases, 4, cases, timeout_s=590), cases)
+
+
 @pytest.mark.parametrize("pairs", [
     pytest.param((("llama-tiny", "solved-budget"),), id="default"),
     pytest.param((("gpt-tiny", "megatron"), ("llama-tiny", "megatron"), ("gpt-tiny", "solved-budget")), id="rest",

@@ -112,19 +112,22 @@ def _saved_bytes(fn):
 
 def test_one_process_same_gradients_and_less_kept():
     """The traced single-device program, spans outlined, run for real: bit-identical loss
-    and gradients, and what forward keeps for backward shrinks to the layers' inputs."""
+    and gradients, and what forward keeps for backward shrinks to the layers' inputs. With
+    ``recompute_layers`` = k only the first k layers' spans are outlined: each one more
+    keeps less."""
     torch.manual_seed(0)
     model = models.build("llama-tiny", n_layers=3)
     idx, tgt = models.example_inputs("llama-tiny", 4, 32, device="cpu")
     tg = stpc.trace(model, (idx, tgt))
-    plain = copy.deepcopy(tg.gm)
     _, plan = traced_and_plan("llama-tiny", "2", "dp")
-    plan.stats["recompute"] = "full"
-    rec = recompute(tg.gm, plan)
-    assert len(_calls(rec)) == 3
     params = dict(model.named_parameters())
     runs = []
-    for gm in (plain, rec):
+    for count in (0, 1, 2, None):
+        gm = copy.deepcopy(tg.gm)
+        if count != 0:
+            p = dataclasses.replace(plan, stats={**plan.stats, "recompute": "full", "recompute_layers": count})
+            gm = recompute(gm, p)
+            assert [gm.get_submodule(c.target).layer for c in _calls(gm)] == list(range(count or 3))
         leaves = {k: p.detach().clone().requires_grad_() for k, p in params.items()}
         args = [leaves[tg.param_fqns[n.name]] if n.name in tg.param_fqns else {"idx": idx, "targets": tgt}[n.name]
                 for n in gm.graph.nodes if n.op == "placeholder"]
@@ -132,10 +135,13 @@ def test_one_process_same_gradients_and_less_kept():
         loss = out[0] if isinstance(out, (tuple, list)) else out
         loss.backward()
         runs.append((loss.detach(), {k: v.grad for k, v in leaves.items()}, kept))
-    (l0, g0, kept0), (l1, g1, kept1) = runs
-    assert torch.equal(l0, l1)
-    assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
-    assert kept1 < kept0 / 3, (kept0, kept1)
+    l0, g0, kept0 = runs[0]
+    for l1, g1, _ in runs[1:]:
+        assert torch.equal(l0, l1)
+        assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
+    kept = [r[2] for r in runs]
+    assert kept == sorted(kept, reverse=True) and len(set(kept)) == 4, kept
+    assert kept[-1] < kept0 / 3, kept
 
 
 class _LiveAfter(TorchDispatchMode):

@@ -22,6 +22,9 @@ plan                       mesh                                 how it is obtain
 ``selective``              the planner's choice of shape        ``Hints(recompute="selective")``: every
                                                                 layer recomputed but for the matmuls and
                                                                 attentions whose outputs it keeps
+``partial``                the planner's choice of shape        optional (``--plans``): ``Hints(recompute=
+                                                                "full", recompute_layers=layers // 2)``: the
+                                                                first half of the layers recomputed
 ``ag_ring`` ``rs_ring``    ``(N,)``                             optional (``--plans``): every linear forced
 ``dp`` ``spatial``         ``(N,)`` / the planner's             optional: data parallel; temporal families off
 =========================  ===================================  ===========================================
@@ -127,7 +130,7 @@ PEAK_STEPS = 3  # profiled steps whose highest peak is the measured one (after a
 MEMORY_TARGET = 0.05   # |predicted - measured| / measured peak, at most, on every plan
 TIME_TARGET = 0.25     # |predicted - measured| / measured step time, at most, on every plan
 DEFAULT_PLANS = ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "grid", "recompute", "selective")
-KNOWN_PLANS = DEFAULT_PLANS + ("ag_ring", "rs_ring", "dp", "spatial")
+KNOWN_PLANS = DEFAULT_PLANS + ("partial", "ag_ring", "rs_ring", "dp", "spatial")
 
 # The default model: a GPT of d 1024, 4 layers, seq 512 (issue 12's size) at batch 4.
 DEFAULTS = {"model": "gpt-50m", "layers": 4, "d_model": 1024, "heads": 16, "ffn": 4096, "batch": 4, "seq": 512,
@@ -140,9 +143,9 @@ ROW = r"(o_proj|fc2|down_proj)$"
 # ----------------------------------------------------------------------------- plans
 
 
-def plan_spec(name: str, n: int):
-    """(mesh, hints) that make plan ``name`` on ``n`` devices (mesh: a count for the
-    planner to shape, or a fixed shape)."""
+def plan_spec(name: str, n: int, layers: int = DEFAULTS["layers"]):
+    """(mesh, hints) that make plan ``name`` on ``n`` devices of a model of ``layers``
+    layers (mesh: a count for the planner to shape, or a fixed shape)."""
     if name in ("megatron", "fsdp-tp", "spatial"):
         return n, name              # the preset's own layout search (stpc.planner.baselines)
     if name == "solved":
@@ -151,6 +154,8 @@ def plan_spec(name: str, n: int):
         return n, Hints(recompute="full", name="recompute")
     if name == "selective":         # ... all but the matmuls' and attentions' outputs it keeps
         return n, Hints(recompute="selective", name="selective")
+    if name == "partial":           # the first half of the layers recomputed (Hints.recompute_layers)
+        return n, Hints(recompute="full", recompute_layers=max(1, layers // 2), name="partial")
     if name == "dp":
         return (n,), "dp"
     if name == "ag_rs":             # the classic pairing (tests/_multirank.family_hints)
@@ -185,7 +190,7 @@ def make_plans(cfg: dict, progress: bool = False) -> list[dict]:
     cluster = cfg.get("cluster") or world_cluster(cfg["ranks"], "cpu")
     out = []
     for name in cfg["plans"]:
-        mesh, hints = plan_spec(name, cfg["ranks"])
+        mesh, hints = plan_spec(name, cfg["ranks"], cfg["layers"])
         t0 = time.perf_counter()
         with SearchStatus(f"search: the {name} plan", progress) as status:
             plan = search(tg, mesh, cluster=cluster, hints=hints, progress=status)

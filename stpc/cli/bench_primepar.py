@@ -53,7 +53,7 @@ from stpc.cli._progress import bar
 from stpc.cost_models import CLUSTERS, Link, bytes_per_param, get_cluster
 from stpc.frontend import models
 from stpc.planner import InfeasibleBudget, search
-from stpc.planner.baselines import BASELINES, describe_layout
+from stpc.planner.baselines import BASELINES, describe_layout, first_layers
 from stpc.planner.solver import TIME_LIMIT_S
 from stpc.planner.summary import breakdown
 
@@ -197,6 +197,7 @@ def plan_record(plan, err, search_s: float) -> dict:
             "peak_bytes": plan.peak_memory_bytes, "compute_s": split.get("compute_s"),
             "exposed_s": split.get("exposed_s"), "hidden_s": split.get("hidden_s"), "search_s": search_s,
             "recompute": plan.stats.get("recompute") or "none",
+            "recompute_layers": plan.stats.get("recompute_layers"),
             "optimal": plan.stats.get("optimal", True), "unresolved": plan.stats.get("unresolved", [])}
 
 
@@ -398,7 +399,8 @@ def recompute_line(cells: list[dict], baselines) -> list[str]:
         for c in cells:
             rec = rec_of(c)
             if rec and rec.get("fits") and rec.get("recompute", "none") in by:
-                by[rec["recompute"]].append(f"{c['model']} on {c['devices']}")
+                first = f", {first_layers(rec['recompute_layers'])}" if rec.get("recompute_layers") else ""
+                by[rec["recompute"]].append(f"{c['model']} on {c['devices']}{first}")
         return "; ".join(f"{k} in {len(v)}" + (f" ({', '.join(v)})" if v else "") for k, v in by.items())
     text = f"Recomputation of the layers: stpc's plan {levels(lambda c: c['stpc'])}; none in the other cells."
     for b in baselines:

@@ -57,10 +57,12 @@ def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int
                seq: int | None = None, dtype: str = "fp32", budget_gib: float | None = None,
                hints: str | None = None, temporal: bool = True, use_budget: bool = True,
                layers: int | None = None, progress: bool = False, recompute: str | None = None,
-               time_limit_s: float = TIME_LIMIT_S):
+               time_limit_s: float = TIME_LIMIT_S, recompute_layers: int | None = None):
     """Trace ``model`` (a zoo name, ``package.module:factory`` or a Hugging Face config path:
     ``stpc.cli._common.load_model``) on meta tensors and search; returns (plan, traced graph).
-    ``progress``: status lines on stderr for the trace and a search over a second."""
+    ``progress``: status lines on stderr for the trace and a search over a second.
+    ``recompute_layers``: with ``recompute`` full or selective, only that many leading layers
+    (``Hints.recompute_layers``)."""
     t0 = time.perf_counter()
     tg, batch, seq = meta_trace(model, batch, seq, dtype, layers, progress=progress)
     t1 = time.perf_counter()
@@ -71,7 +73,7 @@ def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int
     with SearchStatus(f"search {model} on {mesh}", progress) as status:
         plan = search(tg, mesh, cl, budget_bytes=budget, hints=hints, temporal=temporal, dtype=dtype,
                       optimizer_layout="fp32-adam" if dtype == "fp32" else "mixed-adam", progress=status,
-                      recompute=recompute, time_limit_s=time_limit_s)
+                      recompute=recompute, time_limit_s=time_limit_s, recompute_layers=recompute_layers)
     t2 = time.perf_counter()
     plan.stats.update(trace_time_s=t1 - t0, analysis_time_s=tg.meta.get("analysis_s"), total_time_s=t2 - t0,
                       batch=batch, seq=seq)
@@ -111,6 +113,9 @@ def main_plan(argv: list[str]) -> int:
                    help="recompute the layers' activations in backward: auto (where the budget binds), none, "
                         "selective (all but their matmuls' and fused attentions' outputs), full "
                         "(default: %(default)s)")
+    p.add_argument("--recompute-layers", type=int, default=None, metavar="N",
+                   help="with --recompute selective or full: only the first N layers (Megatron's "
+                        "--recompute-num-layers; default: every layer)")
     p.add_argument("--solver-time-limit", type=float, default=TIME_LIMIT_S, metavar="SECONDS",
                    help="CP-SAT's wall-clock limit on each mesh shape the budget binds on; one that runs out "
                         "is reported unresolved (default: %(default)s)")
@@ -124,6 +129,9 @@ def main_plan(argv: list[str]) -> int:
     if not a.solver_time_limit > 0:
         p.error(f"--solver-time-limit {a.solver_time_limit:g}: CP-SAT needs some time. Fix: give a number of "
                 "seconds above 0")
+    if a.recompute_layers is not None and (a.recompute not in ("selective", "full") or a.recompute_layers < 1):
+        p.error(f"--recompute-layers {a.recompute_layers}: a count of layers >= 1, with --recompute selective or "
+                f"full (it is {a.recompute}). Fix: add --recompute full, or leave --recompute-layers out")
     check_mesh_fits(a.mesh, get_cluster(a.cluster))
     say = (lambda *x, **k: None) if a.quiet else print
     viz = None
@@ -135,7 +143,7 @@ def main_plan(argv: list[str]) -> int:
     plan, tg = plan_model(a.model, a.mesh, a.cluster, a.batch, a.seq, a.dtype, a.budget_gib, a.hints,
                           not a.no_temporal, use_budget=not a.no_budget, layers=a.layers, progress=not a.quiet,
                           recompute=None if a.recompute == "auto" else a.recompute,
-                          time_limit_s=a.solver_time_limit)
+                          time_limit_s=a.solver_time_limit, recompute_layers=a.recompute_layers)
     s = summary(plan)
     if a.quiet:
         print(f"mesh {'x'.join(map(str, plan.mesh_shape))}  modelled step {plan.modelled_step_time_s * 1e3:.2f} ms  "

@@ -20,8 +20,11 @@ shared by every mesh shape the search tries:
     exact elimination handles; the others stay one edge per consumer (an upper bound:
     a merged reshard charged per consumer);
   * for plans that recompute the layers (``passes.recompute``): which items lie inside a
-    layer and which edges join two ops of one layer (both replayed in backward), what
+    recomputed layer and which edges join two ops of one (both replayed in backward), what
     forward then still keeps for backward and what the last layer's replay saves again.
+    Where only the first k layers are recomputed (``Hints.recompute_layers``), they are tied
+    apart from the others, so an item is replayed in all its copies or in none: the facts
+    depend on k (``analyse(tg, k)``).
 """
 from __future__ import annotations
 
@@ -119,10 +122,11 @@ def _signature(node, local_index):
     return (node.op, target, shp, args, consts)
 
 
-def tie_layers(graph: fx.Graph, layer: dict | None = None) -> dict[fx.Node, fx.Node]:
+def tie_layers(graph: fx.Graph, layer: dict | None = None, apart: set | None = None) -> dict[fx.Node, fx.Node]:
     """Map every node of a repeated layer to its representative in the first
     identical layer (same ops, shapes and internal wiring, in order).
-    ``layer``: ``layer_of`` of every node, if already known."""
+    ``layer``: ``layer_of`` of every node, if already known. ``apart``: layer indices tied
+    only among themselves (the recomputed ones, ``Hints.recompute_layers``)."""
     layers: dict[int, list[fx.Node]] = defaultdict(list)
     for n in graph.nodes:
         li = layer_of(n) if layer is None else layer[n]
@@ -133,7 +137,7 @@ def tie_layers(graph: fx.Graph, layer: dict | None = None) -> dict[fx.Node, fx.N
     for li in sorted(layers):
         nodes = layers[li]
         idx = {n: i for i, n in enumerate(nodes)}
-        sig = tuple([_signature(n, idx) for n in nodes])
+        sig = (apart is not None and li in apart, tuple([_signature(n, idx) for n in nodes]))
         rnodes = reps.setdefault(sig, nodes)
         if rnodes is not nodes:
             tie.update(zip(nodes, rnodes))
@@ -255,9 +259,11 @@ class GraphFacts:
     unshared_reads: int = 0        # producer nodes read by several decisions but charged per consumer
     last_layer: set = field(default_factory=set)  # decision Items of the last layer (``backward_start``)
     head: set = field(default_factory=set)        # decision Items after the last layer (``backward_start``)
-    # Under full recomputation of the layers (``passes.recompute``, ``recompute_facts``):
-    layer_items: set = field(default_factory=set)  # Items of nodes inside a layer (replayed in backward)
-    replayed_edges: set = field(default_factory=set)  # edge_uses keys between two nodes of one layer
+    # Under recomputation of the layers (``passes.recompute``, ``recompute_facts``):
+    recomputed: frozenset = frozenset()  # the indices of the layers recomputed (all, or the first k)
+    recompute_layers: int | None = None  # k where fewer than all: ``Hints.recompute_layers``
+    layer_items: set = field(default_factory=set)  # Items of nodes inside a recomputed layer (replayed)
+    replayed_edges: set = field(default_factory=set)  # edge_uses keys between two nodes of one such layer
     # decision inputs entering a layer from outside it at its first op, (producer Item, decision
     # Item, operand index) -> count: what a recomputed layer's checkpoint keeps, as that op reads it
     entry_edges: Counter = field(default_factory=Counter)
@@ -266,16 +272,22 @@ class GraphFacts:
     replay_saved: Counter = field(default_factory=Counter)  # what the last layer's replay saves again
 
     @classmethod
-    def of(cls, tg: TracedGraph) -> "GraphFacts":
+    def of(cls, tg: TracedGraph, recompute_layers: int | None = None) -> "GraphFacts":
+        """``recompute_layers``: the recomputation facts for the first that many layers
+        (None, or as many as there are: all of them)."""
         graph = tg.graph
         params = set(tg.param_fqns)
         rg = requires_grad(graph, params)
-        f = cls(params, rg, constants(graph), tie_layers(graph), [], {}, Counter(), Counter())
+        layers = sorted({li for n in graph.nodes if (li := layer_of(n)) is not None})
+        some = recompute_layers is not None and recompute_layers < len(layers)
+        recomputed = frozenset(layers[:recompute_layers] if some else layers)
+        f = cls(params, rg, constants(graph), tie_layers(graph, apart=set(recomputed) if some else None),
+                [], {}, Counter(), Counter(), recomputed=recomputed, recompute_layers=recompute_layers if some else None)
         f._operands = {n: tensor_operands(n) for n in graph.nodes if n.op == "call_function"}
         f._reads: dict = defaultdict(list)  # operand node -> [(decision Item, operand index)]
         f._items(graph)
         f._share_reads()
-        f.last_layer, f.head = backward_start(graph, f.items)
+        f.last_layer, f.head = backward_start(graph, f.items, f.node_item)
         head_nodes = after_last_layer(graph)
         for t, by in saved_savers(graph, rg, params, f._operands).items():
             it = f.node_item.get(t)
@@ -296,12 +308,14 @@ class GraphFacts:
         return f
 
     def _recompute_facts(self, graph, head_nodes):
-        """What a plan that recomputes every layer (``passes.recompute``) keeps from forward to
-        backward: the tensors an op outside the layers saves, and each layer's inputs from
-        outside it (what the checkpoint holds: the residual stream entering it), as the nodes
-        owning their storage; and what the last layer's replay saves again, alive in its
-        backward (the memory model's backward phase)."""
-        layer = {n: layer_of(n) for n in graph.nodes}
+        """What a plan that recomputes the layers (``passes.recompute``; those of
+        ``self.recomputed``) keeps from forward to backward: the tensors an op outside them
+        saves, and each recomputed layer's inputs from outside it (what the checkpoint holds:
+        the residual stream entering it), as the nodes owning their storage; and what the last
+        layer's replay saves again, alive in its backward (the memory model's backward phase;
+        none where the last layer is not recomputed)."""
+        rec = self.recomputed
+        layer = {n: (li if (li := layer_of(n)) in rec else None) for n in graph.nodes}  # (recomputed ones only)
         last, _ = _last_layer(graph)
         savers = saved_savers(graph, self.rg, self.params, self._operands)
         boundary = set()
@@ -327,6 +341,8 @@ class GraphFacts:
             elif last is not None and any(layer[b] == last for b in by):
                 self.replay_saved[it] += 1
         self.layer_items = {it for n, it in self.node_item.items() if layer[n] is not None and n.op != "placeholder"}
+        assert not any(layer[n] is None for n, it in self.node_item.items() if it in self.layer_items
+                       and n.op != "placeholder"), "a recomputed layer's item is tied to a kept layer's"
 
     def _rep(self, node):
         return self.tie.get(node, node)
@@ -338,7 +354,7 @@ class GraphFacts:
         # (``passes.recompute``); one into a later op of the layer sits inside
         firsts = {}
         for node in graph.nodes:
-            if node.op == "call_function" and (li := layer_of(node)) is not None:
+            if node.op == "call_function" and (li := layer_of(node)) in self.recomputed:
                 firsts.setdefault(li, node)
         first_ops = set(firsts.values())
 
@@ -381,9 +397,9 @@ class GraphFacts:
                     for i, src in enumerate(opi):
                         if src is not None:
                             self.edge_uses[(src, it, i)] += 1
-                            if (li := layer_of(node)) is not None and layer_of(ops[i]) == li:
+                            if (li := layer_of(node)) in self.recomputed and layer_of(ops[i]) == li:
                                 self.replayed_edges.add((src, it, i))
-                            elif li is not None and src.kind != "param" and node in first_ops:
+                            elif src.kind != "param" and node in first_ops:
                                 self.entry_edges[(src, it, i)] += 1
                             self._reads[ops[i]].append((it, i))
             self.node_item[node] = it
@@ -447,18 +463,26 @@ class GraphFacts:
         return live
 
 
-def analyse(tg: TracedGraph) -> GraphFacts:
+def analyse(tg: TracedGraph, recompute_layers: int | None = None) -> GraphFacts:
     """The graph's mesh-independent facts, computed once and reused by every mesh shape
     and every search (cached in ``tg.facts``; ``tg.meta["analysis_s"]`` says how long it
     took); recomputed when the graph changed (its node count or its recompiled code:
-    every stpc pass lints and recompiles)."""
+    every stpc pass lints and recompiles). ``recompute_layers``: the facts of plans that
+    recompute only the first that many layers (``Hints.recompute_layers``), cached beside."""
     key = (len(tg.gm.graph.nodes), tg.gm.code)
     if tg.facts is None or tg.meta.get("analysed") != key:
         t0 = time.perf_counter()
         tg.facts = GraphFacts.of(tg)
         tg.meta["analysis_s"] = time.perf_counter() - t0
         tg.meta["analysed"] = key
-    return tg.facts
+        tg.meta["facts_recomputing"] = {}
+    if recompute_layers is None:
+        return tg.facts
+    by_count = tg.meta.setdefault("facts_recomputing", {})
+    if recompute_layers not in by_count:
+        facts = GraphFacts.of(tg, recompute_layers)
+        by_count[recompute_layers] = tg.facts if facts.recompute_layers is None else facts  # (k >= the layers: all)
+    return by_count[recompute_layers]
 
 
 def _last_layer(graph: fx.Graph) -> tuple[int | None, int]:
@@ -482,21 +506,25 @@ def after_last_layer(graph: fx.Graph) -> set:
     return {n for n in list(graph.nodes)[last_pos + 1:] if layer_of(n) is None}
 
 
-def backward_start(graph: fx.Graph, items: list[Item]) -> tuple[set, set]:
+def backward_start(graph: fx.Graph, items: list[Item], node_item: dict | None = None) -> tuple[set, set]:
     """(the last layer's decision Items, the head's) — the ops backward runs first, while
     everything forward saved is still alive: the head (:func:`after_last_layer`: final
     norm, output projection, loss), then the last layer (an Item tied across the layers
     stands for its copy there). Their gradients and the parameters gathered again for
     them make the memory model's backward phase. A graph without indexed layers is one
-    layer: all its decision Items, no head."""
+    layer: all its decision Items, no head. ``node_item`` (every node's Item): the last
+    layer's are those of its own nodes (layers tied apart, ``tie_layers``, share none)."""
     last_layer, _ = _last_layer(graph)
     head_nodes = after_last_layer(graph)
+    in_last = ({it for n, it in node_item.items() if layer_of(n) == last_layer} if node_item is not None
+               and last_layer is not None else None)
     last, head = set(), set()
     for it in items:
         if it.kind != "decision":
             continue
         layer = layer_of(it.node)
-        if last_layer is None or (layer is not None and (it.count > 1 or layer == last_layer)):
+        if last_layer is None or (it in in_last if in_last is not None else
+                                  (layer is not None and (it.count > 1 or layer == last_layer))):
             last.add(it)
         elif it.node in head_nodes:
             head.add(it)

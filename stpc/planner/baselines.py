@@ -95,14 +95,20 @@ def layout_hints(name: str, layout: Layout) -> Hints:
     return fsdp_tp(layout.mesh_shape, dp, tp, sequence_parallel=layout.sp)
 
 
+def first_layers(k: int | None) -> str:
+    """The layers ``Hints.recompute_layers`` = k names, in words (None: every layer)."""
+    return "layers" if k is None else "the first layer" if k == 1 else f"the first {k} layers"
+
+
 def describe_layout(layout: dict | None) -> str:
     """One line for a plan's layout record (``plan.stats["layout"]``)."""
     if not layout:
         return ""
     if layout.get("recompute"):
-        rest = {k: v for k, v in layout.items() if k != "recompute"}
-        return describe_layout(rest) + {"selective": ", layers recomputed in backward but for their matmuls"}.get(
-            layout["recompute"], ", layers recomputed in backward")
+        rest = {k: v for k, v in layout.items() if k not in ("recompute", "recompute_layers")}
+        which = first_layers(layout.get("recompute_layers"))
+        return describe_layout(rest) + {"selective": f", {which} recomputed in backward but for their matmuls"}.get(
+            layout["recompute"], f", {which} recomputed in backward")
     if "dp" in layout:
         return Layout(**layout).describe()
     kept = layout.get("kept")

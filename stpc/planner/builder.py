@@ -39,6 +39,12 @@ Under ``"selective"`` the same, except that a layer's plain matmuls and fused at
 whose outputs backward keeps anyway (``analysis.kept_when_selective``) keep their local
 outputs from forward to backward instead of running again (``Builder._selective_kept``),
 and the last layer's replay saves no second copy of them (``_saved_memory``).
+With ``Hints.recompute_layers`` = k only the first k layers are: they are tied apart from
+the others (``analysis.tie_layers``), so each item is replayed in all its copies or none,
+and a layer that is not recomputed keeps what its ops save, as without recomputation.
+The replay of the last recomputed layer is then no phase of its own (named
+simplification): by the time backward reaches it, the later layers' saved activations it
+outlived are freed, at least one layer's worth, what its replay saves again.
 
 Resharding is costed on the inputs of decision nodes: one solver edge per consumer,
 except where several consumers read one tensor (``GraphFacts.shared``): a
@@ -112,7 +118,9 @@ class Builder:
         self.mesh = cm.mesh_shape
         self.graph = tg.graph
         self.memory = MemoryModel(optimizer_layout)
-        self.facts = facts or analyse(tg)
+        # (only the first k layers recomputed: their own facts, those layers tied apart)
+        k = self.hints.recompute_layers if self.hints.recompute in ("full", "selective") else None
+        self.facts = analyse(tg, k) if k is not None else facts or analyse(tg)
         self.params, self.rg, self.const, self.tie = (self.facts.params, self.facts.rg, self.facts.const,
                                                       self.facts.tie)
         self.groups: list[_Group] = []
@@ -213,7 +221,7 @@ class Builder:
                     step = (mem, [0.0] * len(choices))
                 # ZeRO-2: the whole weight gathered in forward is kept for backward (not in the step)
                 # (a recomputed layer's weights are gathered again by its replay: none kept)
-                kept = [0.0 if self.recompute and layer_of(node) is not None else
+                kept = [0.0 if self.recompute and layer_of(node) in self.facts.recomputed else
                         kept_gathered_bytes(val, p, self.mesh, self.hints.keep_gathered) for p in choices]
                 own_mem = [m + k for m, k in zip(mem, kept)]  # (what NodePlan.mem_bytes reports)
                 mem = [self.memory.forward_param_bytes(val.numel(), w) + k for w, k in zip(shards, kept)]
@@ -581,12 +589,16 @@ class Builder:
         outputs not kept), is not held: its bytes at its producer's placement, taken off
         where its saver takes such a strategy. (A tensor several ops save, such as the norm
         before q, k and v, stays charged whatever they take: a named simplification.) Not
-        under recomputation, nor for what only the head saves (its phases free it anyway)."""
-        if self.recompute:
-            return self._kept_entry_edges()
-        f, out = self.facts, []
+        for what only the head saves (its phases free it anyway). Under recomputation, the
+        entry edges of the recomputed layers' checkpoints (``_kept_entry_edges``), and these
+        only for a saver in a layer that is not recomputed (``Hints.recompute_layers``)."""
+        f = self.facts
+        out = self._kept_entry_edges() if self.recompute else []
+        saved = f.kept_saved if self.recompute else f.saved_uses
         for it, (saver, i) in f.sole_saver.items():
-            if it not in f.saved_uses or f.head_saved[it] or saver.kind != "decision" or saver.group == it.group:
+            if not saved[it] or f.head_saved[it] or saver.kind != "decision" or saver.group == it.group:
+                continue
+            if self.recompute and (saver in f.layer_items or layer_of(saver.node) is None):
                 continue
             strategies = self.groups[saver.group].strategies
             keeps_blocks = tuple(int(s.kind == "p2x2") for s in strategies)
@@ -595,7 +607,7 @@ class Builder:
             val = it.node.meta["val"]
             nbytes = val.numel() * val.element_size()
             place = self.place[it]
-            table = {(pc, 1): -int(round(f.saved_uses[it] * self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh))))
+            table = {(pc, 1): -int(round(saved[it] * self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh))))
                      for pc, p in enumerate(place)}
             out.append(Edge(it.group, saver.group, tuple(range(len(place))), keeps_blocks, table))
         return out
@@ -1001,6 +1013,8 @@ class Builder:
                     modelled_step_time_s=sol.objective_ns / NS, peak_memory_bytes=float(sol.peak_bytes),
                     stats={**meta.get("stats", {}), **({"keep_gathered": sorted(self.hints.keep_gathered)} if self.hints.keep_gathered else {}),
                            **({"recompute": self.hints.recompute} if self.recompute else {}),
+                           **({"recompute_layers": self.facts.recompute_layers}
+                              if self.recompute and self.facts.recompute_layers is not None else {}),
                            **({"recompute_kept": self._selective_names(choice)} if self.selective else {})},
                     alternatives=self._alternatives(choice))
 

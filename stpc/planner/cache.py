@@ -95,7 +95,9 @@ def _hints_key(hints) -> str | None:
                            "inputs": sorted((k, list(v)) for k, v in hints.input_exact.items()),
                            "temporal": hints.temporal, "name": hints.name,
                            "keep_gathered": list(hints.keep_gathered), "sequence_parallel": hints.sequence_parallel,
-                           **({"recompute": hints.recompute} if hints.recompute is not None else {})})
+                           **({"recompute": hints.recompute} if hints.recompute is not None else {}),
+                           **({"recompute_layers": hints.recompute_layers}
+                              if hints.recompute_layers is not None else {})})
     return None
 
 

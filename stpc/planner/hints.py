@@ -67,6 +67,12 @@ class Hints:
     budget at its memory-blind optimum (with it every plan is slower, so it can only win
     where the budget binds). A recomputed layer's weights are
     gathered again by its replay whatever ``keep_gathered`` says (it still holds outside the layers).
+
+    ``recompute_layers``: under ``"full"`` or ``"selective"``, how many layers are
+    recomputed, the first ones in the program (Megatron's ``--recompute-num-layers``): their
+    saved activations live longest, and once backward reaches them the later layers' are
+    freed, so the replay never adds to the end of forward's peak. None: every layer. The
+    recomputed layers and the others are tied apart (each kind plans its own strategies).
     """
 
     force: list[tuple[str, callable]] = field(default_factory=list)
@@ -78,11 +84,17 @@ class Hints:
     keep_gathered: tuple[int, ...] = ()
     sequence_parallel: int | None = None
     recompute: str | None = None
+    recompute_layers: int | None = None
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE_LEVELS:
             raise ValueError(f"Hints(recompute={self.recompute!r}): one of "
                              f"{', '.join(map(repr, RECOMPUTE_LEVELS))}")
+        if self.recompute_layers is not None and (
+                self.recompute not in ("full", "selective") or int(self.recompute_layers) != self.recompute_layers
+                or self.recompute_layers < 1):
+            raise ValueError(f"Hints(recompute_layers={self.recompute_layers!r}): a count of layers >= 1, with "
+                             f"recompute='full' or 'selective' (it is {self.recompute!r})")
 
 
 COLUMN = r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj|lm_head)$"

@@ -129,6 +129,8 @@ class Plan:
                "peak_memory_bytes": round(self.peak_memory_bytes)}
         if self.stats.get("recompute"):  # another program: the ranks must agree on it too
             out["recompute"] = self.stats["recompute"]
+            if self.stats.get("recompute_layers") is not None:
+                out["recompute_layers"] = self.stats["recompute_layers"]
         return out
 
     def hash(self) -> str:

@@ -22,7 +22,11 @@ whose memory-blind optimum fits the budget never gains from it: only a point whe
 budget binds (or that no assignment fits) is built again with its layers recomputed,
 selectively (their matmuls' and fused attentions' outputs kept) and, where that does not
 fit either, in full: each a candidate of its own (``"recompute": "selective"`` or
-``"full"`` in its layout record).
+``"full"`` in its layout record). At each level the first k layers are recomputed
+(``Hints.recompute_layers``), k climbing a ladder of fractions of the layers
+(``RECOMPUTE_FRACTIONS``, ``recompute_counts``): each k a candidate (``"recompute_layers"``
+in its layout record, none where k is every layer), the climb stopping at the first k whose
+memory-blind optimum fits (recomputing more layers only slows every assignment down).
 
 Two phases. First every candidate's problem is built, a cheap lower bound of its
 smallest feasible memory checked against the budget (one over it is out; its exact
@@ -112,6 +116,19 @@ def parse_mesh(spec) -> tuple[tuple[int, ...] | None, int]:
     return (None, parts[0]) if len(parts) == 1 else (tuple(parts), math.prod(parts))
 
 
+# The fractions of the layers the search recomputes (the first k layers: ``Hints.recompute_layers``)
+# where the budget binds: a ladder, not every k, so that a point costs at most four builds per
+# level (a model of L layers could take L); a budget between two rungs pays the upper one's time.
+RECOMPUTE_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def recompute_counts(n_layers: int) -> list[int | None]:
+    """The rungs of the recomputation ladder for a model of ``n_layers`` layers, fewest
+    first: distinct counts of leading layers, None (every layer) last."""
+    counts = sorted({max(1, math.ceil(f * n_layers)) for f in RECOMPUTE_FRACTIONS} - {n_layers})
+    return [k for k in counts if k < n_layers] + [None]
+
+
 def _candidates(hints, shape, n, cluster=None) -> list[tuple[tuple[int, ...], Hints, dict]]:
     """(mesh shape, hints, what it is) of every point the search solves: the layouts of a
     baseline preset, else every mesh shape (or the one given) under the hints."""
@@ -170,7 +187,7 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
            hints: str | Hints | None = None, temporal: bool = True, dtype: str = "fp32",
            optimizer_layout: str = "fp32-adam",
            progress: Callable[[SearchProgress], None] | None = None, recompute: str | None = None,
-           time_limit_s: float = TIME_LIMIT_S) -> Plan:
+           time_limit_s: float = TIME_LIMIT_S, recompute_layers: int | None = None) -> Plan:
     """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple). ``hints``: a
     ``Hints``, or a preset name: ``megatron``, ``fsdp-tp`` and ``spatial`` search their
     whole layout space (``stpc.planner.baselines``; a given shape keeps the layouts on it),
@@ -179,14 +196,17 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
     ``Hints`` given is one point per shape, its own ``keep_gathered`` as it says. ``progress``: called with a :class:`SearchProgress`
     as the search goes (module docstring). ``recompute``: ``"full"``, ``"selective"`` or ``"none"`` sets
     ``Hints.recompute`` on every point (a preset's too); None leaves each point's own (the
-    presets' and stpc's own: recompute where the budget binds). ``time_limit_s``: CP-SAT's
+    presets' and stpc's own: recompute where the budget binds); ``recompute_layers`` with it:
+    only that many leading layers (``Hints.recompute_layers``). ``time_limit_s``: CP-SAT's
     wall-clock limit on each candidate the budget binds on (one that runs out without a
     solution is left unresolved: ``plan.stats["unresolved"]``)."""
     if recompute not in RECOMPUTE_LEVELS:
         raise ValueError(f"recompute={recompute!r}: one of {', '.join(map(repr, RECOMPUTE_LEVELS))}")
+    if recompute_layers is not None:  # (the same check as Hints')
+        Hints(recompute=recompute, recompute_layers=recompute_layers)
     with _no_gc():
         return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress, recompute,
-                       time_limit_s)
+                       time_limit_s, recompute_layers)
 
 
 @dataclasses.dataclass
@@ -287,7 +307,7 @@ def _least_budget(over: list, least: float, rebuild: Callable) -> int:
 
 
 def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress=None,
-            recompute=None, time_limit_s=TIME_LIMIT_S) -> Plan:
+            recompute=None, time_limit_s=TIME_LIMIT_S, recompute_layers=None) -> Plan:
     t0 = time.perf_counter()
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
     shape, n = parse_mesh(mesh)
@@ -327,8 +347,10 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         if not temporal:
             h = dataclasses.replace(h, temporal=False)  # (the caller's Hints stay as they were)
         if recompute is not None:
-            h = dataclasses.replace(h, recompute=recompute)
+            h = dataclasses.replace(h, recompute=recompute, recompute_layers=recompute_layers)
             layout = {**layout, "recompute": recompute} if recompute != "none" else layout
+            if h.recompute_layers is not None:
+                layout["recompute_layers"] = h.recompute_layers
         # Recomputing the layers makes every assignment slower: it can only win where the
         # budget binds on the point without it (then it is a point of its own). Selective
         # recomputation is slower than none and faster than full for every assignment
@@ -336,7 +358,9 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         # tried only where selective's memory-blind optimum does not fit either.
         if not build(idx, s, h, layout) and h.recompute is None:
             for level in ("selective", "full"):
-                if build(idx, s, dataclasses.replace(h, recompute=level), {**layout, "recompute": level}):
+                if any(build(idx, s, dataclasses.replace(h, recompute=level, recompute_layers=k),
+                             {**layout, "recompute": level, **({"recompute_layers": k} if k else {})})
+                       for k in recompute_counts(len(facts.recomputed))):  # (stops at the first that fits)
                     break
     best = None  # (objective ns, shape index, plan): the fastest wins, ties (``_better``) to the smaller
     ordered = sorted(candidates, key=lambda c: (c.bound, c.index))

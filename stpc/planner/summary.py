@@ -35,6 +35,7 @@ import numpy as np
 from stpc.cost_models import CostModel, optimizer_state_bytes
 from stpc.placement import REPLICATE, shard_factor
 from stpc.planner.analysis import layer_of
+from stpc.planner.baselines import first_layers
 from stpc.planner.costs import NodeTimer, kept_gathered_bytes
 from stpc.planner.sharing import Share
 from stpc.planner.solver import Edge, InfeasibleBudget, Problem, memory_blind_optimum, solve
@@ -515,6 +516,8 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
         lines.append("dims no mesh axis divides (never split): " + ", ".join(
             f"{k} {v}" for k, v in st["indivisible"].items()))
     bd = breakdown(plan)
+    k = plan.stats.get("recompute_layers")  # (only the first k layers recomputed: the others keep theirs)
+    which, rest = (first_layers(k), ", and what the other layers' ops save") if k else ("layers", "")
     step = plan.modelled_step_time_s
     lines += ["", f"step time, modelled (one step: forward + backward + weight gradients + optimizer step): "
                   f"{_ms(step)}"]
@@ -544,9 +547,9 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
             f"  gradients      {_bytes(bd['grad_bytes']):>12}",
             f"  optimizer      {_bytes(bd['optimizer_bytes']):>12}  optimizer state (and fp32 master weights)",
             f"  activations    {_bytes(bd['activation_bytes']):>12}  kept for backward"
-            + {"full": " (layers recomputed in backward: only their inputs and the head's)",
-               "selective": " (layers recomputed in backward but for their matmuls and fused attentions: "
-                            "their inputs, those outputs and the head's)"}.get(plan.stats.get("recompute"), ""),
+            + {"full": f" ({which} recomputed in backward: only their inputs and the head's{rest})",
+               "selective": f" ({which} recomputed in backward but for their matmuls and fused attentions: "
+                            f"their inputs, those outputs and the head's{rest})"}.get(plan.stats.get("recompute"), ""),
             f"  transient      {_bytes(bd['transient_bytes']):>12}  the largest working set of one op"]
         if "step_peak_bytes" not in bd:  # (a plan saved before the optimizer step's phase was modelled)
             lines.append("  the peak is at the end of forward, all of these alive at once: they add up to it")

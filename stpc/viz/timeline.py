@@ -65,7 +65,7 @@ def memory_timeline(plan, tg=None) -> dict:
            "peak": float(plan.peak_memory_bytes)}
     if tg is None:
         return out
-    facts = analyse(tg)
+    facts = analyse(tg, plan.stats.get("recompute_layers") if plan.stats.get("recompute") else None)
     mesh = tuple(plan.mesh_shape)
     saved = {}
     savers = saved_savers(tg.graph, facts.rg, facts.params)
