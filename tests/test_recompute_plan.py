@@ -192,6 +192,27 @@ def test_the_recomputed_layers_are_tied_apart(gpt4):
     assert sum(every.kept_saved.values()) < sum(half.kept_saved.values()) < sum(half.saved_uses.values())
 
 
+def test_kept_gathered_weights_of_the_layers_not_recomputed_are_reported(gpt4):
+    """ZeRO-2 keeps each whole weight gathered in forward for backward, except in a recomputed
+    layer (its replay gathers again): the breakdown's kept weights shrink with each layer
+    recomputed, as the planner charges them."""
+    base = dataclasses.replace(fsdp_tp((4,), 0, None), keep_gathered=(0,))
+    kept = [breakdown(search(gpt4, (4,), hints=dataclasses.replace(base, recompute=r, recompute_layers=k)))[
+        "kept_weight_bytes"] for r, k in (("none", None), ("full", 2), ("full", None))]
+    assert kept[0] > kept[1] > kept[2], kept
+
+
+def test_a_sole_savers_count_is_its_own_copies(gpt4):
+    """The last recomputed layer's output Item has k copies: k - 1 enter recomputed layers
+    (the checkpoints keep them), one enters the first kept layer, whose norm alone saves it.
+    The P(2x2) credit of that saver (``Builder._saved_edges``) counts that one copy."""
+    half = analyse(gpt4, 2)
+    assert all(n <= half.saved_uses[it] for (it, _, _), n in half.sole_saved.items())
+    split = [(it, n) for (it, sv, _), n in half.sole_saved.items()
+             if sv not in half.layer_items and layer_of(sv.node) is not None and n < half.kept_saved[it]]
+    assert split and all(n == 1 for _, n in split), split
+
+
 def test_the_recompute_ladder():
     assert recompute_counts(4) == [1, 2, 3, None]
     assert recompute_counts(2) == [1, None]

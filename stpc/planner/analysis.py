@@ -249,6 +249,10 @@ class GraphFacts:
     head_saved: Counter = field(default_factory=Counter)  # of those, saved by head ops only -> count
     # of those, saved by one op alone that reads it as an operand: Item -> (that op's Item, operand index)
     sole_saver: dict = field(default_factory=dict)
+    # per (Item, saver Item, operand index): how many of the Item's nodes that op alone saves
+    # (an Item's copies may have other savers: the last recomputed layer's output is the next,
+    # kept layer's norm's to save, the earlier copies the checkpoints' to keep)
+    sole_saved: Counter = field(default_factory=Counter)
     # of those, the ops that save it as an operand they read: Item -> {(that op's Item, operand
     # index): [share, share where only head ops save it]}, a node's share 1 / its savers (all
     # of them: its own output or a view saved counts), summed over the Item's nodes
@@ -304,6 +308,7 @@ class GraphFacts:
                 saver = next(iter(by))
                 if len(by) == 1 and t in f._operands.get(saver, ()) and f.node_item.get(saver) is not None:
                     f.sole_saver[it] = (f.node_item[saver], f._operands[saver].index(t))
+                    f.sole_saved[(it, *f.sole_saver[it])] += 1
         f._recompute_facts(graph, head_nodes)
         return f
 

@@ -43,8 +43,13 @@ With ``Hints.recompute_layers`` = k only the first k layers are: they are tied a
 the others (``analysis.tie_layers``), so each item is replayed in all its copies or none,
 and a layer that is not recomputed keeps what its ops save, as without recomputation.
 The replay of the last recomputed layer is then no phase of its own (named
-simplification): by the time backward reaches it, the later layers' saved activations it
-outlived are freed, at least one layer's worth, what its replay saves again.
+simplification): by the time backward reaches it, the later layers' saved activations are
+freed, at least one layer's worth; but the two kinds of layer choose their strategies
+apart, and where the recomputed ones take a less sharded layout than the kept ones, that
+replay can hold more than the kept layers freed, unseen by the model (the fidelity bench's
+plan ``partial``: 353.7 MiB modelled, 357.8 measured). A ``Hints.force`` pattern naming
+one layer's nodes (such as ``layers.0.``) decides the layers tied to it: the recomputed ones,
+no longer the others.
 
 Resharding is costed on the inputs of decision nodes: one solver edge per consumer,
 except where several consumers read one tensor (``GraphFacts.shared``): a
@@ -534,7 +539,8 @@ class Builder:
         P(2^k x 2^k) saver keeps its own blocks instead (``_saved_edges``). Returns (held
         from the end of forward: ``saved_edges``; for what only the head saves, the same
         negated for the phases after the head's backward freed it: ``head_edges`` and
-        ``mem_edges``). Under recomputation only the head's savers keep theirs."""
+        ``mem_edges``). Under recomputation the savers in the recomputed layers keep none
+        (their replay reads it again); the head's and the other layers' keep theirs."""
         f = self.facts
         saved = f.kept_saved if self.recompute else f.saved_uses
         held, freed = [], []
@@ -607,7 +613,8 @@ class Builder:
             val = it.node.meta["val"]
             nbytes = val.numel() * val.element_size()
             place = self.place[it]
-            table = {(pc, 1): -int(round(saved[it] * self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh))))
+            count = f.sole_saved[(it, saver, i)] if self.recompute else saved[it]
+            table = {(pc, 1): -int(round(count * self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh))))
                      for pc, p in enumerate(place)}
             out.append(Edge(it.group, saver.group, tuple(range(len(place))), keeps_blocks, table))
         return out

@@ -347,10 +347,13 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         if not temporal:
             h = dataclasses.replace(h, temporal=False)  # (the caller's Hints stay as they were)
         if recompute is not None:
-            h = dataclasses.replace(h, recompute=recompute, recompute_layers=recompute_layers)
+            # (the count given, else the point's own where the level keeps one)
+            count = recompute_layers if recompute_layers is not None else (
+                h.recompute_layers if recompute in ("full", "selective") else None)
+            h = dataclasses.replace(h, recompute=recompute, recompute_layers=count)
             layout = {**layout, "recompute": recompute} if recompute != "none" else layout
-            if h.recompute_layers is not None:
-                layout["recompute_layers"] = h.recompute_layers
+            if count is not None and count < len(facts.recomputed):  # (fewer than every layer)
+                layout["recompute_layers"] = count
         # Recomputing the layers makes every assignment slower: it can only win where the
         # budget binds on the point without it (then it is a point of its own). Selective
         # recomputation is slower than none and faster than full for every assignment

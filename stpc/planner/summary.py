@@ -337,7 +337,7 @@ def _breakdown(sv: Solved) -> dict:
         weight += parts.weight * it.count
         grad += parts.grad * it.count
         opt += parts.optimizer * it.count
-        if not (b.recompute and layer_of(it.node) is not None):  # (a recomputed layer's are gathered again)
+        if not (b.recompute and layer_of(it.node) in facts.recomputed):  # (a recomputed layer's are gathered again)
             kept += kept_gathered_bytes(it.node.meta["val"], pl, mesh, b.hints.keep_gathered) * it.count
     act = kept  # (ZeRO-2's whole weights, kept for backward, count with the activations)
     for g, it in enumerate(facts.group_items):  # ... and the blocks a P(2^k x 2^k) op keeps
