@@ -23,12 +23,14 @@ budget binds (or that no assignment fits) is built again with its layers recompu
 selectively (their matmuls' and fused attentions' outputs kept) and, where that does not
 fit either, in full: each a candidate of its own (``"recompute": "selective"`` or
 ``"full"`` in its layout record). At each level the first k layers are recomputed
-(``Hints.recompute_layers``), k climbing a ladder of fractions of the layers
+(``Hints.recompute_layers``), k on a ladder of fractions of the layers
 (``RECOMPUTE_FRACTIONS``, ``recompute_counts``): each k a candidate (``"recompute_layers"``
-in its layout record, none where k is every layer), the climb stopping at the first k whose
-memory-blind optimum fits (recomputing more layers only slows every assignment down).
+in its layout record, none where k is every layer). These rungs are built lazily: their
+groups only, bounded by each group's least cost summed (edges and shares charge no
+negative time); the second phase builds a rung's edges only if it reaches that bound
+unpruned (``"edges_built": False`` in the entry of one it pruned before).
 
-Two phases. First every candidate's problem is built, a cheap lower bound of its
+Two phases. First every candidate's problem is built (a rung of the ladder: its groups), a cheap lower bound of its
 smallest feasible memory checked against the budget (one over it is out; its exact
 least memory, a CP-SAT solve, is found only if no candidate gives a plan, for the error's
 smallest feasible budget), and its objective minimised without the memory rows
@@ -55,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import heapq
 import math
 import time
 from typing import Callable
@@ -223,6 +226,7 @@ class _Shape:
     peak: int | None
     build_s: float
     bound_s: float
+    lazy: bool = False       # edges not built yet: ``bound`` is each group's least cost summed
 
     def fits(self) -> bool:
         return self.choice is not None and (self.problem.budget is None or self.peak <= self.problem.budget)
@@ -317,8 +321,13 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     points = _candidates(hints, shape, n, cl)
     report = _Reporter(progress, t0, len(points))
 
-    def build(idx, s, h, layout) -> bool:
-        """Build one point; True if its memory-blind optimum fits the budget."""
+    def build(idx, s, h, layout, lazy=False) -> bool:
+        """Build one point; True if its memory-blind optimum fits the budget. ``lazy``: its
+        groups only (False), the edges and the memory-blind optimum waiting for the second
+        phase to reach it: each group's least cost summed is a lower bound of every
+        assignment's time (edges and shares charge no negative time:
+        ``test_planner.test_edges_and_shares_charge_no_negative_time``), which may prune it
+        unbuilt."""
         t_shape = time.perf_counter()
         entry = {"mesh": list(s), "layout": layout}
         try:  # groups first: a budget no assignment fits is known before any edge is costed
@@ -334,6 +343,11 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             tried.append({**entry, "modelled_step_time_s": None, "infeasible": True, "min_budget_bound_bytes": least,
                           "solve_time_s": time.perf_counter() - t_shape})
             over.append((least, idx, s, h, tried[-1]))
+            return False
+        if lazy:
+            cheap = sum(min(c) for c in problem.cost)
+            candidates.append(_Shape(idx, s, layout, b, problem, None, cheap, None, time.perf_counter() - t_shape,
+                                     0.0, lazy=True))
             return False
         b.add_edges(problem)
         t_built = time.perf_counter()
@@ -355,25 +369,41 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             if count is not None and count < len(facts.recomputed):  # (fewer than every layer)
                 layout["recompute_layers"] = count
         # Recomputing the layers makes every assignment slower: it can only win where the
-        # budget binds on the point without it (then it is a point of its own). Selective
-        # recomputation is slower than none and faster than full for every assignment
-        # (it replays a subset of what full replays), and keeps more than full: full is
-        # tried only where selective's memory-blind optimum does not fit either.
+        # budget binds on the point without it (then it is a point of its own). Each rung
+        # of the ladder is built lazily (``build``): most are pruned by their groups' least
+        # costs (the replay's time is in them) before any edge is costed.
         if not build(idx, s, h, layout) and h.recompute is None:
             for level in ("selective", "full"):
-                if any(build(idx, s, dataclasses.replace(h, recompute=level, recompute_layers=k),
-                             {**layout, "recompute": level, **({"recompute_layers": k} if k else {})})
-                       for k in recompute_counts(len(facts.recomputed))):  # (stops at the first that fits)
-                    break
+                for k in recompute_counts(len(facts.recomputed)):
+                    build(idx, s, dataclasses.replace(h, recompute=level, recompute_layers=k),
+                          {**layout, "recompute": level, **({"recompute_layers": k} if k else {})}, lazy=True)
     best = None  # (objective ns, shape index, plan): the fastest wins, ties (``_better``) to the smaller
-    ordered = sorted(candidates, key=lambda c: (c.bound, c.index))
-    rest = [c.bound if c.choice is not None else None for c in ordered]  # elimination's bounds (None: too wide)
-    for i, c in enumerate(ordered):
+    # candidates cheapest bound first (ties: the earlier point, then the earlier built); a lazy
+    # one reached and not pruned is built whole and goes back in with its own bound
+    queue = [(c.bound, c.index, seq, c) for seq, c in enumerate(candidates)]
+    heapq.heapify(queue)
+    i = -1
+    while queue:
+        _, _, seq, c = heapq.heappop(queue)
+        i += 1
         incumbent = None if best is None else best[0]
-        report("solve", _name(c.layout), i, incumbent, _lower_bound(incumbent, rest[i:]))
+        # (elimination's bounds and the lazy ones' group sums; None: too wide to eliminate)
+        rest = [c.bound if c.choice is not None or c.lazy else None] + [
+            x.bound if x.choice is not None or x.lazy else None for _, _, _, x in sorted(queue)]
+        report("solve", _name(c.layout), i, incumbent, _lower_bound(incumbent, rest))
         entry = {"mesh": list(c.mesh), "layout": c.layout, "lower_bound_s": c.bound / NS, "build_time_s": c.build_s}
         if best is not None and (c.bound, c.index) >= best[:2] and c.bound > best[0] * (1 + TIE_TOLERANCE):
-            tried.append({**entry, "modelled_step_time_s": None, "pruned": True, "solve_time_s": c.bound_s})
+            tried.append({**entry, "modelled_step_time_s": None, "pruned": True, "solve_time_s": c.bound_s,
+                          **({"edges_built": False} if c.lazy else {})})
+            continue
+        if c.lazy:  # reached unpruned: its edges and memory-blind optimum, then back in the queue
+            t_edges = time.perf_counter()
+            c.builder.add_edges(c.problem)
+            t_built = time.perf_counter()
+            c.choice, c.bound, c.peak = memory_blind_optimum(c.problem)
+            c.build_s += t_built - t_edges
+            c.bound_s, c.lazy = time.perf_counter() - t_built, False
+            heapq.heappush(queue, (c.bound, c.index, seq, c))
             continue
         t_solve = time.perf_counter()
         if c.fits():
@@ -398,7 +428,8 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
                 c.problem.cap = relaxed.objective_ns - 1
             watch = None
             if progress is not None:
-                watch = _CpsatWatch(report, _name(c.layout), i, _least(incumbent, held and held.objective_ns), rest)
+                watch = _CpsatWatch(report, _name(c.layout), i, _least(incumbent, held and held.objective_ns),
+                                    [None] * i + rest)  # (its bound at [i], the queue's after it)
             try:
                 sol = solve(c.problem, method="cpsat", on_progress=watch, time_limit_s=time_limit_s)
             except NoBetterPlan:
@@ -457,7 +488,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     if best is None:
         raise HintUnsatisfiable("no mesh shape satisfies the hints (change the hints or the device count): "
                                 + "; ".join(t["skipped"] for t in tried if t.get("skipped")))
-    report("done", _name(best[2].stats["layout"]), len(ordered), best[0], best[0])
+    report("done", _name(best[2].stats["layout"]), i + 1, best[0], best[0])
     plan = best[2]
     plan.stats["indivisible"] = indivisible(tg, plan.mesh_shape)
     plan.stats["search_time_s"] = time.perf_counter() - t0
