@@ -287,3 +287,18 @@ def test_a_layers_kept_copies_are_the_reshards_its_span_reads(family, mesh):
     assert charged == read
     if family in ("megatron", "zero", "p2x2"):  # (these layouts reshard each layer's input for its first norm)
         assert read > 0
+
+
+def test_the_searchs_recompute_arguments_set_every_point(gpt4):
+    """``search(recompute=, recompute_layers=)`` sets the level and count on every point; a
+    count of every layer is no count (the plain level), and a count needs a level."""
+    two = search(gpt4, (4,), recompute="full", recompute_layers=2)
+    assert two.stats["recompute_layers"] == 2 and two.stats["layout"]["recompute_layers"] == 2
+    four = search(gpt4, (4,), recompute="full", recompute_layers=4)
+    assert "recompute_layers" not in four.stats and "recompute_layers" not in four.stats["layout"]
+    assert four.hash() == search(gpt4, (4,), recompute="full").hash()
+    # a point's own count stays where the level is given without one
+    own = search(gpt4, (4,), hints=Hints(recompute="full", recompute_layers=1), recompute="full")
+    assert own.stats["recompute_layers"] == 1
+    with pytest.raises(ValueError, match="recompute_layers"):
+        search(gpt4, (4,), recompute="none", recompute_layers=1)
