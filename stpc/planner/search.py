@@ -20,30 +20,30 @@ chosen.
 Activation recomputation (``Hints.recompute``) makes every assignment slower, so a point
 whose memory-blind optimum fits the budget never gains from it: only a point where the
 budget binds (or that no assignment fits) is built again with its layers recomputed,
-selectively (their matmuls' and fused attentions' outputs kept) and, where that does not
-fit either, in full: each a candidate of its own (``"recompute": "selective"`` or
-``"full"`` in its layout record). At each level the first k layers are recomputed
-(``Hints.recompute_layers``), k on a ladder of fractions of the layers
-(``RECOMPUTE_FRACTIONS``, ``recompute_counts``): each k a candidate (``"recompute_layers"``
-in its layout record, none where k is every layer). These rungs are built lazily: their
-groups only, bounded by each group's least cost summed (edges and shares charge no
-negative time); the second phase builds a rung's edges only if it reaches that bound
-unpruned (``"edges_built": False`` in the entry of one it pruned before).
+selectively (their matmuls' and fused attentions' outputs kept) and in full: each a
+candidate of its own (``"recompute": "selective"`` or ``"full"`` in its layout record). At
+each level the first k layers are recomputed (``Hints.recompute_layers``), k on a ladder
+of fractions of the layers (``RECOMPUTE_FRACTIONS``, ``recompute_counts``): each k a
+candidate (``"recompute_layers"`` in its layout record, none where k is every layer).
+These rungs are built lazily: their groups only, bounded by each group's least cost summed
+(edges and shares charge no negative time); the second phase builds a rung's edges only if
+it reaches that bound unpruned (``"edges_built": False`` in the entry of one it pruned
+before).
 
-Two phases. First every candidate's problem is built (a rung of the ladder: its groups), a cheap lower bound of its
-smallest feasible memory checked against the budget (one over it is out; its exact
-least memory, a CP-SAT solve, is found only if no candidate gives a plan, for the error's
-smallest feasible budget), and its objective minimised without the memory rows
-(variable elimination: milliseconds). That optimum is a lower bound of the
-candidate's budgeted optimum. Then candidates are visited cheapest bound first: one
-whose memory-blind optimum fits the budget is solved; one where the budget binds
-goes to CP-SAT, capped by the best plan so far, unless its Lagrangian bound (its memory
-rows priced into the objective, ``stpc.planner.lagrangian``: eliminations, no CP-SAT)
-already proves it cannot beat that plan. The same relaxation's minimisers that fit the
-budget are plans in hand: the best of them caps CP-SAT further (it has only to beat it, or
-prove nothing does) and stands for its candidate where CP-SAT runs out of time (not proven
-optimal), so a loaded machine still gets a plan. Once a bound cannot beat the best plan,
-no later candidate can, and the rest are discarded unsolved.
+Two phases. First every candidate's problem is built (a rung of the ladder: its groups), a
+cheap lower bound of its smallest feasible memory checked against the budget (one over it
+is out; its exact least memory, a CP-SAT solve, is found only if no candidate gives a
+plan, for the error's smallest feasible budget), and its objective minimised without the
+memory rows (variable elimination: milliseconds). That optimum is a lower bound of the
+candidate's budgeted optimum. Then candidates are visited cheapest bound first: one whose
+memory-blind optimum fits the budget is solved; one where the budget binds goes to CP-SAT,
+capped by the best plan so far, unless its Lagrangian bound (its memory rows priced into
+the objective, ``stpc.planner.lagrangian``: eliminations, no CP-SAT) already proves it
+cannot beat that plan. The same relaxation's minimisers that fit the budget are plans in
+hand: the best of them caps CP-SAT further (it has only to beat it, or prove nothing does)
+and stands for its candidate where CP-SAT runs out of time (not proven optimal), so a
+loaded machine still gets a plan. Once a bound cannot beat the best plan, no later
+candidate can, and the rest are discarded unsolved.
 
 ``progress=`` takes a callable that receives a :class:`SearchProgress` as each candidate
 is taken up in either phase (and, while CP-SAT runs, at each better solution or bound it
