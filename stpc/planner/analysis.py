@@ -511,7 +511,7 @@ def after_last_layer(graph: fx.Graph) -> set:
     return {n for n in list(graph.nodes)[last_pos + 1:] if layer_of(n) is None}
 
 
-def backward_start(graph: fx.Graph, items: list[Item], node_item: dict | None = None) -> tuple[set, set]:
+def backward_start(graph: fx.Graph, items: list[Item], node_item: dict) -> tuple[set, set]:
     """(the last layer's decision Items, the head's) — the ops backward runs first, while
     everything forward saved is still alive: the head (:func:`after_last_layer`: final
     norm, output projection, loss), then the last layer (an Item tied across the layers
@@ -521,15 +521,12 @@ def backward_start(graph: fx.Graph, items: list[Item], node_item: dict | None = 
     layer's are those of its own nodes (layers tied apart, ``tie_layers``, share none)."""
     last_layer, _ = _last_layer(graph)
     head_nodes = after_last_layer(graph)
-    in_last = ({it for n, it in node_item.items() if layer_of(n) == last_layer} if node_item is not None
-               and last_layer is not None else None)
+    in_last = {it for n, it in node_item.items() if layer_of(n) == last_layer}
     last, head = set(), set()
     for it in items:
         if it.kind != "decision":
             continue
-        layer = layer_of(it.node)
-        if last_layer is None or (it in in_last if in_last is not None else
-                                  (layer is not None and (it.count > 1 or layer == last_layer))):
+        if last_layer is None or it in in_last:
             last.add(it)
         elif it.node in head_nodes:
             head.add(it)
