@@ -490,7 +490,7 @@ class _Lowering:
         bias = node.args[2] if len(node.args) > 2 else None
         node.target = runtime.grid_linear
         node.args = (x, w)
-        node.kwargs = {"group": self.groups[a]}
+        node.kwargs = {"group": self.groups[a], "rows": parse(s.out[a])[1][0]}
         node.meta["ring"] = {"kind": "p2x2", "axis": a}
         node.meta["comm"] = {"op": "grid_linear", "axis": a, "group": self.groups[a], "edge": (x.name, node.name)}
         set_local(node, s.out, self.mesh, self.mode, self.device)
@@ -527,30 +527,34 @@ class _Lowering:
         set_local(node, out, self.mesh, self.mode, self.device)
 
     def grid_columns(self, node: fx.Node, s: Strategy) -> None:
-        """An elementwise op whose result keeps a grid block layout and one of whose operands
-        runs along the block's last dim only, whole on the grid's axis (RMSNorm's weight):
-        that operand becomes its grid column's slice (``runtime.grid_column``), what this
-        device's block broadcasts against."""
+        """An op whose result keeps a grid block layout and one of whose operands runs
+        along the block's column dim but not its row dim, whole on the grid's axis
+        (RMSNorm's weight along the last dim; an attention mask that varies per head beside
+        heads over the grid's columns): that operand becomes its grid column's slice of
+        that dim (``runtime.grid_column``), what this device's block broadcasts against."""
         for a, tok in enumerate(s.out):
             if tok[0] != "B":
                 continue
-            j = parse(tok)[1][1]
-            full = node.meta["global_val"].shape[j]
+            i, j = parse(tok)[1]
+            out_shape = node.meta["global_val"].shape
+            full = out_shape[j]
             q = math.isqrt(self.mesh[a])
             ops = tensor_operands(node)
             for o, ins in zip(ops, s.ins):
                 shape = o.meta["global_val"].shape
-                if ins[a] != REPLICATE or not shape or shape[-1] != full or full == 1:
-                    continue
-                lead = len(node.meta["global_val"].shape) - len(shape)  # (numpy broadcasting)
-                if j - 1 - lead >= 0 and shape[j - 1 - lead] != 1:
+                lead = len(out_shape) - len(shape)  # (numpy broadcasting: operands align right)
+                d = j - lead
+                if ins[a] != REPLICATE or d < 0 or shape[d] != full or full == 1:
+                    continue  # whole along the block's columns (broadcast): read whole
+                if i - lead >= 0 and shape[i - lead] != 1:
                     raise fail(node, f"operand {o.name} whole on axis {a} beside a grid block, with the "
                                "block's row dim too", "re-plan: the plan does not belong to this graph")
                 with self.graph.inserting_before(node):
-                    col = self.graph.call_function(runtime.grid_column, (o,), {"group": self.groups[a]})
+                    col = self.graph.call_function(runtime.grid_column, (o,), {"group": self.groups[a], "dim": d})
+                local = list(o.meta["val"].shape)
+                local[d] //= q
                 col.meta.update(global_val=o.meta["global_val"], placement=self.placement(o),
-                                val=fake(self.mode, tuple(o.meta["val"].shape[:-1]) + (o.meta["val"].shape[-1] // q,),
-                                         o.meta["val"].dtype, self.device),
+                                val=fake(self.mode, tuple(local), o.meta["val"].dtype, self.device),
                                 source=node.meta.get("source", ""))
                 if o in self.needs_grad:
                     self.needs_grad.add(col)

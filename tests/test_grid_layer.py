@@ -62,7 +62,9 @@ def test_a_biased_linear_runs_p2x2_with_its_bias_whole():
     fc2 = next(n for n in tg.gm.graph.nodes if n.name == "linear_5")
     assert len(fc2.args) == 3  # (x, w, bias)
     p2 = [s for s in enumerate_strategies(fc2, (4,))[0] if s.kind == "p2x2"]
-    assert [s.ins for s in p2] == [(("X1.2",), ("W0.1",), ("R",))] and p2[0].out == ("B1.2",)
+    # sequence rows or batch rows (the layout attention keeps), the bias whole either way
+    assert {(s.ins, s.out) for s in p2} == {((("X1.2",), ("W0.1",), ("R",)), ("B1.2",)),
+                                             ((("X0.2",), ("W0.1",), ("R",)), ("B0.2",))}
     tg, plan = traced_and_plan("gpt-tiny", "4", "p2x2")
     gm = run_passes(tg.gm, plan)
     adds = [n for n in gm.graph.nodes if n.target is runtime.grid_bias_add]
@@ -98,20 +100,100 @@ def _activation_comm(gm, first: int, last: int):
     return [c for c in comm if not c[1].startswith("p_")], {op for op, src in comm if src.startswith("p_")}
 
 
-def test_a_layer_planned_in_grid_layout_keeps_it_from_o_proj_to_the_next_q_projection():
+def test_a_layer_planned_in_grid_layout_keeps_it_through_attention_and_into_the_next_layer():
     plan, gm = _grid_program()
     # Before: every residual add, norm and linear output of the layers in the block layout
+    # with batch over the grid's rows (B0.2 on [batch, seq, hidden]), and attention's q, k,
+    # v and output in its own block layout of it (B0.1 on [batch, heads, seq, head_dim])
     for name, node in plan.nodes.items():
-        if name.startswith(("add_", "layer_norm", "linear")):
-            assert node.out == ["B1.2"], (name, node.out)
-    # After: between layer 0's o_proj and layer 1's q projection (residual add, ln2, fc1,
-    # gelu, fc2, residual add, ln1) only P2P and the norms' statistics: no activation moves
-    # through an all-gather, reduce-scatter, all-to-all or redistribution
-    moves, params = _activation_comm(gm, 3, 6)  # after o_proj (the 4th), to q (the 7th)
-    assert [op for op, _ in moves] == ["grid_layer_norm", "grid_skew", "primepar_linear", "grid_skew",
+        if name.startswith(("add_", "layer_norm", "linear", "view", "reshape_1")) or name == "reshape":
+            assert node.out == ["B0.2"], (name, node.out)
+        if name.startswith(("scaled_dot_product_attention", "transpose")):
+            assert node.out == ["B0.2" if name in ("transpose_3", "transpose_7") else "B0.1"], (name, node.out)
+    sdpa = [n for k, n in plan.nodes.items() if k.startswith("scaled_dot_product_attention")]
+    assert len(sdpa) == 2 and all(n.ins == [["B0.1"]] * 3 for n in sdpa)
+    # After: from layer 0's q projection (the 1st P2x2 linear) to layer 1's (the 7th): k and
+    # v, attention, o_proj, the residual add, ln2, fc1, gelu, fc2, the residual add and ln1,
+    # with only P2P (the P2x2 step schedules and their skews, q, k and v sharing one) and the
+    # norms' statistics: no activation moves through an all-gather, reduce-scatter,
+    # all-to-all or redistribution, attention included
+    moves, params = _activation_comm(gm, 0, 6)
+    assert [op for op, _ in moves] == ["primepar_linear", "primepar_linear", "grid_skew", "primepar_linear",
+                                       "grid_layer_norm", "grid_skew", "primepar_linear", "grid_skew",
                                        "primepar_linear", "grid_layer_norm", "grid_skew"], moves
+    assert [src for op, src in moves if op == "grid_skew"][0] == "reshape"  # attention's output, to o_proj
     assert params == {"grad_all_reduce"}  # the norms' whole weights
     assert sum(n.target is runtime.grid_layer_norm for n in gm.graph.nodes) == 5
+
+
+def test_attention_keeps_batch_and_heads_in_blocks():
+    """scaled_dot_product_attention (and attention written out: q @ k^T, softmax, @ v) may keep
+    a block layout with batch over the grid's rows and heads over its columns: each device
+    attends its own heads of its own sequences. A mask that varies per head (BLOOM's ALiBi
+    bias, [heads, seq, seq]) is read whole, each device its grid column's heads
+    (``runtime.grid_column`` along the mask's head dim); one that varies per sequence of the
+    batch would need the grid row's, so no block layout is offered there."""
+    tg, _ = traced_and_plan("gpt-tiny", "4", "p2x2", bias=False)
+    sdpa = next(n for n in tg.gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+    on4 = {s.out: s.ins for s in enumerate_strategies(sdpa, (4,))[0]}
+    assert on4[("B0.1",)] == (("B0.1",),) * 3
+    assert not any(t[0] == "B" and t != "B0.1" for o in on4 for t in o)  # never the sequence or head_dim
+    tga, plan = traced_and_plan("gpt-tiny", "4", "p2x2-grid", bias=False, position="alibi")
+    masked = next(n for n in tga.gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+    mask = masked.args[3] if len(masked.args) > 3 else masked.kwargs["attn_mask"]
+    assert tuple(mask.meta["val"].shape) == (4, S, S)
+    assert {s.out: s.ins for s in enumerate_strategies(masked, (4,))[0]}[("B0.1",)] == (("B0.1",),) * 3 + (("R",),)
+    assert plan.nodes[masked.name].out == ["B0.1"]
+    gm = run_passes(tga.gm, plan)
+    cols = [n for n in gm.graph.nodes if n.target is runtime.grid_column and n.kwargs.get("dim") == 0]
+    assert len(cols) == 2 and all(tuple(c.meta["val"].shape) == (2, S, S) for c in cols)  # 2 of 4 heads each
+    # a mask per sequence of the batch ([batch, 1, seq, seq]): no block layout
+    with torch.device("meta"):
+        q = torch.empty(B, 4, S, 8)
+        per_row = stpc.trace(_MaskedAttention(), (q, q, q, torch.empty(B, 1, S, S)))
+    node = next(n for n in per_row.gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+    assert not any(s.out[0][0] == "B" for s in enumerate_strategies(node, (4,))[0])
+    # written out: the scores' matmul, the softmax and the matmul with v
+    with torch.device("meta"):
+        q = torch.empty(B, 4, S, 8)
+        written = stpc.trace(_WrittenAttention(), (q, q, q))
+    for n in written.gm.graph.nodes:
+        if n.op == "call_function" and n.target in (aten.matmul.default, aten.bmm.default, aten._softmax.default,
+                                                     aten.softmax.int):
+            outs = {s.out for s in enumerate_strategies(n, (4,))[0]}
+            assert ("B0.1",) in outs, (n.name, outs)
+
+
+class _MaskedAttention(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class _WrittenAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.125, dim=-1) @ v
+
+
+def test_the_solver_keeps_attention_in_grid_when_the_linears_run_p2x2():
+    """With every linear P(2x2) and every norm in the block layout (``p2x2-grid``), the
+    solver's own choice of rows: batch rows (attention keeps the layout, no exchange) rather
+    than sequence rows (attention's q, k, v and output redistributed to a batch or head split),
+    and the model charges the sequence-row layout more."""
+    from stpc.planner import Hints
+
+    with torch.device("meta"):
+        m = models.build("gpt-tiny", bias=False)
+    tg = stpc.trace(m, models.example_inputs("gpt-tiny", B, S))
+    cluster = get_cluster("cpu-local")
+    grid = family_hints("p2x2-grid")
+    rows = lambda r: [(pat, lambda s, f=f: f(s) and all(t[0] != "B" or t.startswith(r) for t in s.out))  # noqa: E731
+                      for pat, f in grid.force]
+    batch_rows = search(tg, "4", cluster=cluster, hints=grid)
+    seq_rows = search(tg, "4", cluster=cluster, hints=Hints(force=rows("B1."), name="seq-rows"))
+    assert all(batch_rows.nodes[k].out == ["B0.2"] for k in batch_rows.nodes if k.startswith("linear"))
+    assert all(seq_rows.nodes[k].out == ["B1.2"] for k in seq_rows.nodes if k.startswith("linear"))
+    assert not any(seq_rows.nodes[k].out[0][0] == "B" for k in seq_rows.nodes if k.startswith("scaled_dot"))
+    assert batch_rows.modelled_step_time_s < seq_rows.modelled_step_time_s
 
 
 def test_an_rms_norm_and_its_weight_keep_the_grid_layout():
@@ -142,21 +224,27 @@ def test_an_rms_norm_and_its_weight_keep_the_grid_layout():
     assert timer(by_out[("B1.2",)]) == pytest.approx(timer(by_out[("S1",)]) + 2 * stats)
 
 
-def test_a_llama_layer_planned_in_grid_layout_keeps_it_through_its_rms_norms():
+def test_a_llama_layer_planned_in_grid_layout_keeps_it_through_rope_attention_and_its_rms_norms():
     plan, gm = _grid_program("llama-tiny")
     # Before: every residual add, norm, norm weight's mul and linear in the block layout
     norms = {k for k in plan.nodes if k.startswith("rms_norm")}
     weighted = {n.name for n in gm.graph.nodes if n.target is aten.mul.Tensor
                 and any(a.target is runtime.grid_column for a in n.args if isinstance(a, torch.fx.Node))}
     assert len(norms) == len(weighted) == 5
-    assert all(plan.nodes[k].out == ["B1.2"] for k in norms | weighted)
-    assert all(n.out == ["B1.2"] for k, n in plan.nodes.items() if k.startswith("linear"))
-    residual = [k for k, n in plan.nodes.items() if k.startswith("add_") and n.out == ["B1.2"]]
-    assert len(residual) == 4  # two per layer (the others add RoPE's halves, before attention)
-    # After: from layer 0's o_proj (the 4th P2x2 linear) to layer 1's q (the 8th): the norms'
-    # statistics and P2P skews only (gate and up share theirs); the norms' weights sliced locally
-    moves, params = _activation_comm(gm, 3, 7)
-    assert [op for op, _ in moves] == ["grid_rms_norm", "grid_skew", "primepar_linear", "primepar_linear",
+    assert all(plan.nodes[k].out == ["B0.2"] for k in norms | weighted)
+    assert all(n.out == ["B0.2"] for k, n in plan.nodes.items() if k.startswith("linear"))
+    residual = [k for k, n in plan.nodes.items() if k.startswith("add_") and n.out == ["B0.2"]]
+    assert len(residual) == 4  # two per layer
+    # RoPE (its tables read whole), GQA's repeated k and v and attention: batch and heads in blocks
+    rope = [k for k, n in plan.nodes.items()
+            if k.startswith(("cat", "neg", "repeat_interleave", "scaled_dot")) and n.role != "const"]
+    assert len(rope) == 2 * (2 + 2 + 2 + 1) and all(plan.nodes[k].out == ["B0.1"] for k in rope)
+    # After: from layer 0's q (the 1st P2x2 linear) to layer 1's q (the 8th): P2P (q, k and v
+    # share one skew; gate and up share theirs) and the norms' statistics; the norms' weights
+    # sliced locally
+    moves, params = _activation_comm(gm, 0, 7)
+    assert [op for op, _ in moves] == ["primepar_linear", "primepar_linear", "grid_skew", "primepar_linear",
+                                       "grid_rms_norm", "grid_skew", "primepar_linear", "primepar_linear",
                                        "grid_skew", "primepar_linear", "grid_rms_norm", "grid_skew"], moves
     assert params == {"grad_all_reduce"}
     assert sum(n.target is runtime.grid_rms_norm for n in gm.graph.nodes) == 5
@@ -202,9 +290,9 @@ def _grid_hints(dp_axis: int | None):
                         (r"^scaled_dot_product_attention", dp)], name="p2x2-grid+dp")
 
 
-def _grid_case(mesh: str, world: int, dp_axis: int | None = None, model: str = "gpt-tiny"):
+def _grid_case(mesh: str, world: int, dp_axis: int | None = None, model: str = "gpt-tiny", **overrides):
     with torch.device("meta"):
-        m = models.build(model)  # (gpt-tiny with biases: each P2x2 linear adds its grid column's slice)
+        m = models.build(model, **overrides)  # (gpt-tiny with biases: each P2x2 linear adds its grid column's slice)
     tg = stpc.trace(m, models.example_inputs(model, B, S))
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_node=world)  # (cpu-local has 4)
     plan = search(tg, mesh, cluster=cluster, hints=_grid_hints(dp_axis))
@@ -212,20 +300,26 @@ def _grid_case(mesh: str, world: int, dp_axis: int | None = None, model: str = "
     assert norms and all(any(t[0] == "B" for t in n.out) for n in norms)
     if dp_axis is not None:
         assert all(n.out[dp_axis] == "S0" for n in norms)
-    return dict(id=f"{model}/p2x2-grid/{mesh}", model=model, overrides={},
+    else:  # attention kept in the block layout too (batch over the grid's rows, heads over its columns)
+        sdpa = [n for k, n in plan.nodes.items() if k.startswith("scaled_dot_product_attention")]
+        assert sdpa and all(n.out == ["B0.1"] for n in sdpa) or world == 16 and model == "llama-tiny"
+    tag = "".join(f"/{k}={v}" for k, v in overrides.items())
+    return dict(id=f"{model}/p2x2-grid/{mesh}{tag}", model=model, overrides=overrides,
                 plan=plan.to_json(), batch=B, seq=S, steps=20, opt="adamw")
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("model,mesh,world,dp_axis", [
-    pytest.param("gpt-tiny", "4", 4, None, id="gpt-2x2-grid"),
-    pytest.param("llama-tiny", "4", 4, None, id="llama-2x2-grid"),
-    pytest.param("gpt-tiny", "2x4", 8, 0, id="gpt-dp2-x-2x2-grid"),
-    pytest.param("llama-tiny", "2x4", 8, 0, id="llama-dp2-x-2x2-grid", marks=pytest.mark.slow),
-    pytest.param("gpt-tiny", "16", 16, None, id="gpt-4x4-grid", marks=pytest.mark.slow),
-    pytest.param("llama-tiny", "16", 16, None, id="llama-4x4-grid", marks=pytest.mark.slow)])
-def test_a_layer_in_grid_layout_matches_single_device_for_twenty_adamw_steps(model, mesh, world, dp_axis):
-    cases = [_grid_case(mesh, world, dp_axis, model)]
+@pytest.mark.parametrize("model,mesh,world,dp_axis,overrides", [
+    pytest.param("gpt-tiny", "4", 4, None, {}, id="gpt-2x2-grid"),
+    # BLOOM's attention: a per-head ALiBi bias, each device reading its grid column's heads
+    pytest.param("gpt-tiny", "4", 4, None, {"position": "alibi", "embed_norm": True}, id="bloom-like-2x2-grid"),
+    pytest.param("llama-tiny", "4", 4, None, {}, id="llama-2x2-grid"),
+    pytest.param("gpt-tiny", "2x4", 8, 0, {}, id="gpt-dp2-x-2x2-grid"),
+    pytest.param("llama-tiny", "2x4", 8, 0, {}, id="llama-dp2-x-2x2-grid", marks=pytest.mark.slow),
+    pytest.param("gpt-tiny", "16", 16, None, {}, id="gpt-4x4-grid", marks=pytest.mark.slow),
+    pytest.param("llama-tiny", "16", 16, None, {}, id="llama-4x4-grid", marks=pytest.mark.slow)])
+def test_a_layer_in_grid_layout_matches_single_device_for_twenty_adamw_steps(model, mesh, world, dp_axis, overrides):
+    cases = [_grid_case(mesh, world, dp_axis, model, **overrides)]
     _check(spawn(run_cases, world, cases, timeout_s=590), cases)
 
 

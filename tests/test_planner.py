@@ -1035,9 +1035,11 @@ def test_ring_strategies_keep_nested_splits_true(mesh):
                 assert all(s.ins[0][b] != rows for b in later), s
             elif s.kind == "rs_ring":
                 assert all(s.out[b] != rows for b in later), s
-            elif s.kind == "p2x2":
+            elif s.kind == "p2x2":  # (its rows: the sequence, or the batch of [batch, seq, hidden])
                 others = [b for b in range(len(mesh)) if b != a]
-                assert all(s.out[b] not in (rows, cols) and s.ins[0][b] != rows for b in others), s
+                own = f"S{s.out[a][1]}"
+                assert s.out[a] in (f"B{x_nd - 2}.{x_nd - 1}", f"B0.{x_nd - 1}"), s
+                assert all(s.out[b] not in (own, cols) and s.ins[0][b] != own for b in others), s
             seen.add(s.kind)
         # rows split on an earlier axis stay allowed (the ring's piece nests inside it)
     assert {"ag_ring", "rs_ring"} <= seen

@@ -13,7 +13,9 @@ enumerator takes the product over mesh axes of the per-axis options:
                        operand along the last dim only, whole: its grid column's
                        slice read), and so does a LayerNorm or RMSNorm over the last
                        dim (its statistics exchanged along the grid row:
-                       ``runtime.grid_layer_norm``, ``runtime.grid_rms_norm``)
+                       ``runtime.grid_layer_norm``, ``runtime.grid_rms_norm``), and
+                       attention (batch over the grid's rows, heads over its columns:
+                       scaled_dot_product_attention, or q @ k^T, softmax and @ v)
 
 Matmul-like nodes (aten.linear) also get the spatial-temporal families of
 shared/DESIGN.md on one axis: ``ag_ring`` (all-gather fused into the matmul),
@@ -75,7 +77,7 @@ class OpSpec:
     contract: frozenset = frozenset()   # splitting these gives a Partial output
     fixed: frozenset = frozenset()      # never split (normalised dims, softmax dims, ...)
     partial: str = ""                   # "all": P in all operands -> P out; "first": P in operand 0 only
-    grid: bool = False                  # may keep PrimePar's B layout over the last two dims
+    grid: bool = False                  # may keep PrimePar's B layout (over ``grid_pairs``' dims)
     grid_norm: bool = False             # a norm over the last dim that keeps the B layout: its
                                         # statistics exchanged along the grid row, its 1-D
                                         # operands whole (runtime.grid_layer_norm)
@@ -174,7 +176,8 @@ def op_spec(node: fx.Node) -> OpSpec | None:
             return None
         batch = _labels("m", len(a) - 2)
         ins = [batch + ("i", "n"), (batch if len(b) == len(a) else ()) + ("n", "k")]
-        return OpSpec(ins=ins, out=batch + ("i", "k"), contract=frozenset("n"))
+        # grid: attention's scores as q @ k^T, batch and heads in blocks (``grid_pairs``)
+        return OpSpec(ins=ins, out=batch + ("i", "k"), contract=frozenset("n"), grid=True)
     if t is aten.scaled_dot_product_attention.default:
         q, k, v = (_shape(o) for o in ops[:3])
         lead = _labels("z", len(q) - 3)
@@ -188,7 +191,9 @@ def op_spec(node: fx.Node) -> OpSpec | None:
                     lab[j] = f"bm{j}"
             ins.append(tuple(lab))
         # Only batch and head dims split: a split sequence needs ring attention.
-        return OpSpec(ins=ins, out=lead + ("h", "s", "f"), fixed=frozenset({"s", "t", "e", "f"}))
+        # grid: batch over the grid's rows, heads over its columns, as a P(2x2) q projection
+        # with batch rows leaves them (``grid_pairs``): no exchange at all
+        return OpSpec(ins=ins, out=lead + ("h", "s", "f"), fixed=frozenset({"s", "t", "e", "f"}), grid=True)
     if t in (aten.layer_norm.default, aten.rms_norm.default):  # (rms_norm: frontend.normalize's fusion)
         nd = len(node.args[1])
         x = _labels("d", len(_shape(ops[0])))
@@ -221,10 +226,11 @@ def op_spec(node: fx.Node) -> OpSpec | None:
                                                                 else frozenset()))
     if t in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default):
         x = _labels("d", len(_shape(ops[0])))
-        return OpSpec(ins=[x], out=x, fixed=frozenset({x[node.args[1] % len(x)]}))
+        return OpSpec(ins=[x], out=x, fixed=frozenset({x[node.args[1] % len(x)]}), grid=True)
     if t is aten.cat.default:
         dim = node.args[1] if len(node.args) > 1 else 0
         spec = _broadcast_spec(ops, out_shape, fixed_dims=(dim % len(out_shape),))
+        spec.grid = True  # (RoPE's rotate-half: a cat along head_dim, heads and batch in blocks)
         return spec
     if t in _BINARY:
         spec = _broadcast_spec(ops, out_shape)
@@ -294,17 +300,24 @@ def _axis_options(spec: OpSpec, shapes_in, out_shape, axis_size: int):
         opts.append((PARTIAL, (PARTIAL,) + tuple(REPLICATE for _ in spec.ins[1:])))
     g = math.isqrt(axis_size)
     if (spec.grid or spec.grid_norm) and g * g == axis_size and len(spec.out) >= 2:
-        i, j = len(spec.out) - 2, len(spec.out) - 1
-        li, lj = spec.out[i], spec.out[j]
-        if li not in spec.fixed and (lj not in spec.fixed or spec.grid_norm):
+        for i, j in grid_pairs(len(spec.out), spec.grid_norm):
+            li, lj = spec.out[i], spec.out[j]
+            if li in spec.fixed or (lj in spec.fixed and not (spec.grid_norm and j == len(spec.out) - 1)):
+                continue
             ins = []
             for l in spec.ins:
                 if li in l and lj in l:
                     ins.append(block("B", l.index(li), l.index(lj)))
-                elif li not in l and (lj not in l or spec.grid_norm or l[-1:] == (lj,)):
-                    # whole: a grid norm's weight and bias, an elementwise op's 1-D operand
-                    # along the last dim (RMSNorm's weight): each device reads its grid
-                    # column's slice (runtime.grid_column)
+                elif li not in l and lj not in l:
+                    # whole, and read whole: a grid norm's weight and bias (sliced by the
+                    # runtime op), a broadcast operand along neither split dim (RoPE's
+                    # tables, a causal mask beside heads and batch split)
+                    ins.append(REPLICATE)
+                elif li not in l and (not spec.grid_norm or l[-1:] == (lj,)):
+                    # along the block's columns, not its rows (RMSNorm's weight; a mask that
+                    # varies per head, beside heads over the grid's columns): whole, each
+                    # device reads its grid column's slice (runtime.grid_column; a norm's
+                    # weight and bias, the norm's runtime op)
                     ins.append(REPLICATE)
                 else:
                     ins = None
@@ -312,6 +325,22 @@ def _axis_options(spec: OpSpec, shapes_in, out_shape, axis_size: int):
             if ins is not None:
                 opts.append((block("B", i, j), tuple(ins)))
     return opts
+
+
+def grid_pairs(rank: int, norm: bool = False) -> tuple[tuple[int, int], ...]:
+    """The (row dim, column dim) pairs a result of ``rank`` dims may hold PrimePar's block
+    layout over: its last two (a P(2x2) linear's sequence rows and hidden columns); for a
+    [batch, seq, hidden] activation also batch rows, hidden columns (the layout a P(2x2)
+    linear with batch rows leaves, which attention can keep: its heads lie along hidden);
+    for a [batch, heads, seq, head_dim] one batch rows and head columns (attention's own
+    split, no sequence cut). A norm over the last dim keeps only layouts whose columns
+    are that dim (``runtime.grid_layer_norm`` exchanges statistics along the grid row)."""
+    pairs = [(rank - 2, rank - 1)]
+    if rank == 3:
+        pairs.append((0, 2))
+    if rank == 4 and not norm:
+        pairs.append((0, 1))
+    return tuple(pairs)
 
 
 def enumerate_spatial(spec: OpSpec, shapes_in, out_shape, mesh: tuple[int, ...]) -> list[Strategy]:
@@ -405,9 +434,11 @@ def _linear_temporal(node: fx.Node, spatial: list[Strategy], mesh, shapes_in, ou
     """AG-ring, RS-ring and P2x2 variants of aten.linear, composed with the spatial
     choices of the other axes."""
     x_nd = len(shapes_in[0])
-    m_dim = x_nd - 2 if x_nd >= 2 else None  # the sequence (row) dim of the activation
-    if m_dim is None:
+    if x_nd < 2:
         return []
+    # P2x2's rows: the sequence dim of the activation, or (on [batch, seq, hidden]) the batch
+    # dim, whose block layout attention keeps (``grid_pairs``)
+    rows = (x_nd - 2, 0) if x_nd == 3 else (x_nd - 2,)
     k_dim = len(out_shape) - 1
     has_bias = len(shapes_in) == 3
     res = []
@@ -416,20 +447,22 @@ def _linear_temporal(node: fx.Node, spatial: list[Strategy], mesh, shapes_in, ou
             continue
         # Start from spatial strategies that replicate this axis: the family owns it.
         base = [s for s in spatial if s.out[a] == REPLICATE and all(p[a] == REPLICATE for p in s.ins)]
+        m_dim = rows[0]
         fams = [
             # AG-ring: x rows sharded, W sharded on K -> out sharded on K.
-            ("ag_ring", shard(k_dim), (shard(m_dim), "S0") + (("S0",) if has_bias else ())),
+            ("ag_ring", m_dim, shard(k_dim), (shard(m_dim), "S0") + (("S0",) if has_bias else ())),
             # RS-ring: contraction sharded -> out rows sharded; the bias is added to the
             # reduced block, so it stays replicated.
-            ("rs_ring", shard(m_dim), (shard(x_nd - 1), "S1") + ((REPLICATE,) if has_bias else ())),
+            ("rs_ring", m_dim, shard(m_dim), (shard(x_nd - 1), "S1") + ((REPLICATE,) if has_bias else ())),
         ]
         g = math.isqrt(n)
         if g * g == n and g > 1:
             # P2x2: the bias whole, its grid column's slice added to the output block
             # (runtime.grid_bias_add)
-            fams.append(("p2x2", block("B", m_dim, k_dim),
-                         (block("X", m_dim, x_nd - 1), block("W", 0, 1)) + ((REPLICATE,) if has_bias else ())))
-        for kind, otok, itoks in fams:
+            fams += [("p2x2", r, block("B", r, k_dim),
+                      (block("X", r, x_nd - 1), block("W", 0, 1)) + ((REPLICATE,) if has_bias else ()))
+                     for r in rows]
+        for kind, m_dim, otok, itoks in fams:
             for s in base:
                 if not _ring_nests(kind, a, s, m_dim, k_dim):
                     continue

@@ -166,24 +166,26 @@ def grid_rms_norm(x: Tensor, eps: float, group: str) -> Tensor:
 
 class _GridColumn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, width, group):
-        ctx.shape, ctx.group, ctx.width = t.shape, group, width
-        return _column_slice(t.movedim(-1, 0), group, width).movedim(0, -1)
+    def forward(ctx, t, width, group, dim):
+        ctx.shape, ctx.group, ctx.width, ctx.dim = t.shape, group, width, dim
+        return _column_slice(t.movedim(dim, 0), group, width).movedim(0, dim)
 
     @staticmethod
     def backward(ctx, g):
         whole = g.new_zeros(ctx.shape)
-        _column_slice(whole.movedim(-1, 0), ctx.group, ctx.width).copy_(g.movedim(-1, 0))
-        return whole, None, None
+        _column_slice(whole.movedim(ctx.dim, 0), ctx.group, ctx.width).copy_(g.movedim(ctx.dim, 0))
+        return whole, None, None, None
 
 
-def grid_column(t: Tensor, group: str) -> Tensor:
-    """This device's grid column's slice of ``t`` along its last dim: ``t`` whole (an
-    elementwise op's operand along the last dim of a block its result keeps, such as
-    RMSNorm's weight), the block's last dim split over the grid's columns of axis group
-    ``group``. Its gradient comes back whole-sized, zero outside the slice (see the module
-    docstring)."""
+def grid_column(t: Tensor, group: str, dim: int = -1) -> Tensor:
+    """This device's grid column's slice of ``t`` along ``dim`` (its last by default): ``t``
+    whole beside a block layout whose columns split that dim (an elementwise op's operand
+    along the block's last dim, such as RMSNorm's weight; an attention mask that varies per
+    head beside heads over the grid's columns, BLOOM's ALiBi bias) over the grid's columns
+    of axis group ``group``. Its gradient comes back whole-sized, zero outside the slice
+    (see the module docstring)."""
     q = _grid_side(group, "grid_column")
-    if t.shape[-1] % q:
-        raise ValueError(f"grid_column: the last dim ({t.shape[-1]}) does not split over {q} grid columns")
-    return _GridColumn.apply(t, t.shape[-1] // q, group)
+    dim = dim % t.dim()
+    if t.shape[dim] % q:
+        raise ValueError(f"grid_column: dim {dim} ({t.shape[dim]}) does not split over {q} grid columns")
+    return _GridColumn.apply(t, t.shape[dim] // q, group, dim)

@@ -657,9 +657,10 @@ def redistribute(x: Tensor, src: str, dst: str, group: str) -> Tensor:
     return _Redistribute.apply(x, src, dst, group)
 
 
-def grid_linear(x: Tensor, w: Tensor, group: str) -> Tensor:
+def grid_linear(x: Tensor, w: Tensor, group: str, rows: int = -2) -> Tensor:
     """Spatial reference of a P(2^k x 2^k) linear ``x @ w.T``: x in X(m, last), the torch
-    weight [K, N] in W(0, 1); returns this rank's B(m, last) block.
+    weight [K, N] in W(0, 1); returns this rank's B(m, last) block. ``rows``: m, the dim the
+    grid's rows split (the sequence, -2, or a [batch, seq, hidden] activation's batch, 0).
 
     It gathers x's grid row and w's grid column with collectives: correct, but it moves
     far more than the step schedule. ``ring_decompose`` replaces it by
@@ -668,7 +669,7 @@ def grid_linear(x: Tensor, w: Tensor, group: str) -> Tensor:
     n = _size(group)
     q = math.isqrt(n)
     r, c = divmod(_rank(group), q)
-    m = x.dim() - 2
+    m = rows % x.dim()
     xf = grid_gather(x, "X", m, x.dim() - 1, group, grad="rs")
     wf = grid_gather(w, "W", 0, 1, group, grad="rs")
     return torch.nn.functional.linear(_chunk(xf, m, q, r), _chunk(wf, 0, q, c))
