@@ -5,7 +5,11 @@ hidden dim over its columns); residual adds and elementwise ops keep it, and a L
 keeps it by exchanging per-row statistics along the grid row (``runtime.grid_layer_norm``).
 So from one layer's o_proj to the next layer's q/k/v projections, and through the whole
 MLP, no activation is gathered, reduce-scattered or exchanged all-to-all: each P(2x2)
-linear is fed by one P2P skew (Cannon's initial alignment). Checked here on the planned
+linear is fed by one P2P skew (Cannon's initial alignment). Where the grid's rows split the
+batch (a P(2x2) linear with batch rows), attention keeps the layout too: batch over the
+grid's rows, heads over its columns (q, k, v through their views and transposes, RoPE,
+GQA's repeated k and v, a per-head ALiBi bias read by grid column), so a whole layer runs
+with P2P and the norms' statistics only. Checked here on the planned
 and lowered graph (Before: the plan's placements, After: the passes' communication), and
 on real gloo ranks against the single-device model (20 AdamW steps, gpt-tiny with its biases:
 each P2x2 linear adds its grid column's slice of the whole bias): 4 ranks (a 2x2 grid),
@@ -15,6 +19,7 @@ each P2x2 linear adds its grid column's slice of the whole bias): 4 ranks (a 2x2
 from __future__ import annotations
 
 import dataclasses
+import json
 import operator
 import os
 import sys
@@ -302,7 +307,7 @@ def _grid_case(mesh: str, world: int, dp_axis: int | None = None, model: str = "
         assert all(n.out[dp_axis] == "S0" for n in norms)
     else:  # attention kept in the block layout too (batch over the grid's rows, heads over its columns)
         sdpa = [n for k, n in plan.nodes.items() if k.startswith("scaled_dot_product_attention")]
-        assert sdpa and all(n.out == ["B0.1"] for n in sdpa) or world == 16 and model == "llama-tiny"
+        assert sdpa and all("B0.1" in n.out for n in sdpa) or world == 16 and model == "llama-tiny"
     tag = "".join(f"/{k}={v}" for k, v in overrides.items())
     return dict(id=f"{model}/p2x2-grid/{mesh}{tag}", model=model, overrides=overrides,
                 plan=plan.to_json(), batch=B, seq=S, steps=20, opt="adamw")
@@ -335,3 +340,13 @@ def test_a_layer_in_grid_layout_compiles_without_graph_breaks():
     results = spawn(run_cases, 4, cases, timeout_s=590)
     _check(results, cases)
     assert all(c["graph_breaks"] == 0 for r in results for c in r), [[c["graph_breaks"] for c in r] for r in results]
+
+
+def test_data_parallelism_outside_the_grid_nests_the_grid_rows_in_its_batch_split():
+    """On 2x4 with the batch split over axis 0 (data parallelism) and P(2x2) on axis 1, the
+    grid's rows split each data-parallel rank's batch again (nested, outer axis first), so
+    attention stays in the block layout beside data parallelism; the 8-rank parity case
+    above runs this plan."""
+    plan = json.loads(_grid_case("2x4", 8, 0)["plan"])["nodes"]
+    assert all(n["out"] == ["S0", "B0.2"] for k, n in plan.items() if k.startswith("linear"))
+    assert all(n["out"] == ["S0", "B0.1"] for k, n in plan.items() if k.startswith("scaled_dot_product_attention"))

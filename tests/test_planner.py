@@ -1039,10 +1039,13 @@ def test_ring_strategies_keep_nested_splits_true(mesh):
                 others = [b for b in range(len(mesh)) if b != a]
                 own = f"S{s.out[a][1]}"
                 assert s.out[a] in (f"B{x_nd - 2}.{x_nd - 1}", f"B0.{x_nd - 1}"), s
-                assert all(s.out[b] not in (own, cols) and s.ins[0][b] != own for b in others), s
+                assert all(s.out[b] != cols for b in others), s
+                assert all(s.out[b] != own and s.ins[0][b] != own for b in later), s  # (an earlier axis: nested)
+                seen.add("p2x2-nested") if any(s.out[b] == own for b in others) else None
             seen.add(s.kind)
         # rows split on an earlier axis stay allowed (the ring's piece nests inside it)
     assert {"ag_ring", "rs_ring"} <= seen
+    assert ("p2x2-nested" in seen) == (mesh == (2, 4))  # P(2x2) on the 4-axis, its rows split by axis 0
     if mesh[0] > 1:
         assert any(s.kind == "rs_ring" and s.axis == 1 and s.out[0] == "S1"
                    for node in tg.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)

@@ -420,14 +420,17 @@ def _ring_nests(kind: str, a: int, s: Strategy, m_dim: int, k_dim: int) -> bool:
     is the inner one, which is right only if that other axis comes first (a later one
     would leave each rank a block of rows that is no chunk of the full dim: a wrong
     answer, not a slow one). P(2^k x 2^k) blocks the rows and the output columns
-    (``k_dim``) on its axis: no other axis may split them."""
+    (``k_dim``) on its axis: its row blocks nest inside an earlier axis's split of the rows
+    (data parallelism outside a grid with batch rows), no later axis may split them, and
+    no other axis may split the output columns."""
     x, out = s.ins[0], s.out
     rows = shard(m_dim)
     if kind in ("ag_ring", "rs_ring"):
         split_rows = x if kind == "ag_ring" else out
         return all(split_rows[b] != rows for b in range(a + 1, len(out)))
     cols = shard(k_dim)
-    return all(out[b] not in (rows, cols) and x[b] != rows for b in range(len(out)) if b != a)
+    return (all(out[b] != cols for b in range(len(out)) if b != a)
+            and all(out[b] != rows and x[b] != rows for b in range(a + 1, len(out))))
 
 
 def _linear_temporal(node: fx.Node, spatial: list[Strategy], mesh, shapes_in, out_shape) -> list[Strategy]:
