@@ -25,8 +25,10 @@ model's values under the plan's placements:
     divided by n;
   * a LayerNorm or RMSNorm the plan keeps in a grid block layout becomes
     ``runtime.grid_layer_norm`` / ``runtime.grid_rms_norm`` (its statistics exchanged
-    along the grid row), and an elementwise op's whole 1-D operand beside a grid block
-    (RMSNorm's weight) its grid column's slice (``runtime.grid_column``);
+    along the grid row), an operand whole beside a grid block along its columns only
+    (RMSNorm's weight, a per-head attention bias) its grid column's slice
+    (``runtime.grid_column``), and a cross-entropy reading its logits in a grid block
+    layout ``runtime.grid_cross_entropy`` (row statistics exchanged along the grid row);
   * temporal (spatial-temporal) linears are emitted as their *spatial
     equivalent*, a collective next to an ordinary matmul, each tagged
     ``meta["ring"]`` so ``ring_decompose`` can fuse it into the P2P ring:
@@ -349,6 +351,8 @@ class _Lowering:
         _replace_operands(node, [self.reshard(o, q, split, node) for o, q in zip(ops, s.ins)])
         if node.target in _GRID_NORMS and any(t[0] == "B" for t in out):
             self.lower_grid_norm(node, out)
+        elif node.target is aten.cross_entropy_loss.default and any(t[0] == "B" for t in s.ins[0]):
+            self.lower_grid_loss(node, s)
         elif np.kind in ("spatial", "replicate-fallback"):
             self.grid_columns(node, s)
             self.local_args(node, out)
@@ -525,6 +529,50 @@ class _Lowering:
         node.kwargs = {"group": self.groups[a]}
         node.meta["comm"] = {"op": name, "axis": a, "group": self.groups[a], "edge": (x.name, node.name)}
         set_local(node, out, self.mesh, self.mode, self.device)
+
+    def lower_grid_loss(self, node: fx.Node, s: Strategy) -> None:
+        """A cross-entropy reading its [N, V] logits in a grid block layout:
+        ``runtime.grid_cross_entropy`` (row statistics exchanged along the grid row, the
+        target whole, each device its rows' share of the loss: Partial on the grid's axis).
+        Where another axis splits the rows too, the op sums and the mean divides by the
+        count of counted targets summed over those axes, as a row-split loss does."""
+        a = next(i for i, t in enumerate(s.ins[0]) if t[0] == "B")
+        args = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
+        args[2:] = [node.kwargs.get(k, v) for k, v in zip(("weight", "reduction", "ignore_index",
+                                                            "label_smoothing"), args[2:])]
+        logits, target, weight, reduction, ignore, smoothing = args[:6]
+        if weight is not None or smoothing or reduction not in (1, 2):
+            raise fail(node, "a grid layout through a cross-entropy with class weights, label smoothing "
+                       "or no reduction", "re-plan: the planner keeps the grid only through a plain mean or sum")
+        out = tuple(s.out)
+        others = [b for b, tok in enumerate(out) if tok == PARTIAL and b != a and self.mesh[b] > 1]
+        mean = reduction == 1
+        node.target = runtime.grid_cross_entropy
+        node.args = (logits, target)
+        node.kwargs = {"group": self.groups[a], "ignore_index": ignore,
+                       "reduction": "mean" if mean and not others else "sum"}
+        node.meta["comm"] = {"op": "grid_cross_entropy", "axis": a, "group": self.groups[a],
+                             "edge": (logits.name, node.name)}
+        set_local(node, out, self.mesh, self.mode, self.device)
+        if not (mean and others):
+            return
+        gv = node.meta["global_val"]
+        with self.graph.inserting_after(node):
+            count = self.graph.call_function(runtime.cross_entropy_count, (target, ignore), {"dtype": gv.dtype})
+        with self.graph.inserting_after(count):
+            scaled = self.graph.call_function(aten.div.Tensor, (node, count))
+        # the count of this rank's targets: whole on the grid's axis, a share on the others
+        set_local(count, tuple(REPLICATE if b == a else tok for b, tok in enumerate(out)), self.mesh, self.mode,
+                  self.device, global_val=gv)
+        count.meta["source"] = node.meta.get("source", "")
+        den = self.reshard(count, tuple(REPLICATE for _ in out), (False,) * len(out), scaled, needs_grad=False)
+        scaled.args = (node, den)
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+        carry_taps(scaled, node)
+        scaled.meta.update(global_val=gv, placement=out, val=node.meta["val"], source=node.meta.get("source", ""),
+                           local_rewrite="sum of local rows / global count of counted targets")
+        if node in self.needs_grad:
+            self.needs_grad.add(scaled)
 
     def grid_columns(self, node: fx.Node, s: Strategy) -> None:
         """An op whose result keeps a grid block layout and one of whose operands runs

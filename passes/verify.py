@@ -50,7 +50,7 @@ _BWD = {
     ("grad_all_reduce", None): "all_reduce", ("grid_gather", "rs"): "reduce_scatter",
     ("grid_gather", "slice"): None, ("grid_slice", None): "all_gather",
     ("redistribute", None): "redistribute", ("grid_layer_norm", None): "grid_layer_norm",
-    ("grid_rms_norm", None): "grid_rms_norm",
+    ("grid_rms_norm", None): "grid_rms_norm", ("grid_cross_entropy", None): None,
 }
 _FWD_NONE = {"shard_slice", "to_partial", "grad_all_reduce", "grid_slice"}  # local forward
 

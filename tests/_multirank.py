@@ -144,9 +144,11 @@ def family_hints(family: str):
         return "dp"
     if family in ("ag_ring", "rs_ring", "p2x2"):
         return Hints(force=[(r"^linear", lambda s, k=family: s.kind == k)], name=family)
-    if family == "p2x2-grid":  # a whole layer in grid layout: every linear P2x2, every norm kept in B
+    if family == "p2x2-grid":  # whole layers in grid layout: every linear P2x2, every norm kept in
+        # B, and the loss reading its logits in B (runtime.grid_cross_entropy)
         return Hints(force=[(r"^linear", lambda s: s.kind == "p2x2"),
-                            (r"^(layer_norm|rms_norm)", lambda s: any(t[0] == "B" for t in s.out))], name=family)
+                            (r"^(layer_norm|rms_norm)", lambda s: any(t[0] == "B" for t in s.out)),
+                            (r"^cross_entropy_loss", lambda s: any(t[0] == "B" for t in s.ins[0]))], name=family)
     if family == "ag_rs":  # the classic pairing: column projections AG-ring, row projections RS-ring
         return Hints(force=[(r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj)$", lambda s: s.kind == "ag_ring"),
                             (r"(o_proj|fc2|down_proj)$", lambda s: s.kind == "rs_ring")], name="ag_rs")

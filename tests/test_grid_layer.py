@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 import operator
 import os
 import sys
@@ -129,6 +130,14 @@ def test_a_layer_planned_in_grid_layout_keeps_it_through_attention_and_into_the_
     assert [src for op, src in moves if op == "grid_skew"][0] == "reshape"  # attention's output, to o_proj
     assert params == {"grad_all_reduce"}  # the norms' whole weights
     assert sum(n.target is runtime.grid_layer_norm for n in gm.graph.nodes) == 5
+    # and the whole program: the embedding's output sliced into the grid once, the loss read
+    # in the grid (row statistics only: runtime.grid_cross_entropy), its Partial value summed
+    comm = Counter(n.meta["comm"]["op"] for n in gm.graph.nodes
+                   if n.meta.get("comm") and not n.meta["comm"].get("edge", ("",))[0].startswith("p_"))
+    assert comm == {"grid_slice": 1, "grid_layer_norm": 5, "grid_skew": 9, "primepar_linear": 13,
+                    "grid_cross_entropy": 1, "all_reduce": 1}, comm
+    (loss,) = [n for n in gm.graph.nodes if n.target is runtime.grid_cross_entropy]
+    assert tuple(loss.args[0].meta["val"].shape) == (B * S // 2, 128 // 2)  # its block of [B*S, vocab]
 
 
 def test_attention_keeps_batch_and_heads_in_blocks():
@@ -292,7 +301,9 @@ def _grid_hints(dp_axis: int | None):
     dp = lambda s: s.out[dp_axis] == "S0"  # noqa: E731
     return Hints(force=[(r"^linear", lambda s: s.kind == "p2x2" and dp(s)),
                         (r"^(layer_norm|rms_norm)", lambda s: any(t[0] == "B" for t in s.out) and dp(s)),
-                        (r"^scaled_dot_product_attention", dp)], name="p2x2-grid+dp")
+                        (r"^scaled_dot_product_attention", dp),
+                        (r"^cross_entropy_loss", lambda s: any(t[0] == "B" for t in s.ins[0]) and s.out[dp_axis] == "P")],
+                 name="p2x2-grid+dp")
 
 
 def _grid_case(mesh: str, world: int, dp_axis: int | None = None, model: str = "gpt-tiny", **overrides):

@@ -367,7 +367,10 @@ def test_logits_redistributed_into_the_loss_hold_one_copy_more():
     # the rows; the redistribution's dual in backward holds the logits' gradient's exchange
     # buffers beside the loss's own copy (costs.RESHARD_COPIES): the working set of the DP
     # test above, one local logits copy more, charged on the edge into the loss.
-    grid = Hints(force=[(r"^linear", lambda s: s.kind == "p2x2")], name="p2x2")
+    # (the loss forced to read split rows: left to itself it reads this vocabulary's logits
+    # in the grid, runtime.grid_cross_entropy)
+    grid = Hints(force=[(r"^linear", lambda s: s.kind == "p2x2"),
+                        (r"^cross_entropy_loss", lambda s: s.ins[0][0].startswith("S"))], name="p2x2")
     tg, plan, logits, local, out, edges = _loss_on_4(grid, bias=False)  # (P2x2 takes no bias)
     read = next(v.ins[0] for v in plan.nodes.values() if v.op.startswith("cross_entropy_loss"))
     produced = plan.nodes[tensor_operands(logits)[0].name].out  # (the logits' view reads the head's grid)

@@ -197,6 +197,8 @@ class NodeTimer:
         forward (mean, M2) and again backward (two sums), each waited on where it runs. An
         RMSNorm (``runtime.grid_rms_norm``) exchanges one value per row each way (the sum of
         squares; the sum of the gradient times the normalised input)."""
+        if self.node.target is aten.cross_entropy_loss.default:
+            return self._grid_loss_statistics(s)
         per_row = _GRID_NORM_STATS.get(self.node.target)
         if per_row is None:
             return 0.0
@@ -208,6 +210,19 @@ class NodeTimer:
                 width = max(4, val.element_size())  # (statistics in fp32 at least)
                 stats = self.cm.blocking(self.cm.all_gather(self.mesh[a] * rows * per_row * width, a))
                 return stats * (1 if forward_only or not self.needs_bwd else 2)
+        return 0.0
+
+    def _grid_loss_statistics(self, s: Strategy) -> float:
+        """A cross-entropy reading its logits in a grid layout (``runtime.grid_cross_entropy``)
+        exchanges row statistics along the grid row, forward only: the row maxima (1 value
+        per local row), then the sums of exponentials and the targets' logits (2), each an
+        all-gather over the axis waited on where it runs."""
+        for a, tok in enumerate(s.ins[0]):
+            if tok[0] == "B":
+                val = self.node.args[0].meta["val"]
+                rows = val.shape[0] * math.isqrt(self.mesh[a]) / shard_factor(s.ins[0], self.mesh)
+                width = max(4, val.element_size())
+                return sum(self.cm.blocking(self.cm.all_gather(self.mesh[a] * rows * k * width, a)) for k in (1, 2))
         return 0.0
 
     def __call__(self, s: Strategy) -> float:

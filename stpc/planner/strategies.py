@@ -81,6 +81,8 @@ class OpSpec:
     grid_norm: bool = False             # a norm over the last dim that keeps the B layout: its
                                         # statistics exchanged along the grid row, its 1-D
                                         # operands whole (runtime.grid_layer_norm)
+    grid_loss: bool = False             # a cross-entropy that may read [N, V] logits in the B
+                                        # layout, the target whole (runtime.grid_cross_entropy)
     kind: str = "spatial"
     additive: tuple = ()                # operands added to the output (a linear's bias): they
                                         # must be Partial when the output is (added once in the sum)
@@ -212,8 +214,14 @@ def op_spec(node: fx.Node) -> OpSpec | None:
         lg = _shape(ops[0])
         rows = _labels("t", len(lg) - 1)
         # Row-split: each rank's mean over its rows; the pass rescales (mean of means).
+        # grid_loss: [N, V] logits in a block layout (rows over the grid's rows, the
+        # vocabulary over its columns), the target whole: runtime.grid_cross_entropy
+        # exchanges row statistics (no class weights, no smoothing, a mean or a sum)
+        reduction = node.kwargs.get("reduction", node.args[3] if len(node.args) > 3 else 1)
+        smoothing = node.kwargs.get("label_smoothing", node.args[5] if len(node.args) > 5 else 0.0)
+        plain = len(ops) == 2 and len(lg) == 2 and reduction in (1, 2) and not smoothing
         return OpSpec(ins=[rows + ("v",), rows][: len(ops)], out=(), contract=frozenset(rows),
-                      fixed=frozenset({"v"}))
+                      fixed=frozenset({"v"}), grid_loss=plain)
     if t in (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.mean.default, aten.sum.default):
         x = _labels("d", len(_shape(ops[0])))
         dims = [d % len(x) for d in (node.args[1] if len(node.args) > 1 else range(len(x)))]
@@ -299,6 +307,9 @@ def _axis_options(spec: OpSpec, shapes_in, out_shape, axis_size: int):
     elif spec.partial == "first" and spec.ins:
         opts.append((PARTIAL, (PARTIAL,) + tuple(REPLICATE for _ in spec.ins[1:])))
     g = math.isqrt(axis_size)
+    if spec.grid_loss and g * g == axis_size:
+        # the loss of [N, V] logits in blocks: each device its rows' share (Partial)
+        opts.append((PARTIAL, (block("B", 0, 1), REPLICATE)))
     if (spec.grid or spec.grid_norm) and g * g == axis_size and len(spec.out) >= 2:
         for i, j in grid_pairs(len(spec.out), spec.grid_norm):
             li, lj = spec.out[i], spec.out[j]
@@ -495,7 +506,8 @@ def enumerate_strategies(node: fx.Node, mesh: tuple[int, ...], temporal: bool = 
     key = None
     if cache is not None:
         n = math.prod(mesh)
-        key = (tuple(spec.ins), spec.out, spec.contract, spec.fixed, spec.partial, spec.grid, spec.grid_norm, spec.kind,
+        key = (tuple(spec.ins), spec.out, spec.contract, spec.fixed, spec.partial, spec.grid, spec.grid_norm,
+               spec.grid_loss, spec.kind,
                spec.additive, tuple(mesh), temporal,
                tuple(tuple(math.gcd(d, n) for d in sh) for sh in [*shapes_in, out_shape]))
         got = cache.get(key)

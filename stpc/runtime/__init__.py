@@ -22,7 +22,8 @@ from stpc.runtime.agreement import (PlanMismatch, ScheduleMismatch, TensorMismat
                                     check_traced_agreement, from_rank0)
 from stpc.runtime.launch import SpawnError, SpawnTimeout, free_port, spawn
 from stpc.runtime.reshard import *  # noqa: F401,F403  (the reshards, listed once in reshard.__all__)
+from stpc.runtime.grid_loss import grid_cross_entropy
 from stpc.runtime.grid_norm import grid_bias_add, grid_column, grid_layer_norm, grid_rms_norm
 
-__all__ = ["ops", "dtensors", "CommFailure", "GradReducer", "LoadedLater", "settle", "wait_on_read", "gather_start", "gather_wait", "RegatherSaved", "PlanMismatch", "check_plan_agreement", "TensorMismatch", "check_tensors_agree", "ScheduleMismatch", "check_schedule_agreement", "TraceMismatch", "check_traced_agreement", "from_rank0", "grid_layer_norm", "grid_rms_norm", "grid_bias_add", "grid_column", "spawn", "free_port", "SpawnError", "SpawnTimeout",
+__all__ = ["ops", "dtensors", "CommFailure", "GradReducer", "LoadedLater", "settle", "wait_on_read", "gather_start", "gather_wait", "RegatherSaved", "PlanMismatch", "check_plan_agreement", "TensorMismatch", "check_tensors_agree", "ScheduleMismatch", "check_schedule_agreement", "TraceMismatch", "check_traced_agreement", "from_rank0", "grid_layer_norm", "grid_rms_norm", "grid_bias_add", "grid_column", "grid_cross_entropy", "spawn", "free_port", "SpawnError", "SpawnTimeout",
            *reshard.__all__]

@@ -1,0 +1,136 @@
+"""``runtime.grid_cross_entropy``: cross-entropy over logits in a P(2x2) block layout (rows over
+the grid's rows, the vocabulary over its columns) on 4 real gloo ranks, against
+``torch.nn.functional.cross_entropy`` of the whole logits on one device.
+
+Each rank holds its B(0, 1) block of [8, 12] logits and the whole target (one ignored);
+the loss summed over the ranks (the output's Partial placement) must be the single-device
+loss, mean and sum, and each rank's logits gradient its block of the single-device one.
+fp64, so the comparison is tight; the only communication is the row statistics' two
+all-gathers forward (1 value per local row, then 2), none backward, never the logits.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _graphs import traced_and_plan  # noqa: E402
+from _multirank import family_hints  # noqa: E402
+
+import stpc  # noqa: E402
+import stpc.runtime.grid_loss as grid_loss  # noqa: E402
+from stpc import models  # noqa: E402
+from stpc.cost_models import CostModel, get_cluster  # noqa: E402
+from stpc.planner import Hints, search  # noqa: E402
+from stpc.planner.costs import NodeTimer  # noqa: E402
+from stpc.planner.strategies import enumerate_strategies  # noqa: E402
+from stpc.runtime.launch import spawn  # noqa: E402
+from stpc.runtime.reshard import shard_tensor  # noqa: E402
+
+FULL = (8, 12)
+TOK = ("B0.1",)
+
+
+def _worker(rank, world, reduction):
+    import torch.distributed as dist
+
+    from stpc.runtime import grid_cross_entropy
+
+    name = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(FULL, generator=gen, dtype=torch.float64) * 4
+    target = torch.randint(0, FULL[1], (FULL[0],), generator=gen)
+    target[3] = -100
+    ref_x = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_x, target, reduction=reduction)
+    ref.backward(torch.tensor(0.5, dtype=torch.float64))
+
+    gathered = []
+    real_ag = grid_loss._ag
+
+    def recording_ag(t, dim, group):
+        gathered.append(tuple(t.shape))
+        return real_ag(t, dim, group)
+
+    grid_loss._ag = recording_ag
+    try:
+        lx = shard_tensor(logits, TOK, (world,), (rank,)).clone().requires_grad_()
+        out = grid_cross_entropy(lx, target, name, reduction=reduction)
+        n_fwd = len(gathered)
+        out.backward(torch.tensor(0.5, dtype=torch.float64))
+    finally:
+        grid_loss._ag = real_ag
+    total = out.detach().clone()
+    dist.all_reduce(total)
+    return {"loss": (float(total), float(ref)),
+            "grad": float((lx.grad - shard_tensor(ref_x.grad, TOK, (world,), (rank,))).abs().max()),
+            "gathers": gathered, "fwd": n_fwd}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_grid_cross_entropy_matches_the_whole_logits_loss_on_4_ranks(reduction):
+    results = spawn(_worker, 4, reduction, timeout_s=120)
+    for r in results:
+        got, want = r["loss"]
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+        assert r["grad"] < 1e-12
+        # two exchanges of row statistics forward (max; sum of exponentials and the target's
+        # logit) of the 4 local rows, none backward
+        assert r["gathers"] == [(1, 4, 1), (1, 4, 2)] and r["fwd"] == 2
+
+
+def test_grid_cross_entropy_names_what_does_not_fit():
+    with pytest.raises(ValueError, match="reduction 'none'"):
+        _single("none")
+
+
+def _single(reduction):
+    real = grid_loss._size
+    grid_loss._size = lambda group: 4
+    try:
+        return grid_loss.grid_cross_entropy(torch.zeros(4, 6), torch.zeros(8, dtype=torch.long), "g", reduction=reduction)
+    finally:
+        grid_loss._size = real
+
+
+def _loss_node(tg):
+    return next(n for n in tg.gm.graph.nodes if n.target is torch.ops.aten.cross_entropy_loss.default)
+
+
+def test_the_loss_may_read_its_logits_in_the_grid_and_is_charged_its_two_exchanges():
+    tg, _ = traced_and_plan("gpt-tiny", "4", "p2x2", bias=False)
+    loss = _loss_node(tg)
+    by_ins = {s.ins: s for s in enumerate_strategies(loss, (4,))[0]}
+    grid = by_ins[(("B0.1",), ("R",))]  # logits [B*S, vocab] in blocks, the target whole
+    assert grid.out == ("P",)
+    assert not any(s.ins[0][0][0] == "B" for s in enumerate_strategies(loss, (2,))[0])  # no grid on 2
+    cm = CostModel(get_cluster("cpu-local"), (4,))
+    timer = NodeTimer(loss, cm, [True, False])
+    rows = 4 * 16 // 2  # this device's rows: its grid row's half of B*S
+    stats = sum(cm.blocking(cm.all_gather(4 * rows * k * 4, 0)) for k in (1, 2))
+    # the local work of a row split of 4, plus the row maxima's and the sums' exchanges, forward only
+    split = by_ins[(("S0",), ("S0",))]
+    assert timer(grid) == pytest.approx(timer(split) + stats)
+    assert timer.forward(grid) == pytest.approx(timer.forward(split) + stats)
+
+
+def test_the_solver_reads_a_large_vocabularys_logits_in_the_grid():
+    """The cost model decides: with gpt-tiny's 128-word vocabulary the logits' gather costs
+    less than the loss's two statistics exchanges (latency), so the loss gathers them; with
+    8192 words, each row's 8192 logits outweigh its 3 statistics, and the solver keeps the
+    grid through the loss."""
+    grid = family_hints("p2x2-grid")
+    free = Hints(force=[f for f in grid.force if not f[0].startswith("^cross")], name="grid-free-loss")
+    chosen = {}
+    for vocab in (128, 8192):
+        with torch.device("meta"):
+            m = models.build("gpt-tiny", bias=False, vocab=vocab)
+        tg = stpc.trace(m, models.example_inputs("gpt-tiny", 4, 16))
+        plan = search(tg, (4,), cluster="cpu-local", hints=free)
+        chosen[vocab] = plan.nodes[_loss_node(tg).name].ins[0]
+    assert chosen == {128: ["R"], 8192: ["B0.1"]}, chosen
