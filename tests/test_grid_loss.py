@@ -26,13 +26,15 @@ import stpc.runtime.grid_loss as grid_loss  # noqa: E402
 from stpc import models  # noqa: E402
 from stpc.cost_models import CostModel, get_cluster  # noqa: E402
 from stpc.planner import Hints, search  # noqa: E402
-from stpc.planner.costs import NodeTimer  # noqa: E402
+from stpc.planner.costs import NodeTimer, grad_bytes, ring_backward_bytes  # noqa: E402
 from stpc.planner.strategies import enumerate_strategies  # noqa: E402
+from stpc.planner.summary import breakdown  # noqa: E402
 from stpc.runtime.launch import spawn  # noqa: E402
 from stpc.runtime.reshard import shard_tensor  # noqa: E402
 
 FULL = (8, 12)
 TOK = ("B0.1",)
+B_S = 4 * 16  # the tiny models' batch x sequence in tests/_graphs
 
 
 def _worker(rank, world, reduction):
@@ -134,3 +136,19 @@ def test_the_solver_reads_a_large_vocabularys_logits_in_the_grid():
         plan = search(tg, (4,), cluster="cpu-local", hints=free)
         chosen[vocab] = plan.nodes[_loss_node(tg).name].ins[0]
     assert chosen == {128: ["R"], 8192: ["B0.1"]}, chosen
+
+
+def test_the_heads_p2x2_backward_is_charged_its_ring_buffers():
+    """The head's P(2x2) backward (``stpc::primepar_linear_backward``) runs while all forward
+    saved is alive and holds two dO blocks, dI, dX and an activation block in flight, the dW
+    accumulator, its neighbour's partial and dW (``costs.ring_backward_bytes``): with the
+    vocabulary's logits the largest block, far more than its two gradients alone."""
+    tg, plan = traced_and_plan("gpt-tiny", "4", "p2x2-grid", bias=False, vocab=1024)
+    head = next(n for n in tg.gm.graph.nodes if n.name == "linear_12")
+    (s,) = [s for s in enumerate_strategies(head, (4,))[0] if s.kind == "p2x2" and s.out == tuple(plan.nodes["linear_12"].out)]
+    x_b = B_S * 32 * 4 // 4  # [B*S, 32] fp32 in 2x2 blocks
+    w_b = 1024 * 32 * 4 // 4
+    o_b = B_S * 1024 * 4 // 4
+    assert ring_backward_bytes(head, [s], (4,)) == [2 * o_b + 3 * x_b + 3 * w_b]
+    assert ring_backward_bytes(head, [s], (4,))[0] > 2 * grad_bytes(head, [s], (4,), [True, True])[0]
+    assert breakdown(plan)["transient_bytes"] >= 2 * o_b + 3 * x_b + 3 * w_b

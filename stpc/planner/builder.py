@@ -17,7 +17,8 @@ the trainer keeps them through forward) + activations saved for backward (and th
 a P(2^k x 2^k) op keeps for its backward, ``costs.stash_bytes``) + the largest transient
 working set of any node (the loss's is its backward's, ``costs.WORKING_COPIES``, one logits
 copy more where the logits reach it resharded, ``_transient_edges``; a head
-op's, the gradients its backward computes, ``costs.grad_bytes``, if larger); while the
+op's, the gradients its backward computes, ``costs.grad_bytes``, or a P(2^k x 2^k) op's
+backward ring buffers, ``costs.ring_backward_bytes``, if larger); while the
 head's gradients are reduced, the same less what only the head saved and the whole copies
 of its weights kept for it (ZeRO-2), + the head's weight gradients as computed
 (``_Group.head_mem``) + the buffers reducing them (``_head_reduction_edges``); in the
@@ -74,7 +75,7 @@ from stpc.placement import REPLICATE, fits, shard, shard_factor
 from stpc.planner.analysis import GraphFacts, Item, analyse, kept_when_selective, layer_of, layer_param_bytes
 from stpc.planner.costs import (RESHARD_COPIES, NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, grad_bytes,
                                grad_reduction_bytes, kept_gathered_bytes, param_copy_phases, reshard_cost,
-                               stash_bytes, transient_bytes)
+                               ring_backward_bytes, stash_bytes, transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints, sequence_parallel_nodes
 from stpc.planner.plan import NodePlan, Plan
 from stpc.planner.sharing import Share
@@ -290,7 +291,8 @@ class Builder:
             # a head op's backward runs while all forward saved is alive: its gradients are a
             # working set of that moment, as the loss's copies are (the larger of the two)
             back = self._shared_result(("head-grads", id(strategies), it.signature),
-                                       lambda: grad_bytes(node, strategies, self.mesh, grads))
+                                       lambda: [max(g, r) for g, r in zip(grad_bytes(node, strategies, self.mesh, grads),
+                                                                          ring_backward_bytes(node, strategies, self.mesh))])
             tr = [max(a, b) for a, b in zip(tr, back)]
         replayed = self.recompute and it in self.facts.layer_items
         mem = stash  # (the op's own saved blocks: forward memory)
@@ -308,7 +310,10 @@ class Builder:
             self.groups[it.group].head_mem += self._weight_grad_bytes(it, strategies)
         if it in self.facts.last_layer:
             self.groups[it.group].bwd_mem += self._weight_grad_bytes(it, strategies)
-            self.groups[it.group].bwd_transient = list(tr)
+            # (a P(2^k x 2^k) op's backward holds its ring's blocks: costs.ring_backward_bytes)
+            needs = any(o in self.rg for o in tensor_operands(node))
+            back = ring_backward_bytes(node, strategies, self.mesh) if needs else [0.0] * len(tr)
+            self.groups[it.group].bwd_transient = [max(a, b) for a, b in zip(tr, back)]
             if replayed:
                 self.groups[it.group].bwd_mem += np.asarray(stash, dtype=float)
 

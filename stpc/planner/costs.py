@@ -331,6 +331,32 @@ def grad_bytes(node, strategies, mesh, grads) -> list[float]:
     return [sum(nb / shard_factor(p, mesh) for nb, p, g in zip(sizes, s.ins, grads) if g) for s in strategies]
 
 
+def ring_backward_bytes(node, strategies, mesh) -> list[float]:
+    """Per strategy, the working set of a P(2^k x 2^k) op's backward (``stpc::
+    primepar_linear_backward``, q = 2^k): in its gradient phase, while the dI block shifts
+    to its owner, it holds two dO blocks (the receive buffers the backward phase filled,
+    reused), dI and dX (activation blocks), min(q - 1, 2) activation blocks in flight, the
+    dW accumulator, the partial received from the neighbour and dW itself (weight blocks):
+    its operands' gradients included. 0 for every other family (their backward's working
+    set is their gradients, ``grad_bytes``). The fidelity bench's grid plan measured the
+    head's P(2x2) backward at 80 MiB beside a 16 MiB dO block (this: 62 MiB, the dO block
+    itself the loss's)."""
+    ops = tensor_operands(node)
+    val = node.meta["val"]
+    sizes = [o.meta["val"].numel() * o.meta["val"].element_size() for o in ops[:2]]
+    out = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+    res = []
+    for s in strategies:
+        if s.kind != "p2x2":
+            res.append(0.0)
+            continue
+        q = math.isqrt(mesh[s.axis])
+        x_b, w_b = (nb / shard_factor(p, mesh) for nb, p in zip(sizes, s.ins))
+        o_b = out / shard_factor(s.out, mesh)
+        res.append(2 * o_b + (2 + min(q - 1, 2)) * x_b + 3 * w_b)
+    return res
+
+
 def grad_reduction_bytes(stored, read, split_axes, nbytes: float, mesh, staging: int) -> float:
     """Bytes the runtime holds to reduce a parameter's gradient, beyond the gradient its
     reader computed (at ``read``, the placement the reader reads it in), while that
@@ -382,4 +408,4 @@ def kept_gathered_bytes(val, placement, mesh, axes) -> float:
     return val.numel() * val.element_size() / rest
 
 
-__all__ = ["grad_bytes", "grad_reduction_bytes", "WORKING_COPIES", "RESHARD_COPIES", "param_copy_phases", "kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]
+__all__ = ["grad_bytes", "ring_backward_bytes", "grad_reduction_bytes", "WORKING_COPIES", "RESHARD_COPIES", "param_copy_phases", "kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]

@@ -49,7 +49,9 @@ class _GridCrossEntropy(torch.autograd.Function):
         x = logits.to(torch.promote_types(logits.dtype, torch.float32))
         m = _row_reduce(x.amax(-1, keepdim=True).detach(), group, "max")                 # [rows, 1]
         picked = x.gather(1, local.clamp(0, width - 1).unsqueeze(1)) * here.unsqueeze(1)  # [rows, 1]
-        sums = _row_reduce(torch.cat([(x - m).exp().sum(-1, keepdim=True), picked], -1), group, "sum")
+        e = (x - m).exp_()  # (in place: one block's working copy, as aten's log_softmax keeps)
+        sums = _row_reduce(torch.cat([e.sum(-1, keepdim=True), picked], -1), group, "sum")
+        del e
         lse = m + sums[:, :1].log()
         per_row = (lse - sums[:, 1:]).squeeze(1) * keep
         count = (target != ignore_index).sum().to(x.dtype) if mean else x.new_tensor(1.0)  # (every row's)
