@@ -224,13 +224,15 @@ class CostModel:
             return fn(nbytes, axis)
         return fn(message_bytes, axis) * (nbytes / message_bytes)
 
-    def all_to_all(self, nbytes: float, axis: int) -> float:
+    def all_to_all(self, nbytes: float, axis: int, received: float | None = None) -> float:
         """Seconds for an all-to-all along ``axis`` of a tensor whose full size is ``nbytes``
-        (each rank holds nbytes/n and sends (n-1)/n of it)."""
+        (each rank holds nbytes/n and sends (n-1)/n of it). ``received``: the fraction of
+        its piece the busiest rank receives where that is not (n-1)/n (a redistribution by
+        slice overlap, ``placement.received_fraction``): the volume scales with it."""
         n, crosses, n_in, _ = self._axis(axis)
         if n == 1:
             return 0.0
-        shard = nbytes / n
+        shard = nbytes / n if received is None else nbytes / n * received * n / (n - 1)
         if not crosses:
             a, b = self._ab(axis, "all_to_all", nbytes)
             return (n - 1) * a + (n - 1) / n * shard * b

@@ -107,5 +107,44 @@ def _fits(shape: tuple[int, ...], placement: tuple[str, ...], mesh: tuple[int, .
     return all(s % k == 0 for s, k in zip(shape, need))
 
 
+def _piece(token: str, rank: int, n: int) -> dict[int, tuple[int, int]]:
+    """The slice of each split dim that axis rank ``rank`` of ``n`` holds under split token
+    ``token``, as (index, count) of equal pieces: S(d) the rank-th of n along d; a grid
+    token the (row, column) pieces of its kind (B (r, c), X (r, r+c), W (c, r+c), q = sqrt n)."""
+    kind, dims = parse(token)
+    if kind == "S":
+        return {dims[0]: (rank, n)}
+    q = math.isqrt(n)
+    r, c = divmod(rank, q)
+    a, b = {"B": (r, c), "X": (r, (r + c) % q), "W": (c, (r + c) % q)}[kind]
+    return {dims[0]: (a, q), dims[1]: (b, q)}
+
+
+def _overlap(p: dict, q: dict) -> float:
+    """Fraction of the whole tensor two pieces share (dims neither splits: whole in both)."""
+    f = 1.0
+    for d in set(p) | set(q):
+        (i, m), (j, k) = p.get(d, (0, 1)), q.get(d, (0, 1))
+        lo, hi = max(i / m, j / k), min((i + 1) / m, (j + 1) / k)
+        f *= max(hi - lo, 0.0)
+    return f
+
+
+@lru_cache(maxsize=None)
+def received_fraction(src: str, dst: str, n: int) -> float:
+    """Going from split token ``src`` to split token ``dst`` on an axis of ``n`` ranks, the
+    most any rank must receive, as a fraction of its own piece: its ``dst`` piece less what
+    its ``src`` piece already holds of it (``runtime.redistribute`` moves exactly that).
+    (n - 1) / n between two plain splits of different dims, as an all-to-all; less where the
+    layouts share slices (a sequence split of 4 into a 2x2 block of sequence and hidden:
+    1/2); 0 for the same token."""
+    worst = 0.0
+    for rank in range(n):
+        mine = _piece(dst, rank, n)
+        need = _overlap(mine, mine)
+        worst = max(worst, (need - _overlap(_piece(src, rank, n), mine)) / need)
+    return worst
+
+
 def fmt(placement: tuple[str, ...]) -> str:
     return "(" + ",".join(placement) + ")"

@@ -36,6 +36,9 @@ def test_ring_volumes_reduce_to_known_fractions(n):
     assert cm.reduce_scatter(N, 0) == pytest.approx((n - 1) / n * N / bw)
     assert cm.all_reduce(N, 0) == pytest.approx(2 * (n - 1) / n * N / bw)
     assert cm.all_to_all(N, 0) == pytest.approx((n - 1) / n * (N / n) / bw)
+    # a redistribution by slice overlap: the busiest rank's share of its piece
+    assert cm.all_to_all(N, 0, (n - 1) / n) == pytest.approx(cm.all_to_all(N, 0))
+    assert cm.all_to_all(N, 0, 0.5) == pytest.approx(0.5 * (N / n) / bw)
     assert cm.p2p(N, 0) == pytest.approx(N / bw)
 
 

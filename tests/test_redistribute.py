@@ -18,6 +18,7 @@ import torch
 
 import stpc.runtime.reshard as reshard
 from stpc.runtime.launch import spawn
+from stpc.placement import received_fraction
 from stpc.runtime.reshard import redistribute, shard_tensor
 
 FULL = (8, 12, 16)
@@ -54,9 +55,13 @@ def _worker(rank, world):
     reshard._c10d = Recording()
     try:
         redistribute(shard_tensor(full, ("B1.2",), (world,), (rank,)), "B1.2", "S1", name)
+        res["b_to_s_received"] = list(seen)
+        for src, dst in PAIRS:  # every pair: the elements received from peers
+            seen.clear()
+            redistribute(shard_tensor(full, (src,), (world,), (rank,)), src, dst, name)
+            res["received", src, dst] = sum(k for p, k in enumerate(seen[0]) if p != rank) if seen else None
     finally:
         reshard._c10d = functional
-    res["b_to_s_received"] = seen
     return res
 
 
@@ -84,3 +89,21 @@ def test_each_rank_receives_only_what_it_lacks(results):
         from_peers = [k for p, k in enumerate(sizes) if p != rank]
         assert sizes[rank] == total // 8, f"rank {rank}: kept {sizes[rank]} of its own elements"
         assert sorted(from_peers) == [0, 0, total // 8], f"rank {rank}: received {sizes}"
+
+
+def test_the_cost_model_charges_what_the_busiest_rank_receives(results):
+    """``placement.received_fraction`` (what ``costs.axis_reshard`` charges a split-to-split
+    reshard) is the share of its new piece the busiest rank receives in the runtime's
+    exchange, for every pair a single all-to-all carries (a P2P skew, B -> X, is charged
+    as one); below an all-to-all's 3/4 where the layouts share slices, above it where a
+    rank's new piece lies wholly elsewhere."""
+    local = math.prod(FULL) // 4
+    seen = set()
+    for src, dst in PAIRS:
+        got = [r["received", src, dst] for r in results]
+        if None in got:
+            continue  # not one all-to-all (a skew's P2P permutation)
+        want = received_fraction(src, dst, 4)
+        assert max(got) / local == pytest.approx(want), (src, dst, got)
+        seen.add(round(want, 3))
+    assert {0.5, 0.75, 1.0} <= seen

@@ -16,7 +16,8 @@ both overlap with compute (``cost_models.overlap``; the builder applies it):
   R -> S/grid       local slice        all-gather
   R -> P            local (rank 0)     -
   S -> R            all-gather         reduce-scatter if the consumer splits, else slice
-  S -> S', grid     all-to-all         all-to-all
+  S -> S', grid     all-to-all of      the same        (runtime.redistribute: what
+                    the overlaps                         each rank's new piece lacks)
   P -> R            all-reduce         all-reduce if the consumer splits its work
   P -> S/grid       reduce-scatter     all-gather
   B -> X (same dims) one P2P skew      one P2P skew   (PrimePar: next layer's input)
@@ -36,7 +37,7 @@ import math
 import torch
 
 from stpc.cost_models import CostModel, MemoryModel
-from stpc.placement import REPLICATE, parse, shard_factor
+from stpc.placement import REPLICATE, parse, received_fraction, shard_factor
 from stpc.planner.strategies import Strategy, aten, tensor_operands
 
 _MATMUL = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
@@ -80,7 +81,9 @@ def axis_reshard_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float,
     if pk == "B" and qk == "X" and parse(p)[1] == parse(q)[1]:
         step = cm.p2p(nbytes / cm.mesh_shape[axis], axis)
         return step, (step if needs_grad else 0.0)
-    a2a = cm.all_to_all(nbytes, axis)
+    # split to split: runtime.redistribute moves each rank only what its new piece lacks
+    # (an all-to-all's (n-1)/n between plain splits of two dims)
+    a2a = cm.all_to_all(nbytes, axis, received_fraction(p, q, cm.mesh_shape[axis]))
     return a2a, (a2a if needs_grad else 0.0)
 
 
