@@ -2,7 +2,8 @@
 the grid's rows, the vocabulary over its columns) on 4 real gloo ranks, against
 ``torch.nn.functional.cross_entropy`` of the whole logits on one device.
 
-Each rank holds its B(0, 1) block of [8, 12] logits and the whole target (one ignored);
+Each rank holds its B(0, 1) block of [8, 12] logits (two columns masked to -inf) and the
+whole target (one ignored);
 the loss summed over the ranks (the output's Partial placement) must be the single-device
 loss, mean and sum, and each rank's logits gradient its block of the single-device one.
 fp64, so the comparison is tight; the only communication is the row statistics' two
@@ -24,9 +25,9 @@ from _multirank import family_hints  # noqa: E402
 import stpc  # noqa: E402
 import stpc.runtime.grid_loss as grid_loss  # noqa: E402
 from stpc import models  # noqa: E402
-from stpc.cost_models import CostModel, get_cluster  # noqa: E402
+from stpc.cost_models import CostModel, MemoryModel, get_cluster  # noqa: E402
 from stpc.planner import Hints, search  # noqa: E402
-from stpc.planner.costs import NodeTimer, grad_bytes, ring_backward_bytes  # noqa: E402
+from stpc.planner.costs import NodeTimer, grad_bytes, ring_backward_bytes, transient_bytes  # noqa: E402
 from stpc.planner.strategies import enumerate_strategies  # noqa: E402
 from stpc.planner.summary import breakdown  # noqa: E402
 from stpc.runtime.launch import spawn  # noqa: E402
@@ -45,8 +46,12 @@ def _worker(rank, world, reduction):
     name = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(FULL, generator=gen, dtype=torch.float64) * 4
-    target = torch.randint(0, FULL[1], (FULL[0],), generator=gen)
+    target = torch.randint(1, FULL[1] // 2, (FULL[0],), generator=gen)
+    target[::2] += FULL[1] // 2  # (never column 0 or 6)
     target[3] = -100
+    # masked columns: where the target lies on another device of the grid row, the column
+    # its clamped index reads is -inf (a product with 0 there would make a NaN)
+    logits[:, [0, FULL[1] // 2]] = float("-inf")
     ref_x = logits.clone().requires_grad_()
     ref = F.cross_entropy(ref_x, target, reduction=reduction)
     ref.backward(torch.tensor(0.5, dtype=torch.float64))
@@ -152,3 +157,56 @@ def test_the_heads_p2x2_backward_is_charged_its_ring_buffers():
     assert ring_backward_bytes(head, [s], (4,)) == [2 * o_b + 3 * x_b + 3 * w_b]
     assert ring_backward_bytes(head, [s], (4,))[0] > 2 * grad_bytes(head, [s], (4,), [True, True])[0]
     assert breakdown(plan)["transient_bytes"] >= 2 * o_b + 3 * x_b + 3 * w_b
+
+
+def test_the_grid_loss_keeps_to_one_axis_and_its_blocks_nest_inside_earlier_splits():
+    """A grid loss whose rows a later axis splits too would read the wrong targets (splits
+    nest outer axis first, the target's rows would not be the logits'), and one over two
+    grid axes would see a part of each row's vocabulary: neither is offered. Rows split by
+    an earlier axis nest (data parallelism outside the grid)."""
+    tg, _ = traced_and_plan("gpt-tiny", "4", "p2x2", bias=False)
+    loss = _loss_node(tg)
+    grid = lambda mesh: {s.ins[0] for s in enumerate_strategies(loss, mesh)[0]  # noqa: E731
+                         if any(t[0] == "B" for t in s.ins[0])}
+    assert grid((4, 2)) == {("B0.1", "R")}
+    assert grid((2, 4)) == {("R", "B0.1"), ("S0", "B0.1")}
+    assert grid((4, 4)) == {("B0.1", "R"), ("R", "B0.1"), ("S0", "B0.1")}
+
+
+def test_a_grid_never_has_a_later_axis_cut_its_blocks():
+    """x * w with w whole along the grid's columns, read through its grid column's slice: a
+    later axis splitting the columns too would cut w's piece across the grid (the block
+    holds column piece c, then b; w would be sliced b, then c)."""
+    with torch.device("meta"):
+        mul = stpc.trace(_Scale(), (torch.empty(8, 8, 16),))
+    node = next(n for n in mul.gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    for mesh in [(4, 2), (2, 4)]:
+        for s in enumerate_strategies(node, mesh)[0]:
+            for a, tok in enumerate(s.out):
+                if tok[0] == "B":
+                    i, j = (int(d) for d in tok[1:].split("."))
+                    assert all(s.out[b] not in (f"S{i}", f"S{j}") for b in range(a + 1, len(mesh))), s
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_sixteen_bit_logits_are_charged_the_grid_losss_fp32_working_copy():
+    for dtype, copies in ((torch.float32, 1), (torch.bfloat16, 3)):
+        with torch.device("meta"):
+            m = models.build("gpt-tiny", bias=False).to(dtype)
+        tg = stpc.trace(m, models.example_inputs("gpt-tiny", 4, 16))
+        loss = _loss_node(tg)
+        strategies = [s for s in enumerate_strategies(loss, (4,))[0] if s.ins[0] == ("B0.1",)]
+        logits = loss.args[0].meta["val"]
+        local = logits.numel() * logits.element_size() / 4
+        target, out = loss.args[1].meta["val"], loss.meta["val"]
+        rest = target.numel() * target.element_size() + out.element_size()  # (the whole target, the scalar)
+        (got,) = transient_bytes(loss, strategies, (4,), MemoryModel())
+        assert got == pytest.approx(local + copies * local + rest), (dtype, got)

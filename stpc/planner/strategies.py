@@ -365,9 +365,33 @@ def enumerate_spatial(spec: OpSpec, shapes_in, out_shape, mesh: tuple[int, ...])
         if not _fits(out_shape, o, mesh):
             continue
         ins = tuple(zip(*[c[1] for c in combo]))  # per operand: its token on each axis
+        if ins and not _grid_nests(o, ins[0]):
+            continue
         if all(_fits(sh, p, mesh) for sh, p in zip(shapes_in, ins)):
             out.append(Strategy(o, ins))
     return out
+
+
+def _grid_nests(out: tuple[str, ...], first: tuple[str, ...]) -> bool:
+    """Whether a block layout in a spatial strategy keeps placements true. Splits nest
+    outer axis first (``stpc.placement``); a grid's blocks nest inside an earlier axis's
+    split of their dims, but a later axis splitting them would cut each block's piece
+    across the grid (an operand read whole beside the block and sliced by its grid column,
+    ``runtime.grid_column``, would be cut the other way round; a grid loss's whole target
+    would miss its rows: wrong answers). And one grid per strategy: the runtime's grid ops
+    (norms, the loss, column slices) exchange and slice over one axis. ``first``: the first
+    operand's placement (a cross-entropy's logits, in a block where its output is Partial)."""
+    grids = [(a, t) for a, t in enumerate(out) if t[0] in "BXW"]
+    held = out
+    if not grids:
+        grids, held = [(a, t) for a, t in enumerate(first) if t[0] in "BXW"], first
+    if len(grids) > 1 or len([t for t in first if t[0] in "BXW"]) > 1:
+        return False
+    if not grids:
+        return True
+    a, tok = grids[0]
+    cut = {shard(d) for d in parse(tok)[1]}
+    return all(held[b] not in cut for b in range(a + 1, len(held)))
 
 
 def derive(node: fx.Node, live: dict[int, tuple[str, ...]], mesh: tuple[int, ...],

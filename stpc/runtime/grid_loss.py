@@ -46,27 +46,34 @@ class _GridCrossEntropy(torch.autograd.Function):
         keep = t != ignore_index
         local = t - c * width
         here = keep & (local >= 0) & (local < width)
-        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        m = _row_reduce(x.amax(-1, keepdim=True).detach(), group, "max")                 # [rows, 1]
-        picked = x.gather(1, local.clamp(0, width - 1).unsqueeze(1)) * here.unsqueeze(1)  # [rows, 1]
-        e = (x - m).exp_()  # (in place: one block's working copy, as aten's log_softmax keeps)
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        m = _row_reduce(logits.amax(-1, keepdim=True).detach().to(acc), group, "max")  # [rows, 1]
+        # the target's logit where this device holds it, 0 elsewhere (where(), not a product:
+        # a -inf logit in a column another device's target names must not make a NaN)
+        at = logits.gather(1, local.clamp(0, width - 1).unsqueeze(1)).to(acc)
+        picked = torch.where(here.unsqueeze(1), at, torch.zeros_like(at))            # [rows, 1]
+        e = _copy(logits, acc).sub_(m).exp_()  # one block's working copy, in fp32 at least
         sums = _row_reduce(torch.cat([e.sum(-1, keepdim=True), picked], -1), group, "sum")
         del e
         lse = m + sums[:, :1].log()
         per_row = (lse - sums[:, 1:]).squeeze(1) * keep
-        count = (target != ignore_index).sum().to(x.dtype) if mean else x.new_tensor(1.0)  # (every row's)
+        count = (target != ignore_index).sum().to(acc) if mean else lse.new_tensor(1.0)  # (every row's)
         ctx.save_for_backward(logits, lse, local, here, keep, count)
-        ctx.q = q
         return (per_row.sum() / (q * count)).to(logits.dtype)
 
     @staticmethod
     def backward(ctx, g):
         logits, lse, local, here, keep, count = ctx.saved_tensors
-        x = logits.to(lse.dtype)
-        p = (x - lse).exp()
-        p.scatter_add_(1, local.clamp(0, x.shape[1] - 1).unsqueeze(1), -here.unsqueeze(1).to(p.dtype))
-        grad = p.mul_(keep.unsqueeze(1).to(p.dtype) * (g.to(p.dtype) / count))  # (in place: one block's copy)
+        p = _copy(logits, lse.dtype).sub_(lse).exp_()  # softmax, in place in one working copy
+        p.scatter_add_(1, local.clamp(0, p.shape[1] - 1).unsqueeze(1), -here.unsqueeze(1).to(p.dtype))
+        grad = p.mul_(keep.unsqueeze(1).to(p.dtype) * (g.to(p.dtype) / count))
         return grad.to(logits.dtype), None, None, None, None
+
+
+def _copy(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A new tensor of ``t``'s values in ``dtype`` (``t.to`` returns ``t`` itself when the
+    dtype is already right, and in-place ops on it would change the saved logits)."""
+    return torch.empty_like(t, dtype=dtype).copy_(t)
 
 
 def grid_cross_entropy(logits: Tensor, target: Tensor, group: str, ignore_index: int = -100,
