@@ -107,6 +107,18 @@ def _fits(shape: tuple[int, ...], placement: tuple[str, ...], mesh: tuple[int, .
     return all(s % k == 0 for s, k in zip(shape, need))
 
 
+def grid_index(kind: str, r: int, c: int, q: int) -> tuple[int, int]:
+    """(piece of dim i, piece of dim j) that grid device (r, c) of a q x q grid holds under
+    grid token kind ``kind`` (the module docstring's B, X and W)."""
+    if kind == "B":
+        return r, c
+    if kind == "X":
+        return r, (r + c) % q
+    if kind == "W":
+        return c, (r + c) % q
+    raise ValueError(f"not a grid token kind: {kind!r}")
+
+
 def _piece(token: str, rank: int, n: int) -> dict[int, tuple[int, int]]:
     """The slice of each split dim that axis rank ``rank`` of ``n`` holds under split token
     ``token``, as (index, count) of equal pieces: S(d) the rank-th of n along d; a grid
@@ -115,8 +127,7 @@ def _piece(token: str, rank: int, n: int) -> dict[int, tuple[int, int]]:
     if kind == "S":
         return {dims[0]: (rank, n)}
     q = math.isqrt(n)
-    r, c = divmod(rank, q)
-    a, b = {"B": (r, c), "X": (r, (r + c) % q), "W": (c, (r + c) % q)}[kind]
+    a, b = grid_index(kind, *divmod(rank, q), q)
     return {dims[0]: (a, q), dims[1]: (b, q)}
 
 

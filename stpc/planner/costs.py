@@ -316,14 +316,15 @@ def transient_bytes(node, strategies, mesh, memory: MemoryModel) -> list[float]:
     copies = WORKING_COPIES.get(node.target, 0)
     # runtime.grid_cross_entropy works in fp32 at least: with 16-bit logits its working copy
     # is two of theirs, and backward holds it beside the 16-bit gradient it returns
-    wide = 1 if copies == 0 or tensor_operands(node)[0].meta["val"].element_size() >= 4 else 3
+    grid_copies = copies
+    if node.target is aten.cross_entropy_loss.default and tensor_operands(node)[0].meta["val"].element_size() < 4:
+        grid_copies = 3
     sizes = []
     for s in strategies:
         local_ins = [nb / shard_factor(p, mesh) for nb, p in zip(ins, s.ins)]
         ring = 0.0 if s.kind in ("spatial", "replicate-fallback") else local_ins[0]
-        grid_loss = wide > 1 and node.target is aten.cross_entropy_loss.default and \
-            any(t[0] == "B" for t in s.ins[0])
-        work = (wide if grid_loss else copies) * local_ins[0] if local_ins else 0.0
+        in_grid = bool(local_ins) and any(t[0] == "B" for t in s.ins[0])
+        work = (grid_copies if in_grid else copies) * local_ins[0] if local_ins else 0.0
         sizes.append(memory.transient_bytes(local_ins, (out / shard_factor(s.out, mesh) if out else 0) + work,
                                             ring))
     return sizes

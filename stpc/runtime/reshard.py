@@ -52,7 +52,7 @@ import torch.distributed._functional_collectives  # noqa: F401  (registers _c10d
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from stpc.placement import parse
+from stpc.placement import grid_index, parse
 from stpc.runtime.failure import comm_failure
 
 __all__ = [
@@ -394,20 +394,9 @@ def grad_all_reduce(x: Tensor, group: str) -> Tensor:
 # --------------------------------------------------------------------------- PrimePar grid layouts
 
 
-def _grid_index(kind: str, r: int, c: int, q: int) -> tuple[int, int]:
-    """(slice of dim i, slice of dim j) that grid device (r, c) holds under token ``kind``."""
-    if kind == "B":
-        return r, c
-    if kind == "X":
-        return r, (r + c) % q
-    if kind == "W":
-        return c, (r + c) % q
-    raise ValueError(f"not a grid token kind: {kind!r}")
-
-
 def _grid_block(x: Tensor, kind: str, i: int, j: int, rank: int, n: int) -> Tensor:
     q = math.isqrt(n)
-    bi, bj = _grid_index(kind, rank // q, rank % q, q)
+    bi, bj = grid_index(kind, rank // q, rank % q, q)
     return _chunk(_chunk(x, i, q, bi), j, q, bj)
 
 
@@ -535,10 +524,10 @@ def relayout_peers(rank: int, n: int, src: str, dst: str) -> tuple[int, int]:
     B, X, W): every device holds one block under either, so the change is a permutation —
     this rank's ``src`` block goes to the device that holds it under ``dst``."""
     q = math.isqrt(n)
-    holder = {_grid_index(src, k // q, k % q, q): k for k in range(n)}
-    wants = {_grid_index(dst, k // q, k % q, q): k for k in range(n)}
+    holder = {grid_index(src, k // q, k % q, q): k for k in range(n)}
+    wants = {grid_index(dst, k // q, k % q, q): k for k in range(n)}
     r, c = divmod(rank, q)
-    return wants[_grid_index(src, r, c, q)], holder[_grid_index(dst, r, c, q)]
+    return wants[grid_index(src, r, c, q)], holder[grid_index(dst, r, c, q)]
 
 
 class _GridRelayout(torch.autograd.Function):
@@ -573,7 +562,7 @@ def _held_box(tok: str, k: int, n: int, full: list[int]) -> list[tuple[int, int]
         pieces = {dims[0]: (k, n)}
     else:
         q = math.isqrt(n)
-        bi, bj = _grid_index(kind, k // q, k % q, q)
+        bi, bj = grid_index(kind, k // q, k % q, q)
         pieces = {dims[0]: (bi, q), dims[1]: (bj, q)}
     for d, (idx, parts) in pieces.items():
         size = _piece(full, d, parts)
