@@ -21,6 +21,11 @@ contraction depth of the 7B models (K = 4096) is ``SMs * 256 * 128 * 4096`` FLOP
 (:func:`wave_ramp_s`); a GEMM with a shallower K ramps faster, a deeper one slower (a named
 simplification: the curve is over FLOPs, not shape). ``python -m stpc calibrate`` measures
 the ramp of its own machine from GEMMs of several sizes.
+
+On Hopper both figures are measured instead (``HOPPER_GEMM_EFFICIENCY``,
+``HOPPER_GEMM_RAMP_S``): held against 324 bf16 cuBLAS GEMMs of PrimePar's cells on an H200,
+the guesses above charged the 1-10 GFLOP GEMMs (ring steps, split linears) 75% too much and
+the large ones 5% too little. The V100 and A100 presets keep the guesses (unmeasured here).
 """
 from __future__ import annotations
 
@@ -113,6 +118,18 @@ MiB = 2**20
 WAVE_TILE_FLOPS = 256 * 128 * 4096   # half of one tile's 2 * 256 * 128 * 4096 FLOPs
 
 
+# Hopper's GEMM curve, measured: `python benchmarks/gemm_curve_check.py` on one H200 (torch
+# 2.11 with CUDA 13.0's cuBLAS; twenty-eighth session, RESULTS.md's GEMM-curve section), 324 bf16
+# GEMMs (the forward, input- and weight-gradient shapes of llama2-7b's, llama2-70b's and
+# opt-175b's MLP linears over 256-16384 tokens and 1-64 weight shards: 0.5 GFLOP to 20 TFLOP),
+# fitted by cost_models.fit_gemm_curve: 72.1% of the dense bf16 peak, 10.1 us ramp (half that
+# rate at 7.2 GFLOP; the wave guess put it at 17.7). The H100 SXM is the same GH100 chip (132
+# SMs, the same clocks and power limit), so its preset takes the H200's figures; fp32 and fp16
+# take bf16's (a named simplification: only bf16 was measured).
+HOPPER_GEMM_EFFICIENCY = 0.721
+HOPPER_GEMM_RAMP_S = 10.1e-6
+
+
 def wave_ramp_s(sms: int, fp16_flops: float, efficiency: float = GEMM_EFFICIENCY) -> float:
     """``gemm_ramp_s`` of a GPU with ``sms`` streaming multiprocessors: half a wave of
     cuBLAS tiles at the large-GEMM fp16 rate."""
@@ -131,15 +148,15 @@ DEVICES: dict[str, DeviceSpec] = {
     # nvidia-smi, a "32GB" V100 32510 MiB: binary gigabytes less the driver's reserve, which
     # the planner's budget headroom, Cluster.usable_memory_fraction, covers).
     # H100 SXM5: 67 TF fp32, 494.7 TF tf32, 989.4 TF bf16/fp16 (dense), HBM3 3.35 TB/s, 80 GiB,
-    # 132 SMs.
+    # 132 SMs; its GEMM curve the H200's, measured (HOPPER_GEMM_*).
     "H100-SXM": DeviceSpec("H100-SXM", {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T,
                                         "fp16": 989.4 * T}, mem_bw=3.35e12, mem_bytes=80 * GiB,
-                            gemm_ramp_s=wave_ramp_s(132, 989.4 * T)),
+                            efficiency=HOPPER_GEMM_EFFICIENCY, gemm_ramp_s=HOPPER_GEMM_RAMP_S),
     # H200 SXM: H100 compute, HBM3e 4.8 TB/s, 141 GB sold: 143771 MiB in nvidia-smi (140.4 GiB,
     # less than 141 GiB), so that figure.
     "H200": DeviceSpec("H200", {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T,
                                 "fp16": 989.4 * T}, mem_bw=4.8e12, mem_bytes=143771 * MiB,
-                        gemm_ramp_s=wave_ramp_s(132, 989.4 * T)),
+                        efficiency=HOPPER_GEMM_EFFICIENCY, gemm_ramp_s=HOPPER_GEMM_RAMP_S),
     # A100 SXM4 80GB: 19.5 TF fp32, 156 TF tf32, 312 TF bf16/fp16, HBM2e 2.039 TB/s, 108 SMs.
     "A100-80GB": DeviceSpec("A100-80GB", {"fp32": 19.5 * T, "tf32": 156 * T, "bf16": 312 * T,
                                           "fp16": 312 * T}, mem_bw=2.039e12, mem_bytes=80 * GiB,
