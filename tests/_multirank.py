@@ -170,6 +170,10 @@ def family_hints(family: str):
     raise ValueError(family)
 
 
+# CP-SAT's wall-clock limit per candidate for the ``solved-budget`` plans (``make_plan``).
+SOLVED_BUDGET_TIME_LIMIT_S = 5.0
+
+
 def make_plan(model: str, mesh, family: str, batch: int, seq: int, **overrides):
     import stpc
     from stpc import models
@@ -201,10 +205,15 @@ def make_plan(model: str, mesh, family: str, batch: int, seq: int, **overrides):
     if family == "solved-budget":  # a third of what the unconstrained plan needs: the solver must shard
         from stpc.planner.solver import InfeasibleBudget
         budget = search(tg, mesh, cluster=cluster).peak_memory_bytes / 3
+        # The parity proof needs the solver's plan under a binding budget, not CP-SAT's proof
+        # that no other candidate beats it: on these tiny models that proof can take minutes
+        # (gpt-tiny on 2x2: nine candidates, most still unproven after 60 s each), and a plan
+        # left unproven is a plan all the same (``plan.stats["unresolved"]``)
+        limit = SOLVED_BUDGET_TIME_LIMIT_S
         try:
-            return search(tg, mesh, cluster=cluster, budget_bytes=budget)
+            return search(tg, mesh, cluster=cluster, budget_bytes=budget, time_limit_s=limit)
         except InfeasibleBudget as e:  # then the tightest budget that fits
-            return search(tg, mesh, cluster=cluster, budget_bytes=e.min_budget * 1.001)
+            return search(tg, mesh, cluster=cluster, budget_bytes=e.min_budget * 1.001, time_limit_s=limit)
     hints = family_hints(family)
     if family in ("megatron", "megatron-sp", "megatron-zero"):
         hints = _megatron_hints(family, mesh)
