@@ -125,7 +125,8 @@ WAVE_TILE_FLOPS = 256 * 128 * 4096   # half of one tile's 2 * 256 * 128 * 4096 F
 # fitted by cost_models.fit_gemm_curve: 72.1% of the dense bf16 peak, 10.1 us ramp (half that
 # rate at 7.2 GFLOP; the wave guess put it at 17.7). The H100 SXM is the same GH100 chip (132
 # SMs, the same clocks and power limit), so its preset takes the H200's figures; fp32 and fp16
-# take bf16's (a named simplification: only bf16 was measured).
+# take bf16's (a named simplification, measured after: fp32 GEMMs without TF32 within 5%
+# (median +3%), fp16 ones 4% slower than bf16, so modelled 7% fast; RESULTS.md).
 HOPPER_GEMM_EFFICIENCY = 0.721
 HOPPER_GEMM_RAMP_S = 10.1e-6
 
