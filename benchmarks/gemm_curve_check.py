@@ -139,6 +139,11 @@ def merge(docs: list[dict]) -> dict:
             "rows": rows, "curves": fitted}
 
 
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 def _spread(errors: list[float]) -> dict:
     return {"median": statistics.median(errors), "min": min(errors), "max": max(errors),
             "median_abs": statistics.median(abs(e) for e in errors)}
@@ -194,7 +199,7 @@ def main() -> int:
                     "running nothing (several: their rows together, one curve fitted to them all)")
     args = ap.parse_args()
     if args.from_json:
-        doc = merge([json.load(open(p)) for p in args.from_json])
+        doc = merge([_load(p) for p in args.from_json])
     else:
         dev = torch.device(args.device)
         if dev.type == "cuda":  # the planner's bf16/fp16 GEMMs; fp32 without TF32 is the fp32 figure

@@ -144,6 +144,9 @@ def family_hints(family: str):
         return "dp"
     if family in ("ag_ring", "rs_ring", "p2x2"):
         return Hints(force=[(r"^linear", lambda s, k=family: s.kind == k)], name=family)
+    if family == "p2x2-seq-rows":  # every linear P2x2 with the sequence over the grid's rows
+        # (batch rows are the solver's own choice where it may pick)
+        return Hints(force=[(r"^linear", lambda s: s.kind == "p2x2" and s.out[0].startswith("B1."))], name=family)
     if family == "p2x2-grid":  # whole layers in grid layout: every linear P2x2, every norm kept in
         # B, and the loss reading its logits in B (runtime.grid_cross_entropy)
         return Hints(force=[(r"^linear", lambda s: s.kind == "p2x2"),

@@ -22,9 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from _multirank import _rel, full_grads, make_plan, run_cases  # noqa: E402
 
-from stpc import models as stpc_models  # noqa: E402
-from stpc import trace as stpc_trace  # noqa: E402
-from stpc.planner import Hints, Plan, search  # noqa: E402
+from stpc.planner import Plan  # noqa: E402
 from stpc.runtime.launch import spawn  # noqa: E402
 
 pytestmark = pytest.mark.multirank
@@ -217,12 +215,7 @@ def test_a_view_reads_its_input_resharded_to_a_layout_it_can_keep():
     # reshards the logits to a batch split, which the reshape keeps, instead of gathering
     # them whole: the loss runs on a quarter of the rows.
     overrides = {"bias": False, "vocab": 4096}
-    with torch.device("meta"):
-        m = stpc_models.build("gpt-tiny", **overrides)
-    seq_rows = Hints(force=[(r"^linear", lambda s: s.kind == "p2x2" and s.out[0].startswith("B1."))],
-                     name="p2x2-seq-rows")
-    plan = search(stpc_trace(m, stpc_models.example_inputs("gpt-tiny", B, S)), (4,), cluster="cpu-local",
-                  hints=seq_rows)
+    plan = make_plan("gpt-tiny", "4", "p2x2-seq-rows", B, S, **overrides)
     via = {k: v.ins for k, v in plan.nodes.items() if v.role == "follower" and v.ins}
     assert list(via.values()) == [[["S0"]]], via
     cases = [dict(id="gpt-tiny-v4096/p2x2/4", model="gpt-tiny", overrides=overrides, plan=plan.to_json(),
