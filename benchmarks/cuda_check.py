@@ -26,7 +26,10 @@
 
 3. **bf16 step time against the model of RESULTS.md's H100 cells.** ``--bf16`` (a zoo
    model cut to a depth, llama2-7b at 4 layers by default) in bf16 on one GPU, planned on
-   ``dgx-h100``: the modelled step against the measured median, eager and inductor.
+   ``dgx-h100``: the modelled step against the measured median, eager and inductor; and
+   where forward + backward goes: the device time of the CUDA kernels of one profiled
+   forward + backward by kind (GEMM, attention, the rest: ``kernel_kind``) against the
+   model's compute of the same kinds (``stpc.planner.summary.compute_by_op``).
 
 Prints one JSON line per case; ``--json`` keeps them all, ``--markdown`` writes the
 RESULTS.md section (``--from-json`` renders it from an earlier run's ``--json``).
@@ -38,6 +41,7 @@ import copy
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -233,10 +237,61 @@ def _bf16_worker(rank, world, cfg, plan_json):
                 times.append(time.perf_counter() - t0)
                 fb.append(t1 - t0)
         out.append({"compiler": compiler or "eager", "step_s": statistics.median(times),
-                    "fwd_bwd_s": statistics.median(fb)})
+                    "fwd_bwd_s": statistics.median(fb), "kernels_s": _profiled_kernels(pm, idx, tgt, opt)})
         del pm, opt
         gc.collect()
         torch.cuda.empty_cache()
+    return out
+
+
+# Kernel names by kind, for a profile of a step on CUDA: cuBLAS/CUTLASS GEMMs (Hopper's
+# nvjet and sm90 xmma kernels, older GPUs' ampere_/volta_ ones), flash/memory-efficient
+# attention, the optimizer's foreach kernels; the rest (elementwise, norms, reductions,
+# copies, inductor's fused Triton kernels) is "other".
+KERNEL_KINDS = (("attention", re.compile(r"flash|fmha|attention|attn", re.I)),
+                ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|wgmma|sm\d+_.*(?:hmma|s\d+)", re.I)),
+                ("optimizer", re.compile(r"multi_tensor_apply|foreach", re.I)))
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel by its name: attention, gemm, optimizer or other."""
+    for kind, pattern in KERNEL_KINDS:
+        if pattern.search(name):
+            return kind
+    return "other"
+
+
+def op_kind(op: str) -> str:
+    """The kind of an aten op of the planner's graph (``stpc.planner.summary.compute_by_op``'s
+    keys), as :func:`kernel_kind` sorts the kernels it runs."""
+    if op == "optimizer":
+        return "optimizer"
+    if "scaled_dot_product" in op:
+        return "attention"
+    if any(f"aten.{m}." in op for m in ("linear", "mm", "bmm", "matmul", "addmm")):
+        return "gemm"
+    return "other"
+
+
+def _profiled_kernels(pm, idx, tgt, opt) -> dict:
+    """Device seconds of one forward + backward by kernel kind (the optimizer step not profiled:
+    it is timed on its own), from the CUDA kernels the profiler records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        pm(idx, tgt).backward()
+        torch.cuda.synchronize()
+    out = {"gemm": 0.0, "attention": 0.0, "optimizer": 0.0, "other": 0.0}
+    top: dict = {}
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        sec = e.duration_ns() / 1e9
+        out[kernel_kind(e.name())] += sec
+        top[e.name()[:90]] = top.get(e.name()[:90], 0.0) + sec
+    out["top"] = sorted(top.items(), key=lambda kv: -kv[1])[:12]
     return out
 
 
@@ -247,7 +302,7 @@ def bf16_time(model: str, layers: int, batch: int, seq: int, steps: int) -> list
     ``mixed-adam``), the run here plain bf16 AdamW."""
     from stpc.cli._common import meta_trace
     from stpc.planner import search
-    from stpc.planner.summary import breakdown
+    from stpc.planner.summary import breakdown, compute_by_op
 
     cfg = {"model": model, "layers": layers, "batch": batch, "seq": seq, "steps": steps}
     t0 = time.perf_counter()
@@ -261,11 +316,15 @@ def bf16_time(model: str, layers: int, batch: int, seq: int, steps: int) -> list
         print(json.dumps(rec), flush=True)
         return [rec]
     parts = breakdown(plan) or {}
+    by_kind: dict = {}
+    for op, sec in compute_by_op(plan).items():
+        by_kind[op_kind(op)] = by_kind.get(op_kind(op), 0.0) + sec
     out = []
     for m in got:
         r = {"check": "bf16-time", "model": f"{model} ({layers} layers)", "batch": batch, "seq": seq,
              "compiler": m["compiler"], "predicted_step_s": plan.modelled_step_time_s,
              "predicted_compute_s": parts.get("compute_s"), "predicted_optimizer_s": parts.get("optimizer_step_s"),
+             "predicted_compute_by_kind_s": by_kind, "measured_kernels_s": m["kernels_s"],
              "measured_step_s": m["step_s"], "measured_fwd_bwd_s": m["fwd_bwd_s"],
              "time_error": plan.modelled_step_time_s / m["step_s"] - 1}
         out.append(r)
@@ -386,6 +445,32 @@ def markdown(doc: dict, command: str) -> str:
                          f"{r['measured_fwd_bwd_s'] * 1e3:.1f} | "
                          f"{(r['measured_step_s'] - r['measured_fwd_bwd_s']) * 1e3:.1f} | {r['time_error']:+.1%} |")
         lines.append("")
+        kinds = [r for r in bf if r.get("measured_kernels_s")]
+        if kinds:
+            lines += ["Where forward + backward goes: the model's compute by op kind (`compute_by_op`: each op's "
+                      "forward + backward on the device, at the preset's rates) against the device time of the "
+                      "CUDA kernels of one profiled forward + backward, sorted by kernel name (`kernel_kind`). "
+                      "The kernels' sum leaves out the host's gaps between them; the wall-clock forward + backward "
+                      "is in the table above.", "",
+                      "| compiler | kind | modelled ms | measured kernel ms | model / measured |",
+                      "|---|---|---|---|---|"]
+            for r in kinds:
+                pred, meas = r["predicted_compute_by_kind_s"], r["measured_kernels_s"]
+                for kind in ("gemm", "attention", "other"):
+                    p, m = pred.get(kind, 0.0), meas.get(kind, 0.0)
+                    lines.append(f"| {r['compiler']} | {kind} | {p * 1e3:.2f} | {m * 1e3:.2f} | "
+                                 f"{p / m:.2f} |" if m > 0 else f"| {r['compiler']} | {kind} | {p * 1e3:.2f} | - | - |")
+                p = sum(v for k, v in pred.items() if k != "optimizer")
+                m = sum(meas.get(k, 0.0) for k in ("gemm", "attention", "other", "optimizer"))
+                lines.append(f"| {r['compiler']} | all but the optimizer | {p * 1e3:.2f} | {m * 1e3:.2f} | "
+                             f"{p / m:.2f} |" if m > 0 else f"| {r['compiler']} | all | {p * 1e3:.2f} | - | - |")
+            lines.append("")
+            for r in kinds:
+                top = r["measured_kernels_s"].get("top") or []
+                if top:
+                    lines.append(f"{r['compiler']}, the longest kernels: " + "; ".join(
+                        f"`{name}` {sec * 1e3:.2f} ms" for name, sec in top[:8]) + ".")
+                    lines.append("")
     for r in recs:
         if r["check"] in ("memory", "bf16-time") and "error" in r:
             what = f"{r['check']} check of the {r['plan']} plan" if r.get("plan") else f"{r['check']} check"

@@ -23,11 +23,27 @@ from .devices import DeviceSpec, canonical_dtype
 COPY_OP = "aten.clone.default"
 
 
+# Attention given an additive mask (BLOOM's ALiBi bias) runs other kernels than causal
+# attention (torch's SDPA on CUDA: memory-efficient attention, where causal attention without
+# a mask runs flash or cuDNN's), so its measured slowdown goes under a name of its own;
+# where a device has none for it, the plain op's applies (``slowdown``).
+MASKED_ATTENTION_OP = "aten.scaled_dot_product_attention.default[attn_mask]"
+
+
+def slowdown(device: DeviceSpec, op: str) -> float:
+    """The measured slowdown of ``op`` on ``device`` (``DeviceSpec.op_slowdown``): a variant's
+    (``op[...]``) own, else its op's, else 1."""
+    got = device.op_slowdown.get(op)
+    if got is None and op.endswith("]"):
+        got = device.op_slowdown.get(op[:op.index("[")])
+    return 1.0 if got is None else got
+
+
 def roofline(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32", op: str = "") -> float:
     """Seconds for one kernel doing ``flops`` FLOPs and ``bytes_moved`` bytes of traffic;
     ``op`` (an aten op name) applies that op's measured slowdown, if the device has one."""
     rate = device.peak_flops[canonical_dtype(dtype)] * device.efficiency
-    return max(flops / rate, bytes_moved / device.mem_bw) * device.op_slowdown.get(op, 1.0)
+    return max(flops / rate, bytes_moved / device.mem_bw) * slowdown(device, op)
 
 
 def gemm_time(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32") -> float:

@@ -25,7 +25,9 @@ the ramp of its own machine from GEMMs of several sizes.
 On Hopper both figures are measured instead (``HOPPER_GEMM_EFFICIENCY``,
 ``HOPPER_GEMM_RAMP_S``): held against 324 bf16 cuBLAS GEMMs of PrimePar's cells on an H200,
 the guesses above charged the 1-10 GFLOP GEMMs (ring steps, split linears) 75% too much and
-the large ones 5% too little. The V100 and A100 presets keep the guesses (unmeasured here).
+the large ones 5% too little. So is attention's slowdown over that roofline
+(``HOPPER_OP_SLOWDOWN``: 1.39x causal, 11.8x with an ALiBi mask). The V100 and A100 presets
+keep the guesses and charge attention its roofline (unmeasured here).
 """
 from __future__ import annotations
 
@@ -130,6 +132,20 @@ WAVE_TILE_FLOPS = 256 * 128 * 4096   # half of one tile's 2 * 256 * 128 * 4096 F
 HOPPER_GEMM_EFFICIENCY = 0.721
 HOPPER_GEMM_RAMP_S = 10.1e-6
 
+# Attention on Hopper, measured: `python benchmarks/cuda_check.py --skip parity single gloo
+# memory` (llama2-7b, and `--bf16 bloom-7b1 4 4 2048`) on one H200 (torch 2.11, CUDA 13.0;
+# twenty-ninth session, RESULTS.md's CUDA section): the device time of the attention kernels
+# of one profiled forward + backward of 4 layers at batch 4 x seq 2048 (32 heads of 128),
+# over what the planner charged them at slowdown 1 (the roofline at the GEMM rate above,
+# forward and backward each of the forward's FLOPs, unmasked FLOPs however causal):
+# causal attention without a mask, which torch runs by cuDNN's sm90 flash kernels, 4.28 ms
+# against 3.08 (1.39x: its backward does 2.5x the forward's work, the causal half skipped);
+# with BLOOM's ALiBi bias as a mask, torch's memory-efficient kernels (CUTLASS, built for
+# sm80) 36.5 ms against the same 3.08 (11.8x). One size, a named simplification (as
+# `calibrate`'s probes): eager's figures (inductor's, the same kernels: 1.44x and 12.0x).
+HOPPER_OP_SLOWDOWN = {"aten.scaled_dot_product_attention.default": 1.39,
+                      "aten.scaled_dot_product_attention.default[attn_mask]": 11.8}
+
 
 def wave_ramp_s(sms: int, fp16_flops: float, efficiency: float = GEMM_EFFICIENCY) -> float:
     """``gemm_ramp_s`` of a GPU with ``sms`` streaming multiprocessors: half a wave of
@@ -152,12 +168,14 @@ DEVICES: dict[str, DeviceSpec] = {
     # 132 SMs; its GEMM curve the H200's, measured (HOPPER_GEMM_*).
     "H100-SXM": DeviceSpec("H100-SXM", {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T,
                                         "fp16": 989.4 * T}, mem_bw=3.35e12, mem_bytes=80 * GiB,
-                            efficiency=HOPPER_GEMM_EFFICIENCY, gemm_ramp_s=HOPPER_GEMM_RAMP_S),
+                            efficiency=HOPPER_GEMM_EFFICIENCY, gemm_ramp_s=HOPPER_GEMM_RAMP_S,
+                            op_slowdown=HOPPER_OP_SLOWDOWN),
     # H200 SXM: H100 compute, HBM3e 4.8 TB/s, 141 GB sold: 143771 MiB in nvidia-smi (140.4 GiB,
     # less than 141 GiB), so that figure.
     "H200": DeviceSpec("H200", {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T,
                                 "fp16": 989.4 * T}, mem_bw=4.8e12, mem_bytes=143771 * MiB,
-                        efficiency=HOPPER_GEMM_EFFICIENCY, gemm_ramp_s=HOPPER_GEMM_RAMP_S),
+                        efficiency=HOPPER_GEMM_EFFICIENCY, gemm_ramp_s=HOPPER_GEMM_RAMP_S,
+                        op_slowdown=HOPPER_OP_SLOWDOWN),
     # A100 SXM4 80GB: 19.5 TF fp32, 156 TF tf32, 312 TF bf16/fp16, HBM2e 2.039 TB/s, 108 SMs.
     "A100-80GB": DeviceSpec("A100-80GB", {"fp32": 19.5 * T, "tf32": 156 * T, "bf16": 312 * T,
                                           "fp16": 312 * T}, mem_bw=2.039e12, mem_bytes=80 * GiB,

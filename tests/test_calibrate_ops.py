@@ -10,11 +10,11 @@ import torch
 from stpc.cli.calibrate import OPTIMIZER_NUMEL, OPTIMIZER_SHAPES
 from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_step, roofline_seconds
 from stpc.cost_models import CostModel, get_cluster
-from stpc.cost_models.compute import (COPY_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES, optimizer_step_time,
-                                      roofline)
+from stpc.cost_models.compute import (COPY_OP, MASKED_ATTENTION_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES,
+                                      optimizer_step_time, roofline, slowdown)
 from stpc.frontend import models
 from stpc.frontend.trace import trace
-from stpc.planner.costs import NodeTimer, param_copy_phases
+from stpc.planner.costs import NodeTimer, param_copy_phases, slowdown_key
 from stpc.planner import plan_graph, preset, search
 from stpc.planner.summary import breakdown
 from stpc.planner.hints import fsdp_tp
@@ -63,6 +63,32 @@ def test_a_measured_slowdown_scales_the_planned_time_of_that_op_only():
         factor = {"gelu.default": 5.0, "scaled_dot_product_attention.default": 3.0}.get(op, 1.0)
         assert t_slow == pytest.approx(factor * t, rel=1e-9, abs=1e-15), (node, op)
     assert any(op == "gelu.default" and t > 0 for op, t in times["base"].values())  # a follower, charged
+
+
+def test_masked_attention_has_its_own_slowdown_and_falls_back_to_attentions():
+    """BLOOM's ALiBi attention (a mask) and causal attention run other kernels: each node is
+    charged its own variant's factor where the device has one (Hopper's presets, measured),
+    the plain op's where it has only that (a CPU calibration probes causal attention)."""
+    sdpa = "aten.scaled_dot_product_attention.default"
+    nodes = {}
+    for name, kw in (("bloom-tiny", {"position": "alibi", "embed_norm": True}), ("gpt-tiny", {})):
+        with torch.device("meta"):
+            m = models.build("gpt-tiny", **kw)
+        tg = trace(m, models.example_inputs(models.get_config("gpt-tiny"), 2, 16))
+        nodes[name] = next(n for n in tg.gm.graph.nodes if str(n.target) == sdpa)
+    assert slowdown_key(nodes["bloom-tiny"]) == MASKED_ATTENTION_OP and slowdown_key(nodes["gpt-tiny"]) == sdpa
+    base = get_cluster("cpu-local")
+    both = dataclasses.replace(base, device=dataclasses.replace(base.device, op_slowdown={sdpa: 2.0,
+                                                                                         MASKED_ATTENTION_OP: 7.0}))
+    plain = dataclasses.replace(base, device=dataclasses.replace(base.device, op_slowdown={sdpa: 2.0}))
+    for name, want_both, want_plain in (("bloom-tiny", 7.0, 2.0), ("gpt-tiny", 2.0, 2.0)):
+        node = nodes[name]
+        t = {label: sum(NodeTimer(node, CostModel(cl, (1,)), [True] * 3).phases(1))
+             for label, cl in (("base", base), ("both", both), ("plain", plain))}
+        assert t["both"] == pytest.approx(want_both * t["base"]) and t["plain"] == pytest.approx(want_plain * t["base"])
+    hopper = get_cluster("dgx-h100").device
+    assert slowdown(hopper, MASKED_ATTENTION_OP) > slowdown(hopper, sdpa) > 1.0  # measured on an H200
+    assert slowdown(get_cluster("primepar-v100").device, MASKED_ATTENTION_OP) == 1.0  # unmeasured: the roofline
 
 
 @pytest.mark.parametrize("probe", [p for p in PROBES if p.op in ("aten.gelu.default", "aten.layer_norm.default",

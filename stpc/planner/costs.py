@@ -37,6 +37,7 @@ import math
 import torch
 
 from stpc.cost_models import CostModel, MemoryModel
+from stpc.cost_models.compute import MASKED_ATTENTION_OP
 from stpc.placement import REPLICATE, parse, received_fraction, shard_factor
 from stpc.planner.strategies import Strategy, aten, tensor_operands
 
@@ -138,6 +139,15 @@ def _work_split(s: Strategy, mesh) -> int:
     return math.prod(n for n, sp in zip(mesh, s.split_axes()) if sp)
 
 
+def slowdown_key(node) -> str:
+    """The name ``node``'s measured slowdown goes under (``DeviceSpec.op_slowdown``): its aten
+    op, or ``MASKED_ATTENTION_OP`` for attention given a mask (other kernels run it)."""
+    if node.target is aten.scaled_dot_product_attention.default and (
+            (len(node.args) > 3 and node.args[3] is not None) or node.kwargs.get("attn_mask") is not None):
+        return MASKED_ATTENTION_OP
+    return str(node.target)
+
+
 class NodeTimer:
     """Modelled seconds of one node under a strategy (``timer(s)``): forward, backward
     (dI) and gradient (dW) phases; temporal families include their overlapped ring
@@ -152,7 +162,7 @@ class NodeTimer:
         self.flops = node.meta.get("flops", 0)
         self.moved = node.meta.get("bytes_read", 0) + node.meta.get("bytes_written", 0)
         self.matmul = node.target in _MATMUL
-        self.op = str(node.target)
+        self.op = slowdown_key(node)
         self.grad_in = bool(operand_grad and operand_grad[0])
         self.grad_w = len(operand_grad) > 1 and operand_grad[1]
         self.needs_bwd = any(operand_grad)

@@ -383,6 +383,36 @@ def breakdown(plan) -> dict | None:
     return plan.stats.get("breakdown")
 
 
+def compute_by_op(plan) -> dict[str, float]:
+    """``plan``'s modelled compute (:func:`_breakdown`'s ``compute_s``: every op's local work
+    with transfers free, forward + backward + weight gradient, all tied copies) split by aten
+    op (``str(node.target)``), the optimizer step under ``"optimizer"``. Summed, it is the
+    breakdown's ``compute_s``. What a profile of the same step is held against, op kind by op
+    kind (``benchmarks/cuda_check.py``). Needs the solved problem (a plan planned in this
+    process)."""
+    sv = getattr(plan, "_solved", None)
+    if sv is None:
+        raise ValueError("compute by op needs the solved problem, which a plan loaded from disk does not keep: "
+                         "re-plan the model (stpc.search) in this process")
+    b, ch = sv.b, sv.choice
+    free = type(b)(b.tg, _FreeComm(b.cm.cluster, b.cm.mesh_shape, b.cm.overlap_slowdown), b.hints, b.memory.layout,
+                   b.facts)
+    free.build(None, edges=False)
+    out: dict[str, float] = {}
+    for it in b.facts.items:
+        c = ch[it.group]
+        if it.kind == "decision":
+            sec, key = float(free.groups[it.group].own_cost[c]), str(it.node.target)
+        elif it.kind in ("follower", "derived"):
+            sec, key = float(free.extra[it][c]), str(it.node.target)
+        elif it.kind == "param":
+            sec, key = float(free.groups[it.group].own_cost[c]), "optimizer"
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + sec * it.count
+    return out
+
+
 # ---------------------------------------------------------------------------- formatting
 
 
