@@ -120,6 +120,46 @@ def test_primepar_jobs_plan_the_same_cells(tmp_path):
     assert got[2]["config"]["jobs"] == 2
 
 
+def test_primepar_checkpoint_resumes_a_stopped_run(tmp_path):
+    # a run of one model writes its jobs (its cells, each sensitivity cell) as they finish; a
+    # later run of two models takes those from the file (the same cells) and plans only the other
+    ck = tmp_path / "pp.jsonl"
+    base = ["--layers", "1", "--sizes", "4", "--clusters", "primepar-v100:fp16", "--baselines", "megatron",
+            "--inter-node-gbs", "12.5", "--checkpoint", str(ck), "--quiet"]
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    assert main_primepar(["--models", "llama2-7b", *base, "--json", str(first)], machine_line, write_section) == 0
+    lines = ck.read_text().splitlines()
+    assert [json.loads(x)["key"]["kind"] for x in lines] == ["cells", "sensitivity"]
+    with open(ck, "a") as f:
+        f.write('{"key": {"kind": "cel')   # a line cut short by a killed run
+    results = tmp_path / "RESULTS.md"
+    argv = ["--models", "llama2-7b", "opt-6.7b", *base, "--sensitivity-models", "llama2-7b", "--json", str(second),
+            "--results", str(results)]
+    assert main_primepar(argv, machine_line, write_section) == 0
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    assert [c["model"] for c in b["cells"]] == ["llama2-7b", "opt-6.7b"]
+    assert b["cells"][0] == a["cells"][0] and b["sensitivity"] == a["sensitivity"]   # taken, not re-planned
+    assert b["provenance"]["taken"] == 2 and b["provenance"]["planned"] == 1
+    assert len(ck.read_text().splitlines()) == 4   # the cut line, then opt-6.7b's cells appended
+    text = results.read_text()
+    assert "2 of 3 jobs were taken from the checkpoint" in text and "Planned by stpc " in text
+
+
+def test_primepar_jobs_checkpoint_each_job_as_it_finishes(tmp_path):
+    ck = tmp_path / "pp.jsonl"
+    argv = ["--models", "llama2-7b", "opt-6.7b", "--layers", "1", "--sizes", "4", "--clusters", "primepar-v100:fp16",
+            "--baselines", "megatron", "--inter-node-gbs", "12.5", "--sensitivity-models", "opt-6.7b",
+            "--jobs", "2", "--checkpoint", str(ck), "--json", str(tmp_path / "pp.json"), "--quiet"]
+    assert main_primepar(argv, machine_line, write_section) == 0
+    keys = [json.loads(x)["key"] for x in ck.read_text().splitlines()]
+    assert sorted((k["kind"], k["model"]) for k in keys) == [("cells", "llama2-7b"), ("cells", "opt-6.7b"),
+                                                             ("sensitivity", "opt-6.7b")]
+    assert keys.index(next(k for k in keys if k["kind"] == "sensitivity")) > keys.index(
+        next(k for k in keys if k["model"] == "opt-6.7b"))   # after the cell it re-plans
+    data = json.loads((tmp_path / "pp.json").read_text())
+    assert [r["model"] for r in data["sensitivity"]] == ["opt-6.7b"]
+
+
 def test_recompute_line_names_each_level_per_plan():
     cells = [{"model": m, "devices": n, "stpc": {"fits": True, "recompute": r},
               "baselines": {"megatron": {"fits": fits, "recompute": "full"}}}

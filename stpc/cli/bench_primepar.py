@@ -32,13 +32,17 @@ PrimePar's worked example (``stpc.cli.primepar_example``): where the run has the
 OPT-175B on 8 devices of the first ``--clusters`` entry, its fc2 planned under Megatron's
 {B, N, N} and PrimePar's {N, P2x2} partitions, each the best plan with it (full effect).
 
-Traced graphs are cached per (model, layers, dtype) within a run.
+Traced graphs are cached per (model, layers, dtype) within a run. The full run takes hours:
+``--checkpoint FILE`` writes each finished job (a model's cells on a cluster, one sensitivity
+cell) to FILE as it finishes and takes those already there, so a stopped run resumes
+(``stpc.cli.bench_checkpoint``); the report names the code that planned each job.
 """
 from __future__ import annotations
 
 import functools
 import math
 import multiprocessing
+import queue
 import re
 import statistics
 import time
@@ -50,6 +54,7 @@ import torch
 from stpc.cli._common import Parser, UsageError, add_flags, meta_trace, verb, write_json
 from stpc.cli import primepar_example
 from stpc.cli._progress import bar
+from stpc.cli.bench_checkpoint import Checkpoint, code_version
 from stpc.cost_models import CLUSTERS, Link, bytes_per_param, get_cluster
 from stpc.frontend import models
 from stpc.planner import InfeasibleBudget, search
@@ -467,7 +472,7 @@ def states_line(cells: list[dict], top: int) -> list[str]:
 
 
 def report(cfg: dict, cells: list[dict], sens: list[dict], machine: str, command: str, wall_s: float,
-           example: dict | None = None) -> str:
+           example: dict | None = None, provenance: dict | None = None) -> str:
     baselines = cfg["baselines"]
     top = max(cfg["sizes"])
     budget_note = (f"{cfg['budget_gib']:g} GiB per device (--budget-gib)" if cfg["budget_gib"] else
@@ -509,7 +514,22 @@ def report(cfg: dict, cells: list[dict], sens: list[dict], machine: str, command
     jobs = cfg.get("jobs", 1)
     side = f"; {jobs} (model, cluster) pairs at a time, each in its own process" if jobs > 1 else ""
     lines.append(f"Wall time of this run: {wall_s:.0f} s (tracing, depth search and planning{side}).")
+    lines += provenance_lines(provenance)
     return "\n".join(lines) + "\n"
+
+
+def provenance_lines(prov: dict | None) -> list[str]:
+    """Which code planned the cells, and which jobs a ``--checkpoint`` file gave (planned by an
+    earlier run: their time is not in the wall time above)."""
+    if not prov or not prov["codes"]:
+        return []
+    codes = ", ".join(f"{c} ({n} job{'s' if n != 1 else ''})" for c, n in prov["codes"].items())
+    text = f"Planned by stpc {codes}."
+    if prov["taken"]:
+        text += (f" {prov['taken']} of {prov['taken'] + prov['planned']} jobs were taken from the checkpoint "
+                 f"`{prov['path']}`, planned by earlier runs in {prov['taken_wall_s']:.0f} s of one process each "
+                 f"in all.")
+    return ["", text]
 
 
 def quiet_line(cfg: dict, cells: list[dict]) -> str:
@@ -525,55 +545,149 @@ def quiet_line(cfg: dict, cells: list[dict]) -> str:
 # ----------------------------------------------------------------------------- verb
 
 
-def plan_model(cfg: dict, model: str, ti: int, traces: TraceCache | None = None) -> tuple[list[dict], list[dict]]:
-    """One model's cells on ``cfg["clusters"][ti]`` (every size), and its sensitivity cells
-    where that is the first cluster."""
+def budget_of(cfg: dict, target: Target) -> float:
+    return cfg["budget_gib"] * GIB if cfg["budget_gib"] else target.cluster.default_budget_bytes
+
+
+def plan_model(cfg: dict, model: str, ti: int, traces: TraceCache | None = None) -> list[dict]:
+    """One model's cells on ``cfg["clusters"][ti]``, every size."""
     traces = traces or TraceCache(cfg["batch"], cfg["seq"])
     t = parse_target(cfg["clusters"][ti])
-    budget = cfg["budget_gib"] * GIB if cfg["budget_gib"] else t.cluster.default_budget_bytes
-    top = max(cfg["sizes"])
-    cells, sens = [], []
-    for n in cfg["sizes"]:
-        cells.append(plan_cell(traces, model, n, t, budget, cfg["baselines"], cfg["layers"]))
-        if ti == 0 and n == top:
-            sens += sensitivity_cells(traces, cells[-1], t, budget, tuple(cfg["inter_node_gbs"]), cfg["baselines"])
-    return cells, sens
+    return [plan_cell(traces, model, n, t, budget_of(cfg, t), cfg["baselines"], cfg["layers"]) for n in cfg["sizes"]]
 
 
-def _plan_model_job(job: tuple[dict, str, int]) -> tuple[str, int, list[dict], list[dict]]:
-    cfg, model, ti = job
-    return (model, ti, *plan_model(cfg, model, ti))
+# A job is ("cells", model, cluster index): that model's cells on that cluster, every size; or
+# ("sensitivity", model, GB/s): its cell at the largest size on the first cluster, re-planned
+# with that inter-node bandwidth (so it waits for that cell).
 
 
-def run(cfg: dict, targets: list[Target], progress: bool = False, jobs: int = 1) -> tuple[list[dict], list[dict]]:
+def job_key(cfg: dict, job: tuple) -> dict:
+    """Everything a job's result depends on (a ``--checkpoint`` record's key)."""
+    kind, model, arg = job
+    common = {"kind": kind, "model": model, "batch": cfg["batch"], "seq": cfg["seq"], "layers": cfg["layers"],
+              "budget_gib": cfg["budget_gib"], "baselines": cfg["baselines"]}
+    if kind == "cells":
+        return {**common, "cluster": cfg["clusters"][arg], "sizes": cfg["sizes"]}
+    return {**common, "cluster": cfg["clusters"][0], "devices": max(cfg["sizes"]), "inter_node_gbs": arg}
+
+
+def run_job(cfg: dict, job: tuple, top_cell: dict | None, traces: TraceCache) -> list[dict]:
+    kind, model, arg = job
+    if kind == "cells":
+        return plan_model(cfg, model, arg, traces)
+    t = parse_target(cfg["clusters"][0])
+    return sensitivity_cells(traces, top_cell, t, budget_of(cfg, t), (arg,), cfg["baselines"])
+
+
+_WORKER_TRACES: dict = {}   # a worker process's traces, kept across its jobs
+
+
+def _job_in_worker(cfg: dict, job: tuple, top_cell: dict | None) -> tuple[list[dict], float]:
+    traces = _WORKER_TRACES.setdefault((cfg["batch"], cfg["seq"]), TraceCache(cfg["batch"], cfg["seq"]))
+    t0 = time.perf_counter()
+    return run_job(cfg, job, top_cell, traces), time.perf_counter() - t0
+
+
+class _Inline:
+    """The pool's interface in this process (``--jobs 1``): jobs run in submission order when
+    ``wait`` is called, one model's traces reused."""
+
+    def __init__(self, cfg: dict):
+        self.traces, self.queue = TraceCache(cfg["batch"], cfg["seq"]), []
+
+    def submit(self, cfg, job, top_cell):
+        self.queue.append((cfg, job, top_cell))
+
+    def next_done(self):
+        cfg, job, top_cell = self.queue.pop(0)
+        t0 = time.perf_counter()
+        return job, run_job(cfg, job, top_cell, self.traces), time.perf_counter() - t0
+
+    def __bool__(self):
+        return bool(self.queue)
+
+
+class _Pool:
+    """``jobs`` spawned processes; ``next_done`` waits for whichever job finishes first, and
+    ``close`` ends the processes (a stopped run leaves none behind)."""
+
+    def __init__(self, jobs: int):
+        self.pool = multiprocessing.get_context("spawn").Pool(jobs)
+        self.finished: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending = 0
+
+    def submit(self, cfg, job, top_cell):
+        self.pending += 1
+        self.pool.apply_async(_job_in_worker, (cfg, job, top_cell),
+                              callback=lambda out, job=job: self.finished.put((job, out, None)),
+                              error_callback=lambda e, job=job: self.finished.put((job, None, e)))
+
+    def next_done(self):
+        job, out, error = self.finished.get()
+        self.pending -= 1
+        if error is not None:
+            raise error
+        return job, *out
+
+    def __bool__(self):
+        return self.pending > 0
+
+    def close(self):
+        self.pool.terminate()
+        self.pool.join()
+
+
+def run(cfg: dict, targets: list[Target], progress: bool = False, jobs: int = 1,
+        checkpoint: Checkpoint | None = None) -> tuple[list[dict], list[dict]]:
     """Every cell, then the sensitivity cells, in the same order however many ``jobs`` plan
     them (a CP-SAT solve cut at its time limit aside: what it had found by then depends on the
-    machine's load). One job: model-major, so one model's traces are reused and then
-    dropped. More: each (model, cluster) pair is a job of its own process, the largest models
-    first (the pairs' times differ by orders of magnitude; the solver is single-threaded, so
-    a process a core)."""
-    pairs = [(m, ti) for m in cfg["models"] for ti in range(len(targets))]
-    steps = bar(len(pairs) * len(cfg["sizes"]), "[bench primepar] cells", progress)
-    done: dict[tuple[str, int], tuple[list[dict], list[dict]]] = {}
-    if jobs <= 1:
-        traces = TraceCache(cfg["batch"], cfg["seq"])
-        for m, ti in pairs:
-            steps.set_postfix_str(f"{m} ({targets[ti].label})", refresh=False)
-            done[m, ti] = plan_model(cfg, m, ti, traces)
-            steps.update(len(cfg["sizes"]))
-            if ti == len(targets) - 1:
-                traces.clear()
-    else:
-        largest_first = sorted(pairs, key=lambda p: -model_states_bytes(p[0], models.get_config(p[0]).n_layers, "fp32"))
-        with multiprocessing.get_context("spawn").Pool(min(jobs, len(pairs))) as pool:
-            for m, ti, cells, sens in pool.imap_unordered(_plan_model_job, [(cfg, m, ti) for m, ti in largest_first]):
-                done[m, ti] = (cells, sens)
-                steps.set_postfix_str(f"{m} ({targets[ti].label}) done", refresh=False)
-                steps.update(len(cfg["sizes"]))
+    machine's load). One job: model-major, so one model's traces are reused. More: each
+    (model, cluster) pair is a job of its own process, the largest models first (the pairs'
+    times differ by orders of magnitude; the solver is single-threaded, so a process a core),
+    each sensitivity cell a job queued once its model's cell is planned. A job found in
+    ``checkpoint`` is taken from it; each one planned is appended to it as it finishes."""
+    checkpoint = checkpoint or Checkpoint(None)
+    code = code_version()
+    pairs = [("cells", m, ti) for m in cfg["models"] for ti in range(len(targets))]
+    if jobs > 1:
+        pairs.sort(key=lambda j: -model_states_bytes(j[1], models.get_config(j[1]).n_layers, "fp32"))
+    sens_models = [m for m in cfg["models"] if m in cfg.get("sensitivity_models", cfg["models"])]
+    sens_of = {m: [("sensitivity", m, g) for g in cfg["inter_node_gbs"]] for m in sens_models}
+    n_sens = sum(map(len, sens_of.values()))
+    steps = bar(len(pairs) * len(cfg["sizes"]) + n_sens, "[bench primepar] cells", progress)
+    done: dict[tuple, list[dict]] = {}
+    runner = _Inline(cfg) if jobs <= 1 else _Pool(min(jobs, len(pairs) + n_sens))
+
+    def start(job, top_cell=None):
+        got = checkpoint.get(job_key(cfg, job))
+        if got is not None:
+            finish(job, got)
+        else:
+            runner.submit(cfg, job, top_cell)
+
+    def finish(job, result):
+        done[job] = result
+        steps.update(len(cfg["sizes"]) if job[0] == "cells" else 1)
+        if job[0] == "cells" and job[2] == 0:
+            top = result[-1]    # sizes are sorted: the largest size's cell
+            for sj in sens_of.get(job[1], ()):
+                start(sj, top)
+
+    try:
+        for job in pairs:
+            start(job)
+        while runner:
+            job, result, wall = runner.next_done()
+            checkpoint.put(job_key(cfg, job), result, wall, code)
+            steps.set_postfix_str(f"{job[1]} ({job[0]}) done", refresh=False)
+            finish(job, result)
+    finally:
+        if isinstance(runner, _Pool):
+            runner.close()
     steps.close()
     # table by table, then model and size as given; sensitivity rows in model order
-    cells = [c for ti in range(len(targets)) for m in cfg["models"] for c in done[m, ti][0]]
-    sens = [r for m in cfg["models"] for r in done[m, 0][1]]
+    cells = [c for ti in range(len(targets)) for m in cfg["models"] for c in done["cells", m, ti]]
+    sens = [r for m in sens_models for sj in sens_of[m] for r in done[sj]]
     return cells, sens
 
 
@@ -585,8 +699,7 @@ def run_example(cfg: dict, cells: list[dict], target: Target) -> dict | None:
                  and c["cluster"] == target.cluster.name and c["dtype"] == target.dtype and not c["infeasible"]), None)
     if cell is None:
         return None
-    budget = cfg["budget_gib"] * GIB if cfg["budget_gib"] else target.cluster.default_budget_bytes
-    return primepar_example.worked_example(TraceCache(cfg["batch"], cfg["seq"]), target, budget, cell["layers"],
+    return primepar_example.worked_example(TraceCache(cfg["batch"], cfg["seq"]), target, budget_of(cfg, target), cell["layers"],
                                            OPTIMIZER_LAYOUT[target.dtype])
 
 
@@ -608,13 +721,19 @@ def main_primepar(argv: list[str], machine_line, write_section) -> int:
     ap.add_argument("--inter-node-gbs", nargs="*", type=float, default=list(SENSITIVITY_GBS), metavar="GBS",
                     help="sensitivity rows: inter-node GB/s per node, on the first --clusters entry at the largest "
                          "--sizes (default: %(default)s; none: no sensitivity rows)")
+    ap.add_argument("--sensitivity-models", nargs="+", metavar="MODEL",
+                    help="the models given sensitivity rows (default: every --models entry)")
+    ap.add_argument("--checkpoint", metavar="FILE",
+                    help="append each finished job (a model's cells on a cluster; a sensitivity cell) to FILE as it "
+                         "finishes, and take the jobs FILE already has instead of planning them again: a stopped run "
+                         "resumes where it stopped (JSON lines; stpc.cli.bench_checkpoint)")
     ap.add_argument("--results", help="regenerate this markdown file's primepar section (e.g. benchmarks/RESULTS.md)")
     ap.add_argument("--jobs", type=int, default=1, metavar="N",
                     help="plan N (model, cluster) pairs at once, each in its own process (default: %(default)s; "
                          "the same cells whatever N, unless a CP-SAT solve reaches its time limit: the solver is "
                          "single-threaded and deterministic)")
     args = ap.parse_args(argv)
-    for m in args.models:
+    for m in args.models + (args.sensitivity_models or []):
         if m not in models.CONFIGS:
             ap.error(f"unknown model {m!r}; known: {', '.join(sorted(models.CONFIGS))}. Fix: give zoo names")
     if min(args.sizes) < 1 or any(g <= 0 for g in args.inter_node_gbs) or args.jobs < 1:
@@ -627,16 +746,18 @@ def main_primepar(argv: list[str], machine_line, write_section) -> int:
     cfg = {"models": args.models, "sizes": sorted(args.sizes), "clusters": args.clusters, "baselines": args.baselines,
            "batch": args.batch, "seq": args.seq, "layers": args.layers, "budget_gib": args.budget_gib,
            "inter_node_gbs": args.inter_node_gbs, "sensitivity_preset_gbs": inter_node_gbs(targets[0].cluster),
-           "jobs": args.jobs}
+           "jobs": args.jobs, "sensitivity_models": args.sensitivity_models or args.models}
     t0 = time.perf_counter()
-    cells, sens = run(cfg, targets, progress=not args.quiet, jobs=args.jobs)
+    checkpoint = Checkpoint(args.checkpoint)
+    cells, sens = run(cfg, targets, progress=not args.quiet, jobs=args.jobs, checkpoint=checkpoint)
     example = run_example(cfg, cells, targets[0])
     wall = time.perf_counter() - t0
     command = ("python -m stpc bench primepar " + " ".join(argv)).strip()
-    text = report(cfg, cells, sens, machine_line(), command, wall, example)
+    text = report(cfg, cells, sens, machine_line(), command, wall, example, checkpoint.provenance())
     print(quiet_line(cfg, cells) if args.quiet else text)
     if args.json:
         write_json(args.json, {"config": cfg, "cells": cells, "sensitivity": sens, "example": example, "wall_s": wall,
+                               "provenance": checkpoint.provenance(),
                                "primepar_geomean_32": {"value": PRIMEPAR_GEOMEAN_32, "source": PRIMEPAR_SOURCE}})
     if args.results:
         write_section(args.results, "primepar", text)
