@@ -301,7 +301,8 @@ def test_primepar_plans_its_worked_example_both_ways(tmp_path):
     # 2x4, each the best plan with every layer's fc2 so (one layer, a small batch: quick)
     out, results = tmp_path / "pp.json", tmp_path / "RESULTS.md"
     argv = ["--models", "opt-175b", "--sizes", "8", "--layers", "1", "--batch", "2", "--seq", "64", "--clusters",
-            "primepar-v100:fp16", "--inter-node-gbs", "--json", str(out), "--results", str(results), "-q"]
+            "primepar-v100:fp16", "--inter-node-gbs", "--json", str(out), "--results", str(results), "-q",
+            "--checkpoint", str(tmp_path / "pp.jsonl")]
     assert main_primepar(argv, machine_line, write_section) == 0
     ex = json.loads(out.read_text())["example"]
     assert ex["model"] == "opt-175b" and ex["devices"] == 8 and ex["layers"] == 1
@@ -313,3 +314,11 @@ def test_primepar_plans_its_worked_example_both_ways(tmp_path):
         assert r["step_s"] >= own["step_s"] * (1 - 1e-9) and r["fc2_s"] > 0
     text = results.read_text()
     assert "PrimePar's worked example" in text and "{N, P2x2}" in text and "p2x2@1" in text
+    # the example is a checkpoint's job too: a second run takes it (and the cell) and renders
+    # the same section
+    ck = tmp_path / "pp.jsonl"
+    assert main_primepar(argv, machine_line, write_section) == 0
+    assert json.loads(out.read_text())["provenance"]["taken"] == 2
+    assert [json.loads(x)["key"]["kind"] for x in ck.read_text().splitlines()] == ["cells", "example"]
+    table = lambda t: t.split("PrimePar's worked example", 1)[1].split("Wall time")[0]   # noqa: E731
+    assert table(results.read_text()) == table(text)

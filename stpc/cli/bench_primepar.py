@@ -691,16 +691,25 @@ def run(cfg: dict, targets: list[Target], progress: bool = False, jobs: int = 1,
     return cells, sens
 
 
-def run_example(cfg: dict, cells: list[dict], target: Target) -> dict | None:
+def run_example(cfg: dict, cells: list[dict], target: Target, checkpoint: Checkpoint | None = None) -> dict | None:
     """PrimePar's worked example (``primepar_example``) on ``target`` at the depth its cell
     (opt-175b on 8 devices) was planned at; None where the run has no such cell or it fits
-    nothing."""
+    nothing. A job of ``checkpoint`` like the cells."""
     cell = next((c for c in cells if c["model"] == primepar_example.MODEL and c["devices"] == primepar_example.DEVICES
                  and c["cluster"] == target.cluster.name and c["dtype"] == target.dtype and not c["infeasible"]), None)
     if cell is None:
         return None
-    return primepar_example.worked_example(TraceCache(cfg["batch"], cfg["seq"]), target, budget_of(cfg, target), cell["layers"],
-                                           OPTIMIZER_LAYOUT[target.dtype])
+    checkpoint = checkpoint or Checkpoint(None)
+    key = {"kind": "example", "model": primepar_example.MODEL, "devices": primepar_example.DEVICES,
+           "cluster": f"{target.cluster.name}:{target.dtype}", "layers": cell["layers"], "batch": cfg["batch"],
+           "seq": cfg["seq"], "budget_gib": cfg["budget_gib"]}
+    got = checkpoint.get(key)
+    if got is None:
+        t0 = time.perf_counter()
+        got = primepar_example.worked_example(TraceCache(cfg["batch"], cfg["seq"]), target, budget_of(cfg, target),
+                                              cell["layers"], OPTIMIZER_LAYOUT[target.dtype])
+        checkpoint.put(key, got, time.perf_counter() - t0, code_version())
+    return got
 
 
 @verb
@@ -750,7 +759,7 @@ def main_primepar(argv: list[str], machine_line, write_section) -> int:
     t0 = time.perf_counter()
     checkpoint = Checkpoint(args.checkpoint)
     cells, sens = run(cfg, targets, progress=not args.quiet, jobs=args.jobs, checkpoint=checkpoint)
-    example = run_example(cfg, cells, targets[0])
+    example = run_example(cfg, cells, targets[0], checkpoint)
     wall = time.perf_counter() - t0
     command = ("python -m stpc bench primepar " + " ".join(argv)).strip()
     text = report(cfg, cells, sens, machine_line(), command, wall, example, checkpoint.provenance())
