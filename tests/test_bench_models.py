@@ -213,8 +213,9 @@ def test_unproven_line_names_each_plan_not_proven_optimal():
                          "(its own CP-SAT solve stopped at the time limit).")
 
 
-@pytest.mark.slow  # (221 s in CI: every baseline's CP-SAT at each depth tried; the depth search
-# itself is held by the test_depth_search_* tests in the default run)
+@pytest.mark.slow  # (221 s in CI when every depth tried was planned; now each is a fits_budget proof, and
+# the plans at the depth found still take CP-SAT minutes; the depth search itself is held by the
+# test_depth_search_* tests in the default run, fits_budget by tests/test_fits_budget.py)
 def test_primepar_reduces_depth_when_no_baseline_fits(tmp_path):
     out = tmp_path / "pp.json"
     # 4 layers of llama2-7b on 4 devices need more than 5 GiB per device under every baseline; 2 fit

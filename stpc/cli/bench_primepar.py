@@ -21,7 +21,9 @@ Reduced depth: at full depth the 70B/175B/176B models fit no 32 x 32 GiB cluster
 (mixed-precision Adam's model states alone exceed it), and the 7B models fit no 4 V100s.
 Where no baseline fits a cell at full depth, the cell is planned, stpc and every baseline
 alike, at the greatest depth (``n_layers``, found by binary search) at which the best
-baseline fits; the ``layers`` column says so. A cell in which not even one layer fits any
+baseline fits; the ``layers`` column says so. Each depth tried asks only whether some
+baseline's plan fits (``search.fits_budget``: a proof, not the fastest plan, which under a
+binding budget takes CP-SAT minutes); the plans are made at the depth found. A cell in which not even one layer fits any
 baseline is reported infeasible, with the smallest budget one layer would need.
 
 Sensitivity: the cells of the first ``--clusters`` entry at the largest ``--sizes`` are
@@ -58,6 +60,7 @@ from stpc.cli.bench_checkpoint import Checkpoint, code_version
 from stpc.cost_models import CLUSTERS, Link, bytes_per_param, get_cluster
 from stpc.frontend import models
 from stpc.planner import InfeasibleBudget, search
+from stpc.planner.search import fits_budget
 from stpc.planner.baselines import BASELINES, describe_layout, first_layers
 from stpc.planner.solver import TIME_LIMIT_S
 from stpc.planner.summary import breakdown
@@ -260,8 +263,9 @@ def plan_cell(traces: TraceCache, model: str, n: int, target: Target, budget: fl
             planned[d] = recs
         return planned[d]
 
-    def fits(d: int) -> bool:
-        return any(plan is not None for plan, _, _ in baselines_at(d).values())
+    def fits(d: int) -> bool:   # a proof that some plan fits, not the fastest one (``fits_budget``)
+        tg = traces.get(model, d, dtype)
+        return any(fits_budget(tg, n, cluster, budget, b, optimizer_layout=OPTIMIZER_LAYOUT[dtype]) for b in baselines)
 
     chosen = depth if depth is not None else greatest_fitting_depth(fits, full)
     cell = {"model": model, "devices": n, "cluster": cluster.name, "dtype": dtype, "budget_bytes": budget,

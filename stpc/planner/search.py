@@ -310,6 +310,77 @@ def _least_budget(over: list, least: float, rebuild: Callable) -> int:
     return int(least)
 
 
+def _points(points, facts, temporal: bool, recompute, recompute_layers):
+    """``(index, mesh shape, hints, layout)`` of each point as the search builds it: temporal
+    families off where asked, a recomputation level given to every point."""
+    for idx, (s, h, layout) in enumerate(points):
+        if not temporal:
+            h = dataclasses.replace(h, temporal=False)  # (the caller's Hints stay as they were)
+        if recompute is not None:
+            # (the count given, else the point's own where the level keeps one)
+            count = recompute_layers if recompute_layers is not None else (
+                h.recompute_layers if recompute in ("full", "selective") else None)
+            h = dataclasses.replace(h, recompute=recompute, recompute_layers=count)
+            layout = {**layout, "recompute": recompute} if recompute != "none" else layout
+            if count is not None and count < len(facts.recomputed):  # (fewer than every layer)
+                layout = {**layout, "recompute_layers": count}
+        yield idx, s, h, layout
+
+
+def _rungs(h: Hints, layout: dict, facts):
+    """The recomputation ladder of a point whose budget binds: ``(hints, layout)`` per level
+    and count of leading layers."""
+    for level in ("selective", "full"):
+        for k in recompute_counts(len(facts.recomputed)):
+            yield (dataclasses.replace(h, recompute=level, recompute_layers=k),
+                   {**layout, "recompute": level, **({"recompute_layers": k} if k else {})})
+
+
+def fits_budget(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | None = None,
+                hints: str | Hints | None = None, temporal: bool = True, optimizer_layout: str = "fp32-adam",
+                recompute: str | None = None, recompute_layers: int | None = None) -> bool:
+    """Whether :func:`search` with the same arguments finds a plan that fits ``budget_bytes``
+    (rather than raising :class:`InfeasibleBudget`), decided at the first proof instead of
+    by finding the fastest plan: the points of the same space (the recomputation ladder's
+    rungs where a point's budget binds), each out at once where its cheap memory bound is
+    over the budget, and in when its memory-blind optimum fits; then the Lagrangian
+    relaxation's minimisers of the rest (one that fits in truth is a plan); then their exact
+    least memory (``min_memory``, a CP-SAT solve of the memory rows alone), in the order of
+    their bounds. What a depth search asks at every depth it tries
+    (``python -m stpc bench primepar``), where a budget-bound search's CP-SAT solves take
+    minutes."""
+    cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
+    if budget_bytes is None:
+        return True
+    shape, n = parse_mesh(mesh)
+    facts = analyse(tg)
+    bound = []   # (cheap memory bound, order, problem): the points whose memory-blind optimum is over
+    with _no_gc():
+        for idx, s, h, layout in _points(_candidates(hints, shape, n, cl), facts, temporal, recompute,
+                                         recompute_layers):
+            tries = [(h, layout)] + (list(_rungs(h, layout, facts)) if h.recompute is None else [])
+            for k, (hk, _) in enumerate(tries):
+                try:
+                    b, problem = build_problem(tg, CostModel(cl, s), budget_bytes, hk, optimizer_layout, facts,
+                                               edges=False)
+                except HintUnsatisfiable:
+                    if k == 0:
+                        break   # (the search skips the point, its ladder too)
+                    continue
+                least = min_memory_bound(problem)
+                if least > problem.budget:
+                    continue
+                b.add_edges(problem)
+                choice, _, peak = memory_blind_optimum(problem)
+                if choice is not None and peak <= problem.budget:
+                    return True
+                bound.append((least, len(bound), problem))
+        bound.sort(key=lambda t: t[:2])
+        if any(lagrangian.relax(problem).choice is not None for _, _, problem in bound):
+            return True
+        return any(min_memory(problem) <= problem.budget for _, _, problem in bound)
+
+
 def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress=None,
             recompute=None, time_limit_s=TIME_LIMIT_S, recompute_layers=None) -> Plan:
     t0 = time.perf_counter()
@@ -356,27 +427,15 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         candidates.append(c)
         return c.fits()
 
-    for idx, (s, h, layout) in enumerate(points):
+    for idx, s, h, layout in _points(points, facts, temporal, recompute, recompute_layers):
         report("build", _name(layout), idx, None, None)
-        if not temporal:
-            h = dataclasses.replace(h, temporal=False)  # (the caller's Hints stay as they were)
-        if recompute is not None:
-            # (the count given, else the point's own where the level keeps one)
-            count = recompute_layers if recompute_layers is not None else (
-                h.recompute_layers if recompute in ("full", "selective") else None)
-            h = dataclasses.replace(h, recompute=recompute, recompute_layers=count)
-            layout = {**layout, "recompute": recompute} if recompute != "none" else layout
-            if count is not None and count < len(facts.recomputed):  # (fewer than every layer)
-                layout["recompute_layers"] = count
         # Recomputing the layers makes every assignment slower: it can only win where the
         # budget binds on the point without it (then it is a point of its own). Each rung
         # of the ladder is built lazily (``build``): most are pruned by their groups' least
         # costs (the replay's time is in them) before any edge is costed.
         if not build(idx, s, h, layout) and h.recompute is None:
-            for level in ("selective", "full"):
-                for k in recompute_counts(len(facts.recomputed)):
-                    build(idx, s, dataclasses.replace(h, recompute=level, recompute_layers=k),
-                          {**layout, "recompute": level, **({"recompute_layers": k} if k else {})}, lazy=True)
+            for hr, layout_r in _rungs(h, layout, facts):
+                build(idx, s, hr, layout_r, lazy=True)
     best = None  # (objective ns, shape index, plan): the fastest wins, ties (``_better``) to the smaller
     # candidates cheapest bound first (ties: the earlier point, then the earlier built); a lazy
     # one reached and not pruned is built whole and goes back in with its own bound
