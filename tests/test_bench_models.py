@@ -1,6 +1,10 @@
 """The model benchmarks (``python -m stpc bench primepar|planner|kernel``): their helpers, and
 each verb on a tiny size (one model cut to 2 layers, one device count, one cluster)."""
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -158,6 +162,43 @@ def test_primepar_jobs_checkpoint_each_job_as_it_finishes(tmp_path):
         next(k for k in keys if k["model"] == "opt-6.7b"))   # after the cell it re-plans
     data = json.loads((tmp_path / "pp.json").read_text())
     assert [r["model"] for r in data["sensitivity"]] == ["opt-6.7b"]
+
+
+def test_primepar_sigterm_ends_the_workers_too(tmp_path):
+    # a stopped run (kill's SIGTERM) leaves no worker planning on; what finished is on disk
+    ck = tmp_path / "pp.jsonl"
+    cmd = [sys.executable, "-m", "stpc", "bench", "primepar", "--models", "opt-175b", "bloom-176b", "llama2-70b",
+           "--sizes", "8", "16", "32", "--jobs", "2", "--checkpoint", str(ck), "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        workers = _children(proc.pid)
+        assert len(workers) >= 2, "the pool's workers never started"
+        time.sleep(3)   # (planning)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+        deadline = time.monotonic() + 30
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(w) for w in workers)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_recompute_line_names_each_level_per_plan():

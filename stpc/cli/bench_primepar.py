@@ -46,7 +46,9 @@ import math
 import multiprocessing
 import queue
 import re
+import signal
 import statistics
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -619,6 +621,11 @@ class _Pool:
         self.pool = multiprocessing.get_context("spawn").Pool(jobs)
         self.finished: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = 0
+        # a SIGTERM (kill, a job scheduler) ends the run through ``close`` too: by default it
+        # would end this process alone, its workers planning on
+        self._term = None
+        if threading.current_thread() is threading.main_thread():
+            self._term = signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     def submit(self, cfg, job, top_cell):
         self.pending += 1
@@ -639,6 +646,12 @@ class _Pool:
     def close(self):
         self.pool.terminate()
         self.pool.join()
+        if self._term is not None:
+            signal.signal(signal.SIGTERM, self._term)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def run(cfg: dict, targets: list[Target], progress: bool = False, jobs: int = 1,
