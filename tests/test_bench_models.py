@@ -234,10 +234,14 @@ def test_p2x2_line_says_per_cell_what_p2x2_costs_or_why_it_is_not_there():
     cells = [cell("a", 4, {"available": True, "node": "linear_5", "chosen": False, "step_s": 1.1, "ratio": 1.1}),
              cell("b", 8, {"available": False}),
              cell("c", 16, {"available": True, "node": "linear_5", "chosen": True}),
-             cell("d", 16, {"available": True, "node": "linear_5", "chosen": False, "step_s": 1.0, "ratio": 1.02})]
+             cell("d", 16, {"available": True, "node": "linear_5", "chosen": False, "step_s": 1.0, "ratio": 1.02}),
+             cell("e", 4, {"available": True, "node": "linear_5", "chosen": False, "step_s": 0.9, "ratio": 0.9,
+                           "peak_bytes": 3 * 2**30})]
+    cells[-1]["budget_bytes"] = 2 * 2**30
     (line, _) = p2x2_line(cells)
-    assert line.endswith("slower by +2.0% in d on 16, +10.0% in a on 4; chosen in c on 16; not possible in 1 (no "
-                         "mesh axis of 4^k devices in stpc's shape): b on 8.")
+    assert line.endswith("slower by +2.0% in d on 16, +10.0% in a on 4; faster but over the budget by 10.0% in e on "
+                         "4 (peak 3.0 GiB, budget 2.0); chosen in c on 16; not possible in 1 (no mesh axis of 4^k "
+                         "devices in stpc's shape): b on 8.")
     assert p2x2_line([]) == []
 
 

@@ -422,7 +422,7 @@ def recompute_line(cells: list[dict], baselines) -> list[str]:
 def p2x2_line(cells: list[dict]) -> list[str]:
     """Per cell, what P2x2 on the MLP's down projection costs stpc's plan (``p2x2_probe``),
     or why it is not there to try."""
-    chosen, costs, none = [], [], []
+    chosen, costs, faster, none = [], [], [], []
     for c in cells:
         probe = (c["stpc"] or {}).get("p2x2") if not c["infeasible"] else None
         if probe is None:
@@ -432,15 +432,21 @@ def p2x2_line(cells: list[dict]) -> list[str]:
             none.append(where)
         elif probe.get("chosen"):
             chosen.append(where)
+        elif probe.get("step_s") is not None and probe["ratio"] < 1:   # (then over the budget: the search keeps it out)
+            faster.append((probe["ratio"], f"{where} (peak {_gib(probe.get('peak_bytes'))} GiB, budget "
+                                           f"{_gib(c.get('budget_bytes'))})"))
         elif probe.get("step_s") is not None:
             costs.append((probe["ratio"], where))
-    if not (chosen or costs or none):
+    if not (chosen or costs or faster or none):
         return []
     text = ("P(2x2) on the MLP's down projection (fc2 / down_proj, every layer), the rest re-solved on stpc's own "
             "mesh shape, ignoring the budget (the least it costs, modelled): ")
     parts = []
     if costs:
         parts.append("slower by " + ", ".join(f"{(r - 1) * 100:+.1f}% in {w}" for r, w in sorted(costs)))
+    if faster:
+        parts.append("faster but over the budget by " + ", ".join(f"{(1 - r) * 100:.1f}% in {w}"
+                                                                  for r, w in sorted(faster)))
     if chosen:
         parts.append("chosen in " + ", ".join(chosen))
     if none:
