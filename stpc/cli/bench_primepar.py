@@ -23,8 +23,9 @@ Where no baseline fits a cell at full depth, the cell is planned, stpc and every
 alike, at the greatest depth (``n_layers``, found by binary search) at which the best
 baseline fits; the ``layers`` column says so. Each depth tried asks only whether some
 baseline's plan fits (``search.fits_budget``: a proof, not the fastest plan, which under a
-binding budget takes CP-SAT minutes); the plans are made at the depth found. A cell in which not even one layer fits any
-baseline is reported infeasible, with the smallest budget one layer would need.
+binding budget takes CP-SAT minutes); the plans are made at the depth found. A cell in
+which not even one layer fits any baseline is reported infeasible, with the smallest budget
+one layer would need.
 
 Sensitivity: the cells of the first ``--clusters`` entry at the largest ``--sizes`` are
 planned again with the inter-node link at each ``--inter-node-gbs`` (GB/s per node, split
@@ -601,8 +602,8 @@ def _job_in_worker(cfg: dict, job: tuple, top_cell: dict | None) -> tuple[list[d
 
 
 class _Inline:
-    """The pool's interface in this process (``--jobs 1``): jobs run in submission order when
-    ``wait`` is called, one model's traces reused."""
+    """The pool's interface in this process (``--jobs 1``): each ``next_done`` runs the next
+    job submitted, one model's traces reused."""
 
     def __init__(self, cfg: dict):
         self.traces, self.queue = TraceCache(cfg["batch"], cfg["seq"]), []
