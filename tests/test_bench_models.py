@@ -13,8 +13,8 @@ from stpc.cli.bench import BENCHES, machine_line, main_bench, write_section
 from stpc.cli.bench_kernel import main_kernel, ring_step_shapes, step_gemms
 from stpc.cli.bench_planner import large_target, main_planner, primepar_search_s, row
 from stpc.cli.bench_primepar import (best_fitting, compare, greatest_fitting_depth, inter_node_gbs, main_primepar,
-                                     p2x2_line, p2x2_probe, parse_target, recompute_line, unproven_line, why,
-                                     with_inter_node)
+                                     p2x2_line, p2x2_modules, p2x2_probe, parse_target, recompute_line, unproven_line,
+                                     why, with_inter_node)
 from stpc.cost_models import get_cluster
 
 TINY = ["--models", "llama2-7b", "--layers", "2", "--sizes", "4"]
@@ -225,6 +225,7 @@ def test_the_p2x2_probe_prices_p2x2_on_the_down_projection_of_stpcs_own_plan():
     forced = search(tg, (4,), "cpu-local", hints=Hints(force=[(r"fc2$", lambda s: s.kind == "p2x2")]))
     assert forced.modelled_step_time_s == pytest.approx(probe["step_s"])  # (the same re-solve, from either side)
     assert p2x2_probe(forced) == {"available": True, "node": probe["node"], "chosen": True}
+    assert p2x2_modules(forced) == ["layers.*.mlp.fc2"] and p2x2_modules(own) == []   # (every layer's, folded)
     assert p2x2_probe(search(tg, (2,), "cpu-local")) == {"available": False}
 
 
@@ -238,10 +239,12 @@ def test_p2x2_line_says_per_cell_what_p2x2_costs_or_why_it_is_not_there():
              cell("e", 4, {"available": True, "node": "linear_5", "chosen": False, "step_s": 0.9, "ratio": 0.9,
                            "peak_bytes": 3 * 2**30})]
     cells[-1]["budget_bytes"] = 2 * 2**30
+    cells[2]["stpc"]["p2x2_modules"] = ["layers.*.mlp.fc2", "lm_head"]
     (line, _) = p2x2_line(cells)
     assert line.endswith("slower by +2.0% in d on 16, +10.0% in a on 4; faster but over the budget by 10.0% in e on "
                          "4 (peak 3.0 GiB, budget 2.0); chosen in c on 16; not possible in 1 (no mesh axis of 4^k "
-                         "devices in stpc's shape): b on 8.")
+                         "devices in stpc's shape): b on 8. The ops stpc's own plans run P(2x2): layers.*.mlp.fc2, "
+                         "lm_head in c on 16.")
     assert p2x2_line([]) == []
 
 

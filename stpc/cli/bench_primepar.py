@@ -198,6 +198,12 @@ def p2x2_probe(plan) -> dict:
             "ratio": alt.step_s / plan.modelled_step_time_s, "peak_bytes": alt.peak_bytes}
 
 
+def p2x2_modules(plan) -> list[str]:
+    """The module paths of the ops ``plan`` runs P(2x2), layer indices folded (``layers.*``)."""
+    return sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n.module) for n in plan.nodes.values()
+                   if n.role == "decision" and n.kind == "p2x2"})
+
+
 def plan_record(plan, err, search_s: float) -> dict:
     """What the tables need of one plan (or of its infeasibility)."""
     if plan is None:
@@ -208,6 +214,7 @@ def plan_record(plan, err, search_s: float) -> dict:
             "peak_bytes": plan.peak_memory_bytes, "compute_s": split.get("compute_s"),
             "exposed_s": split.get("exposed_s"), "hidden_s": split.get("hidden_s"), "search_s": search_s,
             "recompute": plan.stats.get("recompute") or "none",
+            "p2x2_modules": p2x2_modules(plan),
             "recompute_layers": plan.stats.get("recompute_layers"),
             "optimal": plan.stats.get("optimal", True), "unresolved": plan.stats.get("unresolved", [])}
 
@@ -423,8 +430,10 @@ def recompute_line(cells: list[dict], baselines) -> list[str]:
 def p2x2_line(cells: list[dict]) -> list[str]:
     """Per cell, what P2x2 on the MLP's down projection costs stpc's plan (``p2x2_probe``),
     or why it is not there to try."""
-    chosen, costs, faster, none = [], [], [], []
+    chosen, costs, faster, none, ops = [], [], [], [], []
     for c in cells:
+        if not c["infeasible"] and (c["stpc"] or {}).get("p2x2_modules"):
+            ops.append(f"{', '.join(c['stpc']['p2x2_modules'])} in {c['model']} on {c['devices']}")
         probe = (c["stpc"] or {}).get("p2x2") if not c["infeasible"] else None
         if probe is None:
             continue
@@ -438,7 +447,7 @@ def p2x2_line(cells: list[dict]) -> list[str]:
                                            f"{_gib(c.get('budget_bytes'))})"))
         elif probe.get("step_s") is not None:
             costs.append((probe["ratio"], where))
-    if not (chosen or costs or faster or none):
+    if not (chosen or costs or faster or none or ops):
         return []
     text = ("P(2x2) on the MLP's down projection (fc2 / down_proj, every layer), the rest re-solved on stpc's own "
             "mesh shape, ignoring the budget (the least it costs, modelled): ")
@@ -452,7 +461,10 @@ def p2x2_line(cells: list[dict]) -> list[str]:
         parts.append("chosen in " + ", ".join(chosen))
     if none:
         parts.append(f"not possible in {len(none)} (no mesh axis of 4^k devices in stpc's shape): " + ", ".join(none))
-    return [text + "; ".join(parts) + ".", ""]
+    text += "; ".join(parts) + "."
+    if ops:
+        text += " The ops stpc's own plans run P(2x2): " + "; ".join(ops) + "."
+    return [text, ""]
 
 
 def unproven_line(cells: list[dict], baselines) -> list[str]:
