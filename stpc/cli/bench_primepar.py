@@ -260,18 +260,6 @@ def plan_cell(traces: TraceCache, model: str, n: int, target: Target, budget: fl
     t0 = time.perf_counter()
     full = layers or models.get_config(model).n_layers
     cluster, dtype = target.cluster, target.dtype
-    planned: dict[int, dict] = {}
-
-    def baselines_at(d: int) -> dict:
-        if d not in planned:
-            tg = traces.get(model, d, dtype)
-            recs = {}
-            for b in baselines:
-                t1 = time.perf_counter()
-                plan, err = plan_or_none(tg, n, cluster, budget, b, dtype)
-                recs[b] = (plan, err, time.perf_counter() - t1)
-            planned[d] = recs
-        return planned[d]
 
     def fits(d: int) -> bool:   # a proof that some plan fits, not the fastest one (``fits_budget``)
         tg = traces.get(model, d, dtype)
@@ -281,13 +269,17 @@ def plan_cell(traces: TraceCache, model: str, n: int, target: Target, budget: fl
     cell = {"model": model, "devices": n, "cluster": cluster.name, "dtype": dtype, "budget_bytes": budget,
             "full_layers": full, "layers": chosen, "reduced": chosen is not None and chosen < full,
             "model_states_bytes": model_states_bytes(model, full, dtype)}
-    at = chosen or 1   # an infeasible cell: what one layer would need
-    t1 = time.perf_counter()
-    plan, err = plan_or_none(traces.get(model, at, dtype), n, cluster, budget, None, dtype)
-    cell["stpc"] = plan_record(plan, err, time.perf_counter() - t1)
-    if plan is not None:
-        cell["stpc"]["p2x2"] = p2x2_probe(plan)
-    cell["baselines"] = {b: plan_record(p, e, s) for b, (p, e, s) in baselines_at(at).items()}
+    tg = traces.get(model, chosen or 1, dtype)   # an infeasible cell: what one layer would need
+    for who in (None, *baselines):
+        t1 = time.perf_counter()
+        plan, err = plan_or_none(tg, n, cluster, budget, who, dtype)
+        rec = plan_record(plan, err, time.perf_counter() - t1)
+        if who is None:
+            cell["stpc"], cell["baselines"] = rec, {}
+            if plan is not None:
+                rec["p2x2"] = p2x2_probe(plan)
+        else:
+            cell["baselines"][who] = rec
     cell["infeasible"] = chosen is None
     cell["wall_s"] = time.perf_counter() - t0
     return compare(cell)

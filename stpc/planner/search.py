@@ -349,17 +349,17 @@ def fits_budget(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float 
     their bounds. What a depth search asks at every depth it tries
     (``python -m stpc bench primepar``), where a budget-bound search's CP-SAT solves take
     minutes."""
-    cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
     if budget_bytes is None:
         return True
+    cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
     shape, n = parse_mesh(mesh)
     facts = analyse(tg)
     bound = []   # (cheap memory bound, order, problem): the points whose memory-blind optimum is over
     with _no_gc():
-        for idx, s, h, layout in _points(_candidates(hints, shape, n, cl), facts, temporal, recompute,
-                                         recompute_layers):
-            tries = [(h, layout)] + (list(_rungs(h, layout, facts)) if h.recompute is None else [])
-            for k, (hk, _) in enumerate(tries):
+        for _, s, h, layout in _points(_candidates(hints, shape, n, cl), facts, temporal, recompute,
+                                       recompute_layers):
+            tries = [h] + ([hr for hr, _ in _rungs(h, layout, facts)] if h.recompute is None else [])
+            for k, hk in enumerate(tries):
                 try:
                     b, problem = build_problem(tg, CostModel(cl, s), budget_bytes, hk, optimizer_layout, facts,
                                                edges=False)
