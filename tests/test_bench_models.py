@@ -13,7 +13,7 @@ from stpc.cli.bench import BENCHES, machine_line, main_bench, write_section
 from stpc.cli.bench_kernel import main_kernel, ring_step_shapes, step_gemms
 from stpc.cli.bench_planner import large_target, main_planner, primepar_search_s, row
 from stpc.cli.bench_primepar import (best_fitting, compare, greatest_fitting_depth, inter_node_gbs, main_primepar,
-                                     p2x2_line, p2x2_modules, p2x2_probe, parse_target, recompute_line, unproven_line,
+                                     p2x2_line, p2x2_modules, p2x2_probe, p2x2_reasons, parse_target, recompute_line, unproven_line,
                                      why, with_inter_node)
 from stpc.cost_models import get_cluster
 
@@ -226,6 +226,9 @@ def test_the_p2x2_probe_prices_p2x2_on_the_down_projection_of_stpcs_own_plan():
     assert forced.modelled_step_time_s == pytest.approx(probe["step_s"])  # (the same re-solve, from either side)
     assert p2x2_probe(forced) == {"available": True, "node": probe["node"], "chosen": True}
     assert p2x2_modules(forced) == ["layers.*.mlp.fc2"] and p2x2_modules(own) == []   # (every layer's, folded)
+    # why: the forced plan leaves fc2 no other strategy to compare with; stpc's own runs none
+    assert p2x2_reasons(forced) == [{"module": "layers.*.mlp.fc2", "next": None, "ratio": None, "how": "none fits"}]
+    assert p2x2_reasons(own) == []
     assert p2x2_probe(search(tg, (2,), "cpu-local")) == {"available": False}
 
 
@@ -245,6 +248,13 @@ def test_p2x2_line_says_per_cell_what_p2x2_costs_or_why_it_is_not_there():
                          "4 (peak 3.0 GiB, budget 2.0); chosen in c on 16; not possible in 1 (no mesh axis of 4^k "
                          "devices in stpc's shape): b on 8. The ops stpc's own plans run P(2x2): layers.*.mlp.fc2, "
                          "lm_head in c on 16.")
+    # a cell that recorded why (p2x2_reasons) says it, op by op
+    cells[2]["stpc"]["p2x2_why"] = [{"module": "lm_head", "next": "(R)·(S0) -> (S1)", "ratio": 1.0001, "how": "exact"},
+                                    {"module": "layers.*.mlp.fc2", "next": None, "ratio": None, "how": "none fits"}]
+    (line, _) = p2x2_line(cells)
+    assert line.endswith("The ops stpc's own plans run P(2x2): lm_head in c on 16 (the best plan with it "
+                         "(R)·(S0) -> (S1) is +0.01%), layers.*.mlp.fc2 in c on 16 (no other strategy of it fits "
+                         "the budget).")
     assert p2x2_line([]) == []
 
 

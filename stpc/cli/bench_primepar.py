@@ -204,6 +204,27 @@ def p2x2_modules(plan) -> list[str]:
                    if n.role == "decision" and n.kind == "p2x2"})
 
 
+def p2x2_reasons(plan, time_limit_s: float = 20.0) -> list[dict]:
+    """Why ``plan`` runs each of its P(2x2) ops (``plan.explain``'s full effect): per op (module
+    path, layer indices folded; tied copies once), the best plan in which it takes any other
+    strategy, re-solved under the budget, and its step time against ``plan``'s."""
+    sv, out, seen = plan.solved, [], set()
+    if sv is None:
+        return out
+    for name, n in plan.nodes.items():
+        if n.role != "decision" or n.kind != "p2x2":
+            continue
+        g = sv.group_of(name)[1]
+        if g is None or g in seen:
+            continue
+        seen.add(g)
+        alt = sv.best_where(g, lambda s: s.kind != "p2x2", time_limit_s=time_limit_s)
+        out.append({"module": re.sub(r"\.\d+(?=\.|$)", ".*", n.module), "next": alt.label if alt else None,
+                    "ratio": alt.step_s / plan.modelled_step_time_s if alt else None,
+                    "how": alt.how if alt else "none fits"})
+    return out
+
+
 def plan_record(plan, err, search_s: float) -> dict:
     """What the tables need of one plan (or of its infeasibility)."""
     if plan is None:
@@ -214,7 +235,7 @@ def plan_record(plan, err, search_s: float) -> dict:
             "peak_bytes": plan.peak_memory_bytes, "compute_s": split.get("compute_s"),
             "exposed_s": split.get("exposed_s"), "hidden_s": split.get("hidden_s"), "search_s": search_s,
             "recompute": plan.stats.get("recompute") or "none",
-            "p2x2_modules": p2x2_modules(plan),
+            "p2x2_modules": p2x2_modules(plan), "p2x2_why": p2x2_reasons(plan),
             "recompute_layers": plan.stats.get("recompute_layers"),
             "optimal": plan.stats.get("optimal", True), "unresolved": plan.stats.get("unresolved", [])}
 
@@ -424,7 +445,10 @@ def p2x2_line(cells: list[dict]) -> list[str]:
     or why it is not there to try."""
     chosen, costs, faster, none, ops = [], [], [], [], []
     for c in cells:
-        if not c["infeasible"] and (c["stpc"] or {}).get("p2x2_modules"):
+        if not c["infeasible"] and (c["stpc"] or {}).get("p2x2_why"):
+            ops.append(", ".join(f"{w['module']} in {c['model']} on {c['devices']} ({_why(w)})"
+                                 for w in c["stpc"]["p2x2_why"]))
+        elif not c["infeasible"] and (c["stpc"] or {}).get("p2x2_modules"):
             ops.append(f"{', '.join(c['stpc']['p2x2_modules'])} in {c['model']} on {c['devices']}")
         probe = (c["stpc"] or {}).get("p2x2") if not c["infeasible"] else None
         if probe is None:
@@ -457,6 +481,15 @@ def p2x2_line(cells: list[dict]) -> list[str]:
     if ops:
         text += " The ops stpc's own plans run P(2x2): " + "; ".join(ops) + "."
     return [text, ""]
+
+
+def _why(w: dict) -> str:
+    """One P(2x2) op's margin (``p2x2_reasons``) in words."""
+    if w["ratio"] is None:
+        return "no other strategy of it fits the budget"
+    bound = {"bound": ", a lower bound: over the budget", "feasible": ", CP-SAT's time ran out: an upper bound"}
+    return (f"the best plan with it {w['next']} is {(w['ratio'] - 1) * 100:+.2f}%"
+            f"{bound.get(w['how'], '')}")
 
 
 def unproven_line(cells: list[dict], baselines) -> list[str]:
