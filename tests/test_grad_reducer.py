@@ -1,8 +1,7 @@
 """The bucketed gradient reducer (``runtime.GradReducer``, installed by ``stpc.compile`` for the
 parameters ``passes.defer_grad_sync`` defers): gradients equal the single-device model's
 with buckets of any size, over one axis or two at once, under gradient accumulation and
-after parameters are replaced, and buckets are launched while backward is still running;
-a bucket's buffer is written again only once nothing holds the last pass's gradients.
+after parameters are replaced, and buckets are launched while backward is still running.
 
 Real gloo ranks, one spawn for every case.
 """
@@ -43,20 +42,6 @@ def _cases(rank, world, plans):
     total = sum(r + 1 for r in range(world))
     out["bare"] = (torch.equal(a.grad, torch.arange(3.0) * total) and torch.equal(b.grad, torch.full((2, 2), 2.0 * total))
                    and len(red.buckets) == 2)
-    # the next pass writes the same buffers once zero_grad(set_to_none=True) dropped the
-    # views; one a caller kept is never overwritten (that bucket gets a new buffer)
-    ptrs = [a.grad.data_ptr(), b.grad.data_ptr()]
-    a.grad = b.grad = None
-    ((a * 2).sum() * (rank + 1) + (b * 3).sum() * (rank + 1)).backward()
-    reused = [a.grad.data_ptr(), b.grad.data_ptr()] == ptrs
-    kept = b.grad
-    a.grad = b.grad = None
-    ((a * 4).sum() * (rank + 1) + (b * 5).sum() * (rank + 1)).backward()
-    out["reuse"] = {"reused": reused, "a_again": a.grad.data_ptr() == ptrs[0],
-                    "kept_intact": torch.equal(kept, torch.full((2, 2), 3.0 * total)),
-                    "kept_new": b.grad.data_ptr() != ptrs[1],
-                    "sums": torch.equal(a.grad, torch.full((3,), 4.0 * total))
-                    and torch.equal(b.grad, torch.full((2, 2), 5.0 * total))}
     red.remove()
 
     g = torch.Generator().manual_seed(1)
@@ -117,7 +102,6 @@ def test_bucketed_reduction_matches_single_device():
     res = spawn(_cases, 4, plans, timeout_s=240)
     for r in res:
         assert r["bare"]
-        assert r["reuse"] == {"reused": True, "a_again": True, "kept_intact": True, "kept_new": True, "sums": True}, r
         small, default, plain = r["2x2-small-buckets"], r["4-default"], r["4-unbucketed"]
         # fp32, rtol 1e-4: bucketing changes the order of the sums only
         assert small["worst"] <= 1 and default["worst"] <= 1 and plain["worst"] <= 1, r

@@ -24,14 +24,8 @@ several layouts, and only some of them are data-parallel, over some mesh axes):
   accumulated in the meantime was this pass's partial one; it is dropped.
 * gradient accumulation (a second backward without ``zero_grad``): a parameter whose
   ``.grad`` already holds a sum keeps it; its hook returns zeros so autograd adds
-  nothing, and the reduced gradient is added to ``.grad`` at the end.
-* a bucket's buffer is kept for the next pass and written again only when nothing else
-  refers to its memory any more (``zero_grad(set_to_none=True)`` dropped the ``.grad``
-  views, and nobody kept one): an earlier pass's gradients are never overwritten, and
-  the common loop touches no fresh memory. (On the CPU, where no caching allocator
-  stands between torch and the C library, a fresh 25 MiB buffer per bucket per step is
-  a page fault per 4 KiB written: measured on 4 gloo ranks, gpt-50m at 2 layers, 35k
-  faults per step on rank 0 against DDP's 4k, which keeps its buckets.)
+  nothing, and the reduced gradient is added to ``.grad`` at the end. Buffers are
+  allocated per pass, so an earlier pass's ``.grad`` views are never overwritten.
 
 It knows nothing of plans or graphs: the compiled model tells it which parameters, in
 which order, over which groups (``passes.defer_grad_sync``).
@@ -60,8 +54,6 @@ class _Bucket:
         self.numels: list[int] = []
         self.numel = 0
         self.flat: Tensor | None = None      # this pass's gradients, flattened
-        self.spare: Tensor | None = None     # the last pass's buffer, reused once nothing else holds it
-        self.spare_uses = 0                  # its storage's use count when only the reducer held it
         self.arrived: set[int] = set()       # params whose gradient this pass has produced
         self.accumulate: set[int] = set()    # params whose .grad already held a sum
         self.work = None
@@ -77,22 +69,6 @@ def _as_grad(p, local: Tensor) -> Tensor:
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
     return local
-
-
-def _uses(t: Tensor) -> int:
-    """How many tensors (views included) hold ``t``'s memory now."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-def _take_buffer(b: _Bucket) -> Tensor:
-    """The bucket's buffer for this pass: the last pass's when nothing but the reducer holds
-    it any more, else a new one (uninitialised: every slot is written or zeroed before use)."""
-    spare, b.spare = b.spare, None
-    if spare is not None and _uses(spare) == b.spare_uses:
-        return spare
-    fresh = torch.empty(b.numel, dtype=b.dtype, device=b.device)
-    b.spare_uses = _uses(fresh)
-    return fresh
 
 
 class GradReducer:
@@ -164,7 +140,7 @@ class GradReducer:
             bi, pi = self._where[id(p)]
             b = self.buckets[bi]
             if b.flat is None:
-                b.flat = _take_buffer(b)
+                b.flat = torch.empty(b.numel, dtype=b.dtype, device=b.device)
             local = _local(grad)
             b.flat[b.offsets[pi]:b.offsets[pi] + local.numel()].view_as(local).copy_(local)
             b.arrived.add(pi)
@@ -184,7 +160,7 @@ class GradReducer:
 
     def _launch(self, b: _Bucket) -> None:
         if b.flat is None:  # no gradient reached this bucket this pass: its sum is zero
-            b.flat = _take_buffer(b).zero_()
+            b.flat = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
         elif len(b.arrived) < len(b.params):  # some did not: their share of the sum is zero
             for i, p in enumerate(b.params):
                 if i not in b.arrived:
@@ -222,7 +198,7 @@ class GradReducer:
                         p.grad = _as_grad(p, piece)
                 b.arrived.clear()
                 b.accumulate.clear()
-                b.spare, b.flat, b.work = b.flat, None, None
+                b.flat, b.work = None, None
 
     def remove(self) -> None:
         """Unhook every parameter."""
