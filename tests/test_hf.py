@@ -105,7 +105,10 @@ def _train(rank, world, name, plan_json, steps):
     return worst
 
 
-@pytest.mark.parametrize("name,mesh,how", [("gpt2", "4", "budget"), ("llama", "2x2", "megatron")])
+# (GPT-2 under a budget, 41 s on 2 cores, runs in the slow suite: the default run keeps one
+# Hugging Face model in parity and stays under 25 minutes)
+@pytest.mark.parametrize("name,mesh,how", [pytest.param("gpt2", "4", "budget", marks=pytest.mark.slow),
+                                           ("llama", "2x2", "megatron")])
 def test_hugging_face_models_train_in_parity(name, mesh, how):
     plan = plan_for(name, mesh, how)
     assert any(t != "R" for n in plan.nodes.values() if n.role == "param" for t in n.out), "nothing sharded"
