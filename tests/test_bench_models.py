@@ -13,8 +13,8 @@ from stpc.cli.bench import BENCHES, machine_line, main_bench, write_section
 from stpc.cli.bench_kernel import main_kernel, ring_step_shapes, step_gemms
 from stpc.cli.bench_planner import large_target, main_planner, primepar_search_s, row
 from stpc.cli.bench_primepar import (best_fitting, compare, greatest_fitting_depth, inter_node_gbs, main_primepar,
-                                     p2x2_line, p2x2_modules, p2x2_probe, p2x2_reasons, parse_target, recompute_line, unproven_line,
-                                     why, with_inter_node)
+                                     p2x2_line, p2x2_modules, p2x2_probe, p2x2_reasons, parse_target, recompute_line,
+                                     unproven_line, why, with_inter_node)
 from stpc.cost_models import get_cluster
 
 TINY = ["--models", "llama2-7b", "--layers", "2", "--sizes", "4"]
