@@ -198,10 +198,14 @@ def p2x2_probe(plan) -> dict:
             "ratio": alt.step_s / plan.modelled_step_time_s, "peak_bytes": alt.peak_bytes}
 
 
+def _folded(module: str) -> str:
+    """A module path with its layer indices folded: ``layers.3.mlp.fc2`` -> ``layers.*.mlp.fc2``."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", module)
+
+
 def p2x2_modules(plan) -> list[str]:
     """The module paths of the ops ``plan`` runs P(2x2), layer indices folded (``layers.*``)."""
-    return sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n.module) for n in plan.nodes.values()
-                   if n.role == "decision" and n.kind == "p2x2"})
+    return sorted({_folded(n.module) for n in plan.nodes.values() if n.role == "decision" and n.kind == "p2x2"})
 
 
 def p2x2_reasons(plan, time_limit_s: float = 20.0) -> list[dict]:
@@ -219,7 +223,7 @@ def p2x2_reasons(plan, time_limit_s: float = 20.0) -> list[dict]:
             continue
         seen.add(g)
         alt = sv.best_where(g, lambda s: s.kind != "p2x2", time_limit_s=time_limit_s)
-        out.append({"module": re.sub(r"\.\d+(?=\.|$)", ".*", n.module), "next": alt.label if alt else None,
+        out.append({"module": _folded(n.module), "next": alt.label if alt else None,
                     "ratio": alt.step_s / plan.modelled_step_time_s if alt else None,
                     "how": alt.how if alt else "none fits"})
     return out
@@ -445,12 +449,13 @@ def p2x2_line(cells: list[dict]) -> list[str]:
     or why it is not there to try."""
     chosen, costs, faster, none, ops = [], [], [], [], []
     for c in cells:
-        if not c["infeasible"] and (c["stpc"] or {}).get("p2x2_why"):
+        own = {} if c["infeasible"] else (c["stpc"] or {})
+        if own.get("p2x2_why"):
             ops.append(", ".join(f"{w['module']} in {c['model']} on {c['devices']} ({_why(w)})"
-                                 for w in c["stpc"]["p2x2_why"]))
-        elif not c["infeasible"] and (c["stpc"] or {}).get("p2x2_modules"):
-            ops.append(f"{', '.join(c['stpc']['p2x2_modules'])} in {c['model']} on {c['devices']}")
-        probe = (c["stpc"] or {}).get("p2x2") if not c["infeasible"] else None
+                                 for w in own["p2x2_why"]))
+        elif own.get("p2x2_modules"):   # (a cell checkpointed before the reasons were recorded)
+            ops.append(f"{', '.join(own['p2x2_modules'])} in {c['model']} on {c['devices']}")
+        probe = own.get("p2x2")
         if probe is None:
             continue
         where = f"{c['model']} on {c['devices']}"
