@@ -32,6 +32,15 @@ waited on at its end, as DDP's reducer does. A parameter that any consumer reads
 without splitting on ``a`` (its gradient there is already complete) keeps its
 synchronous reduction: summing a complete gradient over the axis would multiply it.
 
+A parameter that keeps its ``f`` (a consumer reads it whole, or a tied copy does) still
+has its gradient read only where autograd sums its uses: late in backward, at its
+earliest consumer. Its ``f`` there is marked ``wait="on_read"``: backward issues the
+all-reduce and goes on, and the sum waits for it (``runtime.lazy_wait.read_later``), so
+it runs beside the rest of backward, as the cost model charges a parameter's gradient sync
+(before, a tied head read whole by the embedding all-reduced the head's gradient, the
+largest of the step, blocking at the start of backward). Only where such a sum exists: a
+gradient with no other use would reach ``.grad`` unwaited.
+
 Guarantees: the same values forward; with the reducer, the same gradients (summed in
 another order: fp32 rounding differs). ``verify`` no longer sees the deferred
 all-reduces (the reducer issues them in the same order on every rank: the graph is
@@ -85,6 +94,22 @@ def _params_of(node: fx.Node) -> set[str]:
             out.add(n.name)
         todo.extend(n.all_input_nodes)
     return out
+
+
+def _mark_read_later(gm: fx.GraphModule, members: dict[str, list[str]], through: set[fx.Node],
+                     groups: list[str]) -> None:
+    """Mark ``wait="on_read"`` the ``f`` nodes kept on a parameter's paths (``members``: each
+    parameter's placeholders, tied copies together) whose gradient autograd sums with a use
+    that has no ``f`` on that group: that sum is what first reads the all-reduce's result."""
+    by_name = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    for phs in members.values():
+        paths = [p for ph in phs for p in _paths(by_name[ph], through)]
+        for g in groups:
+            on_g = [[n for n in p if n.target is runtime.grad_all_reduce and n.kwargs.get("group") == g]
+                    for p in paths]
+            if any(not fs for fs in on_g):
+                for node in {n for fs in on_g for n in fs}:
+                    node.kwargs = {**node.kwargs, "wait": "on_read"}
 
 
 def defer_grad_sync(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
@@ -142,6 +167,7 @@ def defer_grad_sync(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
     for node in {node for by_axis in found.values() for nodes in by_axis.values() for node in nodes}:
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
+    _mark_read_later(gm, members, through, groups)
     # ready order: the parameter used last in forward has its gradient first
     gm.meta["stpc_deferred_grads"] = {ph: deferred[ph] for ph in sorted(deferred, key=lambda ph: -uses[ph])}
     return finish(gm)

@@ -1,7 +1,9 @@
 """The step's loss is summed over ranks without holding the ranks: ``runtime.wait_on_read``
 hands out the all-reduce's result unwaited, ``loss.backward()`` does not wait for it, the
 first read of its value does (and gets the global value), and what nobody read is waited
-by the next step (``runtime.settle``).
+by the next step (``runtime.settle``). A parameter's gradient all-reduce kept in the graph
+(``grad_all_reduce(..., wait="on_read")``) is likewise handed on unwaited in backward and
+waited where autograd sums the parameter's gradients.
 
 Real gloo ranks, one spawn for every case.
 """
@@ -23,7 +25,26 @@ pytestmark = pytest.mark.multirank
 B, S = 4, 16
 
 
-def _cases(rank, world, plan_json):
+def _whole_embedding_plan(world: int):
+    """gpt-tiny data-parallel, but embedding the whole batch on every rank: the tied weight's
+    gradient is complete from the embedding and partial from the head (its f stays)."""
+    import stpc
+    from stpc import models
+    from stpc.planner import Hints, search
+    from stpc.planner.hints import TOKEN_EMBEDDING
+
+    with torch.device("meta"):
+        m = models.build("gpt-tiny")
+    tg = stpc.trace(m, models.example_inputs("gpt-tiny", B, S))
+    whole = Hints(force=[(r".", lambda s: s.kind == "spatial"),
+                         (r"^linear", lambda s: all(t == "S0" for t in s.ins[0])),
+                         (TOKEN_EMBEDDING, lambda s: all(t == "R" for t in s.ins[1]))],
+                  param_force=[(r".", lambda p: all(t == "R" for t in p))], temporal=False)
+    return search(tg, (world,), "cpu-local", hints=whole)
+
+
+def _cases(rank, world, plans):
+    plan_json, whole_json = plans
     import copy
 
     import stpc
@@ -47,6 +68,17 @@ def _cases(rank, world, plan_json):
     out["unread_pending"] = len(lazy_wait._pending)
     runtime.settle()
     out["unread_settled"] = len(lazy_wait._pending)
+    # a parameter's gradient all-reduce marked wait="on_read": backward hands it on unwaited
+    total = float(sum(r + 1 for r in range(world)))
+    w = torch.ones(3, requires_grad=True)
+    (g,) = torch.autograd.grad((runtime.grad_all_reduce(w, group, wait="on_read") * (rank + 1)).sum(), w)
+    out["grad_unwaited"] = isinstance(g, runtime.LoadedLater) and not g.completed
+    out["grad_value"] = torch.equal(g, torch.full((3,), total))
+    # summed with a use whose gradient is complete: the sum waits it, .grad is a plain tensor
+    w = torch.ones(3, requires_grad=True)
+    ((runtime.grad_all_reduce(w, group, wait="on_read") * (rank + 1)).sum() + (5 * w).sum()).backward()
+    out["sum_plain"] = type(w.grad) is torch.Tensor and torch.equal(w.grad, torch.full((3,), total + 5))
+    out["sum_pending"] = len(lazy_wait._pending)
 
     # the compiled model: its loss is such a result; read before backward it is the global mean
     torch.manual_seed(0)
@@ -69,15 +101,32 @@ def _cases(rank, world, plan_json):
     second = pm(idx, tgt)
     out["next_call_settles"] = id(first) not in lazy_wait._pending and id(second) in lazy_wait._pending
     runtime.settle()
+
+    # the tied head read whole by the embedding: its f waits where the tied gradients are summed
+    torch.manual_seed(0)
+    model = models.build("gpt-tiny")
+    single = copy.deepcopy(model)
+    pm = stpc.compile(model, (world,), (idx, tgt), plan=Plan.from_json(whole_json))
+    gm = next(iter(pm.stpc.programs.values())).gm
+    out["whole_marked"] = [n.kwargs.get("wait") for n in gm.graph.nodes if n.target is runtime.grad_all_reduce]
+    single(idx, tgt).backward()
+    pm(idx, tgt).backward()
+    grads = full_grads(pm)
+    out["whole_grads"] = max(_rel(grads[k], p.grad) for k, p in single.named_parameters())
+    out["whole_plain"] = type(pm.lm_head.weight.grad.to_local()) is torch.Tensor
+    out["whole_pending"] = len(lazy_wait._pending)
     return out
 
 
 def test_loss_is_waited_where_read_not_where_computed():
-    plan = make_plan("gpt-tiny", "2", "dp", B, S).to_json()
-    for r in spawn(_cases, 2, plan, timeout_s=240):
+    plans = make_plan("gpt-tiny", "2", "dp", B, S).to_json(), _whole_embedding_plan(2).to_json()
+    for r in spawn(_cases, 2, plans, timeout_s=240):
         assert r["bare_unread_after_backward"] and r["bare_grad"] and r["bare_value"] and r["bare_repr"], r
         assert r["bare_pending_after_read"] == 0 and r["unread_pending"] == 1 and r["unread_settled"] == 0, r
         assert r["compiled_lazy"], r
         # fp32; rtol 1e-4 (``_rel``: 1 means at the tolerance): the sums' order differs only
         assert r["compiled_loss"] <= 1 and r["compiled_grads"] <= 1, r
         assert r["next_call_settles"], r
+        assert r["grad_unwaited"] and r["grad_value"] and r["sum_plain"] and r["sum_pending"] == 0, r
+        assert r["whole_marked"] == ["on_read"] and r["whole_plain"] and r["whole_pending"] == 0, r
+        assert r["whole_grads"] <= 1, r

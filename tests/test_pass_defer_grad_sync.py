@@ -72,7 +72,10 @@ def test_tied_parameter_read_whole_by_one_consumer_keeps_its_reduction():
     gm = defer_grad_sync(gm, plan)
     deferred = gm.meta["stpc_deferred_grads"]
     assert "p_lm_head_weight" not in deferred and len(deferred) > 10
-    assert len(_param_reads(gm, "p_lm_head_weight")) == 1
+    (kept,) = _param_reads(gm, "p_lm_head_weight")
+    # ... and backward does not wait for it: autograd sums it with the embedding's complete
+    # gradient at the end of backward, which is what first reads it
+    assert kept.kwargs == {"group": "g0", "wait": "on_read"}
     # the dp preset embeds each rank's rows: both uses partial, the tied parameter is deferred
     _, plan, gm = _lowered("gpt-tiny", "4", "dp")
     gm = defer_grad_sync(gm, plan)
@@ -94,6 +97,8 @@ def test_activation_reductions_of_tensor_parallelism_stay():
     assert all(re.search(r"(^|_)ln", name) for name in deferred), deferred
     assert len(deferred) == weight_sums
     assert targets(gm)["grad_all_reduce"] == before - weight_sums > 0
+    # an activation's gradient is read by the next op of backward: those wait where they stand
+    assert all("wait" not in n.kwargs for n in gm.graph.nodes if n.target is runtime.grad_all_reduce)
 
 
 def _graph(second_reads_through_f: bool):
@@ -120,10 +125,12 @@ def test_every_path_must_be_partial():
     gm = defer_grad_sync(_graph(True))
     assert gm.meta["stpc_deferred_grads"] == {"w": ["g0"]}
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.aten.mm.default] * 2
-    # Before: one read through f, one whole -> Expected: unchanged (w's gradient is a mix)
+    # Before: one read through f, one whole -> Expected: the f stays (w's gradient is a mix),
+    # waited where autograd sums w's two gradients
     gm = defer_grad_sync(_graph(False))
     assert gm.meta["stpc_deferred_grads"] == {}
-    assert targets(gm)["grad_all_reduce"] == 1
+    (f,) = [n for n in gm.graph.nodes if n.target is runtime.grad_all_reduce]
+    assert f.kwargs == {"group": "g0", "wait": "on_read"}
 
 
 def _shared(w2_read_whole: bool):
@@ -156,7 +163,8 @@ def test_computation_from_parameters_alone_defers_to_its_parameters():
     # so the f both share must stay, and with it w1's reduction
     gm = defer_grad_sync(_shared(True))
     assert gm.meta["stpc_deferred_grads"] == {}
-    assert targets(gm)["grad_all_reduce"] == 1
+    (f,) = [n for n in gm.graph.nodes if n.target is runtime.grad_all_reduce]
+    assert f.kwargs["wait"] == "on_read"
 
 
 def test_position_embedding_is_deferred_not_reduced_in_backward():

@@ -18,6 +18,11 @@ only, do not wait. The autograd dual is the identity (``all_reduce_start``'s sum
 with ``grad="identity"``). Under ``torch.compile`` the result is waited in place:
 inductor schedules the wait itself.
 
+The same wrapper carries a parameter's gradient all-reduce that backward issues and does
+not wait (:func:`read_later`, ``runtime.grad_all_reduce(..., wait="on_read")``): what reads
+it is the sum of the parameter's gradients at the end of backward, so the reduction runs
+beside the rest of backward, as the cost model charges a parameter's gradient sync.
+
 Every result handed out is also waited at the latest by :func:`settle` (the gradient
 reducer's end of backward, the next call of the program), so no collective is left
 unwaited when its tensor is never read.
@@ -28,9 +33,9 @@ import torch
 from torch import Tensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from stpc.runtime.reshard import _c10d
+__all__ = ["LoadedLater", "read_later", "wait_on_read", "settle"]
 
-__all__ = ["LoadedLater", "wait_on_read", "settle"]
+_c10d = torch.ops._c10d_functional
 
 aten = torch.ops.aten
 # ops that read a tensor's metadata only: they make a new tensor "like" it
@@ -67,13 +72,20 @@ class _WaitOnRead(torch.autograd.Function):
     def forward(ctx, t):
         if torch.compiler.is_compiling():
             return _c10d.wait_tensor(t).view_as(t)
-        out = LoadedLater(t)
-        _pending[id(out)] = t
-        return out
+        return read_later(t)
 
     @staticmethod
     def backward(ctx, g):
         return g
+
+
+def read_later(raw: Tensor) -> Tensor:
+    """``raw`` (a functional collective's output, issued, not waited) as a :class:`LoadedLater`,
+    waited by the first op that reads it or by :func:`settle`. Not differentiable: for a
+    result computed in backward; :func:`wait_on_read` is the forward's."""
+    out = LoadedLater(raw)
+    _pending[id(out)] = raw
+    return out
 
 
 def wait_on_read(t: Tensor) -> Tensor:

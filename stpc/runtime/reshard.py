@@ -54,6 +54,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from stpc.placement import grid_index, parse
 from stpc.runtime.failure import comm_failure
+from stpc.runtime.lazy_wait import read_later
 
 __all__ = [
     "all_gather", "all_reduce", "all_reduce_start", "wait", "reduce_scatter", "all_to_all", "shard_slice",
@@ -376,19 +377,30 @@ def to_partial(x: Tensor, group: str) -> Tensor:
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, wait):
+        ctx.group, ctx.wait = group, wait
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return _ar(g, ctx.group), None
+        if ctx.wait == "on_read" and not torch.compiler.is_compiling():
+            return read_later(_guarded("all_reduce", _c10d.all_reduce, ctx.group, g.contiguous(), "sum",
+                                       ctx.group)), None, None
+        return _ar(g, ctx.group), None, None
 
 
-def grad_all_reduce(x: Tensor, group: str) -> Tensor:
+def grad_all_reduce(x: Tensor, group: str, wait: str = "now") -> Tensor:
     """Megatron's "f": identity forward; backward all-reduces the partial gradient that a
-    consumer splitting its work on this axis produces for a Replicate operand."""
-    return _GradAllReduce.apply(x, group)
+    consumer splitting its work on this axis produces for a Replicate operand.
+
+    ``wait="on_read"``: backward issues the all-reduce and hands its result on unwaited
+    (:func:`stpc.runtime.lazy_wait.read_later`): the first op that reads it waits. For a
+    parameter's gradient (``passes.defer_grad_sync`` marks those it cannot defer), which
+    is read where autograd sums the parameter's gradients, at its last use in backward.
+    Under ``torch.compile`` it is waited in place (inductor places the wait)."""
+    if wait not in ("now", "on_read"):
+        raise ValueError(f"grad_all_reduce: wait={wait!r}; give 'now' or 'on_read'")
+    return _GradAllReduce.apply(x, group, wait)
 
 
 # --------------------------------------------------------------------------- PrimePar grid layouts
