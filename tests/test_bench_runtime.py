@@ -64,7 +64,8 @@ def test_solved_note_says_whose_gap_it_is():
 def test_a_tiny_run_end_to_end(tmp_path):
     js, md = str(tmp_path / "rt.json"), str(tmp_path / "RESULTS.md")
     rc = main(["bench", "runtime", "--model", "gpt-tiny", "--batch", "8", "--seq", "16", "--steps", "1",
-               "--warmup", "1", "--json", js, "--results", md, "--debug"])  # a failure's traceback in the log
+               "--warmup", "1", "--allocator", "keep", "--json", js, "--results", md,
+               "--debug"])  # a failure's traceback in the log; run() checks the ranks saw the allocator's variables
     assert rc == 0
     got = json.load(open(js))
     engines = got["engines"]
@@ -81,10 +82,13 @@ def test_a_tiny_run_end_to_end(tmp_path):
     # each step's parts, the slowest rank's: neither alone longer than the step's slowest
     assert all(0 < e["median_fwd_bwd_s"] <= max(e["steps_s"]) and 0 < e["median_optimizer_s"] <= max(e["steps_s"])
                for e in engines)
+    # the step's work, the mean over ranks: some CPU time, a count of page faults
+    assert all(e["median_cpu_s"] > 0 and e["median_faults"] >= 0 for e in engines)
     text = open(md).read()
     assert "<!-- bench:runtime -->" in text and "| data parallel |" in text and "agree" in text
     assert "| stpc step s, modelled |" in text and "| stpc peak MiB, modelled |" in text
-    assert "Where the step goes" in text and text.count("| fsdp + tp |") == 2
+    assert "Where the step goes" in text and "| stpc CPU s | torch CPU s |" in text
+    assert text.count("| fsdp + tp |") == 3 and "MALLOC_TRIM_THRESHOLD_" in text
     assert len(got["rows"]) == 5
 
 

@@ -19,7 +19,9 @@ Every engine is built on every rank in one process, and the steps are interleave
 of each engine per round, the order rotating every round) so the machine's drift hits all
 alike. A step is ``zero_grad; forward; backward; optimizer.step`` between two barriers;
 its time is the slowest rank's. Reported: the median over ``--steps`` rounds after
-``--warmup``, and per engine the peak memory of one step on the worst rank: the bytes live
+``--warmup``; the step's work, each the mean over ranks: CPU time (user + system, every
+thread of the process) and minor page faults (``--allocator`` says how the ranks' malloc
+treats freed memory, for every engine alike); and per engine the peak memory of one step on the worst rank: the bytes live
 at its start (parameters, optimizer state, persistent engine buffers such as DDP's
 gradient buckets) plus the highest level the CPU allocator reached during the step
 (``torch.profiler`` memory events, every allocation through c10 included). All engines
@@ -32,6 +34,8 @@ counterpart's.
 from __future__ import annotations
 
 import copy
+import os
+import resource
 import statistics
 import time
 
@@ -51,6 +55,15 @@ from stpc.planner.baselines import Layout, layout_hints
 from stpc.runtime.launch import spawn
 
 TIME_TARGET = 1.05   # stpc step time / torch's, at most (issue 17)
+
+# ``--allocator``: how the ranks' C allocator (glibc's) treats freed memory, for every engine alike
+ALLOCATORS = {
+    "system": "glibc's defaults: a block over its mmap threshold (128 KiB, raised to the largest freed "
+              "up to 32 MiB) is mapped fresh and handed back when freed, and the heap's free top trimmed",
+    "keep": "glibc told to keep freed memory for reuse, as a caching allocator does: MALLOC_MMAP_THRESHOLD_"
+            "=128 MiB and MALLOC_TRIM_THRESHOLD_=4 GiB for every rank",
+}
+_KEEP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30)}
 
 
 class StpcEngine(Engine):
@@ -200,17 +213,24 @@ def _step(engine: Engine, opt) -> torch.Tensor:
 
 def timed_step(engine: Engine, opt) -> tuple[torch.Tensor, list[float]]:
     """:func:`_step` with a clock between its parts, every rank from a barrier: (the loss,
-    [step, forward + backward, optimizer step] seconds, each the slowest rank's)."""
+    [step, forward + backward, optimizer step] seconds, each the slowest rank's, then the
+    step's CPU seconds (user + system, every thread of the process: the backend's too) and
+    minor page faults, each the mean over ranks). On a machine with fewer cores than ranks
+    the CPU time is the work a step asks of the cores, which its wall time follows; the
+    faults are first touches of memory the allocator got fresh from the system."""
     dist.barrier()
-    t0 = time.perf_counter()
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     opt.zero_grad(set_to_none=True)
     loss = engine.forward_backward()
     t1 = time.perf_counter()
     opt.step()
-    t2 = time.perf_counter()
+    t2, r2 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     dt = torch.tensor([t2 - t0, t1 - t0, t2 - t1], dtype=torch.float64)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return loss, dt.tolist()
+    work = torch.tensor([r2.ru_utime - r0.ru_utime + r2.ru_stime - r0.ru_stime, r2.ru_minflt - r0.ru_minflt],
+                        dtype=torch.float64)
+    dist.all_reduce(work)
+    return loss, dt.tolist() + (work / dist.get_world_size()).tolist()
 
 
 def _peak_of_step(engine: Engine, opt) -> int:
@@ -261,11 +281,13 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         peaks.append(int(p))
     if rank != 0:
         return {}
-    return {"engines": [{"pair": pair, "side": side, "name": e.name, "layout": e.layout,
+    return {"malloc_env": {k: os.environ.get(k) for k in _KEEP_ENV}, "engines": [{"pair": pair, "side": side, "name": e.name, "layout": e.layout,
                          "median_step_s": statistics.median(t[0] for t in times[i]),
                          "steps_s": [t[0] for t in times[i]],
                          "median_fwd_bwd_s": statistics.median(t[1] for t in times[i]),
                          "median_optimizer_s": statistics.median(t[2] for t in times[i]),
+                         "median_cpu_s": statistics.median(t[3] for t in times[i]),
+                         "median_faults": statistics.median(t[4] for t in times[i]),
                          "peak_bytes": peaks[i], "first_loss": first_loss[i], **_modelled(e)}
                         for i, (pair, side, e) in enumerate(engines)]}
 
@@ -367,6 +389,19 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
                          f"{s_['median_fwd_bwd_s'] / t['median_fwd_bwd_s']:.3f} | {s_['median_optimizer_s']:.4f} | "
                          f"{t['median_optimizer_s']:.4f} | {s_['median_optimizer_s'] / t['median_optimizer_s']:.3f} |")
         lines.append("")
+    work = [row for row in rows if "median_cpu_s" in row["stpc"] and "median_cpu_s" in row["torch"]]
+    if work:  # what the step asks of the cores (CPU time of every thread) and fresh pages touched
+        lines += [f"The work of a step (medians over the same rounds, each the mean over ranks): CPU seconds, user + "
+                  f"system, of every thread of a rank's process (the backend's included), and the minor page faults, "
+                  f"first touches of memory the allocator took fresh from the system ({ALLOCATORS[cfg.get('allocator', 'system')]}):",
+                  "", "| pair | stpc CPU s | torch CPU s | stpc / torch | stpc page faults | torch page faults |",
+                  "|---|---|---|---|---|---|"]
+        for row in work:
+            s_, t = row["stpc"], row["torch"]
+            lines.append(f"| {row['pair']} | {s_['median_cpu_s']:.3f} | {t['median_cpu_s']:.3f} | "
+                         f"{s_['median_cpu_s'] / t['median_cpu_s']:.3f} | {s_['median_faults']:.0f} | "
+                         f"{t['median_faults']:.0f} |")
+        lines.append("")
     missed = [r for r in rows if not (r["time_met"] and r["memory_met"])]
     lines.append("What differs between the two sides, by construction (the code, not this run): stpc's "
                  "ZeRO/FSDP programs, like FSDP2, free a layer's gathered weights after forward and gather "
@@ -389,8 +424,23 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
 
 def run(cfg: dict, progress: bool = False) -> list[dict]:
     """Spawn the ranks and return one record per engine (``progress``: rank 0 draws a bar
-    over the rounds on stderr)."""
-    out = spawn(_worker, cfg["ranks"], {**cfg, "progress": progress}, timeout_s=cfg.get("timeout_s", 1800))
+    over the rounds on stderr). ``cfg["allocator"] == "keep"``: the ranks start with glibc's
+    malloc keeping freed memory (:data:`ALLOCATORS`; the environment a process starts with
+    is the only place glibc reads it from)."""
+    env = _KEEP_ENV if cfg.get("allocator", "system") == "keep" else {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        out = spawn(_worker, cfg["ranks"], {**cfg, "progress": progress}, timeout_s=cfg.get("timeout_s", 1800))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if out[0]["malloc_env"] != {k: env.get(k) for k in _KEEP_ENV}:
+        raise RuntimeError(f"bench runtime: --allocator {cfg.get('allocator')}: the ranks started with "
+                           f"{out[0]['malloc_env']}, not {env or 'none of those variables'}")
     return out[0]["engines"]
 
 
@@ -404,11 +454,16 @@ def main_runtime(argv: list[str], machine_line, write_section) -> int:
                    "timeout": {"default": 1800.0, "shown": "1800"},
                    "json": {"shown": "none", "note": "one record per engine, and the rows"}})
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: 3)")
+    ap.add_argument("--allocator", choices=sorted(ALLOCATORS), default="system",
+                    help="the ranks' malloc, for every engine alike: system (glibc's defaults) or keep (glibc "
+                         "keeps freed memory for reuse, no fresh pages for memory freed and taken again; "
+                         "default: system)")
     ap.add_argument("--results", help="regenerate this markdown file's runtime section (e.g. benchmarks/RESULTS.md)")
     args = ap.parse_args(argv)
     if args.warmup < 0:
         ap.error(f"--warmup {args.warmup}: give 0 or more")
-    cfg = {k: getattr(args, k) for k in ("model", "layers", "batch", "seq", "ranks", "steps", "warmup", "cluster")}
+    cfg = {k: getattr(args, k) for k in ("model", "layers", "batch", "seq", "ranks", "steps", "warmup", "cluster",
+                                         "allocator")}
     cfg["timeout_s"] = args.timeout
     records = run(cfg, progress=not args.quiet)
     command = "python -m stpc bench runtime " + " ".join(argv)
