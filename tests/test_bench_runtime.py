@@ -58,6 +58,29 @@ def test_solved_note_says_whose_gap_it_is():
     note = solved_note(recs)
     assert "measure alike" in note and "faster in 5 of 10 rounds" in note and "misranks" not in note
     assert solved_note(recs[:2]) == ""
+    # where the records say how the plans differ, the note names it (or says they are one program)
+    recs[2]["differs_from"] = {"data parallel": ["embedding: (R)·(S0) -> (S0) -> (R)·(R) -> (R)"]}
+    assert "differs from the data parallel program in embedding: (R)·(S0) -> (S0) -> (R)·(R) -> (R)" in solved_note(recs)
+    recs[2]["differs_from"] = {"data parallel": []}
+    assert "the solved plan is the data parallel program itself" in solved_note(recs)
+
+
+def test_plan_delta_names_the_ops_that_differ():
+    from stpc.planner import Hints, search
+    from stpc.planner.hints import TOKEN_EMBEDDING
+
+    from _graphs import traced_and_plan
+    from stpc.cli.bench_runtime import plan_delta
+
+    tg, dp = traced_and_plan("gpt-tiny", "4", "dp")
+    assert plan_delta(dp, dp) == []
+    whole = Hints(force=[(r".", lambda s: s.kind == "spatial"),
+                         (r"^linear", lambda s: all(t == "S0" for t in s.ins[0])),
+                         (TOKEN_EMBEDDING, lambda s: all(t == "R" for t in s.ins[1]))],
+                  param_force=[(r".", lambda p: all(t == "R" for t in p))], temporal=False)
+    other = search(tg, (4,), "cpu-local", hints=whole)
+    delta = plan_delta(dp, other)
+    assert delta and any(d.startswith("embedding") and d.endswith("-> (R)·(R) -> (R)") for d in delta), delta
 
 
 @pytest.mark.multirank

@@ -52,6 +52,7 @@ from stpc.cli.bench_engines import Engine, build_engine
 from stpc.compile import compile as stpc_compile
 from stpc.frontend import models
 from stpc.planner.baselines import Layout, layout_hints
+from stpc.planner.summary import strategy_label
 from stpc.runtime.launch import spawn
 
 TIME_TARGET = 1.05   # stpc step time / torch's, at most (issue 17)
@@ -288,8 +289,36 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                          "median_optimizer_s": statistics.median(t[2] for t in times[i]),
                          "median_cpu_s": statistics.median(t[3] for t in times[i]),
                          "median_faults": statistics.median(t[4] for t in times[i]),
-                         "peak_bytes": peaks[i], "first_loss": first_loss[i], **_modelled(e)}
+                         "peak_bytes": peaks[i], "first_loss": first_loss[i], **_modelled(e),
+                         **({"differs_from": _deltas(engines)} if (pair, side) == ("solved", "stpc") else {})}
                         for i, (pair, side, e) in enumerate(engines)]}
+
+
+def plan_delta(a, b) -> list[str]:
+    """Where stpc's plan ``b`` differs from ``a``, op by op: each decision node (a tied copy
+    once) whose strategy differs, ``"node: a's -> b's"``, then one entry counting the
+    parameters whose placement differs. Empty: the same program."""
+    out = []
+    for name, n in a.nodes.items():
+        m = b.nodes.get(name)
+        if (n.role == "decision" and not n.tied_to and m is not None and m.role == n.role
+                and strategy_label(m) != strategy_label(n)):
+            out.append(f"{name}: {strategy_label(n)} -> {strategy_label(m)}")
+    params = sum(1 for name, n in a.nodes.items() if n.role == "param" and name in b.nodes
+                 and tuple(b.nodes[name].out) != tuple(n.out))
+    if params:
+        out.append(f"{params} parameter placement{'s' if params > 1 else ''}")
+    if tuple(a.mesh_shape) != tuple(b.mesh_shape):
+        out.insert(0, f"mesh {'x'.join(map(str, a.mesh_shape))} -> {'x'.join(map(str, b.mesh_shape))}")
+    return out
+
+
+def _deltas(engines) -> dict:
+    """For the solved row's stpc engine: per other stpc row, :func:`plan_delta` from that row's
+    plan to the solved plan (what the solved note says when the two measure alike)."""
+    plans = {pair: e.model.stpc.plan for pair, side, e in engines if side == "stpc"}
+    solved = plans.get("solved")
+    return {} if solved is None else {pair: plan_delta(p, solved) for pair, p in plans.items() if pair != "solved"}
 
 
 def _modelled(engine: Engine) -> dict:
@@ -335,6 +364,11 @@ def solved_note(records: list[dict]) -> str:
     best = min(others, key=lambda r: r["median_step_s"])
     wins, n, p = paired_rounds(solved.get("steps_s", []), best.get("steps_s", []))
     rounds = f"the solved plan faster in {wins} of {n} rounds"
+    delta = solved.get("differs_from", {}).get(best["pair"])
+    if delta is not None:  # what the two programs are: the same plan, or where they differ
+        shown = "; ".join(delta[:3]) + (f"; and {len(delta) - 3} more" if len(delta) > 3 else "")
+        rounds += (f"; the solved plan is the {best['pair']} program itself" if not delta else
+                   f"; the solved plan differs from the {best['pair']} program in {shown}")
     if solved["median_step_s"] <= best["median_step_s"]:
         return (f" In this run it is the fastest of stpc's programs ({solved['median_step_s']:.3f} s; the next, "
                 f"the {best['pair']} row's, {best['median_step_s']:.3f} s; {rounds}): the model ranks stpc's own "
