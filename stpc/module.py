@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from stpc import passes, runtime
 from stpc.placement import is_grid, local_shape
-from stpc.runtime.dtensors import dtensor_placements, param_local, stored, to_plan_layout
+from stpc.runtime.dtensors import dtensor_placements, stored, to_plan_layout
 from stpc.runtime.failure import comm_failure
 from stpc.runtime.grad_reducer import GradReducer
 from stpc.runtime.hook_taps import HookTaps, UnsupportedHook
@@ -287,7 +287,7 @@ class Compiled:
             if kind == "param":
                 _, fqn, placement = entry
                 p = module.get_parameter(fqn)
-                local = param_local(p) if isinstance(p, DTensor) else p
+                local = p.to_local() if isinstance(p, DTensor) else p
                 out.append(to_plan_layout(local, placement, self.groups) if any(is_grid(t) for t in placement)
                            else local)
             elif kind == "buffer":

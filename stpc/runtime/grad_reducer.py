@@ -37,7 +37,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from stpc.runtime.dtensors import grad_like
 from stpc.runtime.failure import comm_failure
 from stpc.runtime.lazy_wait import settle
 from stpc.runtime.reshard import _pg
@@ -66,7 +65,10 @@ def _local(t: Tensor) -> Tensor:
 
 def _as_grad(p, local: Tensor) -> Tensor:
     """``local`` as a gradient of ``p`` (a DTensor of p's layout if p is one)."""
-    return grad_like(p, local) if isinstance(p, DTensor) else local
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return local
 
 
 class GradReducer:
