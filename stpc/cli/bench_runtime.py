@@ -282,7 +282,8 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         peaks.append(int(p))
     if rank != 0:
         return {}
-    return {"malloc_env": {k: os.environ.get(k) for k in _KEEP_ENV}, "engines": [{"pair": pair, "side": side, "name": e.name, "layout": e.layout,
+    return {"malloc_env": {k: os.environ.get(k) for k in _KEEP_ENV},
+            "engines": [{"pair": pair, "side": side, "name": e.name, "layout": e.layout,
                          "median_step_s": statistics.median(t[0] for t in times[i]),
                          "steps_s": [t[0] for t in times[i]],
                          "median_fwd_bwd_s": statistics.median(t[1] for t in times[i]),
@@ -462,16 +463,7 @@ def run(cfg: dict, progress: bool = False) -> list[dict]:
     malloc keeping freed memory (:data:`ALLOCATORS`; the environment a process starts with
     is the only place glibc reads it from)."""
     env = _KEEP_ENV if cfg.get("allocator", "system") == "keep" else {}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        out = spawn(_worker, cfg["ranks"], {**cfg, "progress": progress}, timeout_s=cfg.get("timeout_s", 1800))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    out = spawn(_worker, cfg["ranks"], {**cfg, "progress": progress}, timeout_s=cfg.get("timeout_s", 1800), env=env)
     if out[0]["malloc_env"] != {k: env.get(k) for k in _KEEP_ENV}:
         raise RuntimeError(f"bench runtime: --allocator {cfg.get('allocator')}: the ranks started with "
                            f"{out[0]['malloc_env']}, not {env or 'none of those variables'}")

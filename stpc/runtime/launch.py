@@ -160,8 +160,12 @@ def _kill_all(procs: list) -> None:
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, backend: str = "gloo",
-          threads_per_rank: int = 1, grace_s: float = _FAILURE_GRACE_S) -> list:
+          threads_per_rank: int = 1, grace_s: float = _FAILURE_GRACE_S, env: dict[str, str] | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
+
+    ``env``: environment variables the ranks start with (besides ``OMP_NUM_THREADS`` and
+    ``MKL_NUM_THREADS``, set to ``threads_per_rank``), for what a process reads only at its
+    start (glibc's ``MALLOC_*`` variables); this process's environment is left as it was.
 
     Raises :class:`SpawnError` naming the first rank that failed (with its
     traceback; the others' reports, collected for up to ``grace_s`` seconds after
@@ -185,9 +189,9 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
     procs = []
     # Children inherit the environment at start: OMP_NUM_THREADS must be set
     # before torch is imported there, which happens while unpickling fn.
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["MKL_NUM_THREADS"] = str(threads)
+    start_env = {**(env or {}), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    saved = {k: os.environ.get(k) for k in start_env}
+    os.environ.update(start_env)
     try:
         for rank in range(world_size):
             p = ctx.Process(
