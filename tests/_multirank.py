@@ -173,6 +173,19 @@ def family_hints(family: str):
     raise ValueError(family)
 
 
+def whole_embedding_hints():
+    """Data parallel at every linear (batch-split inputs, every parameter replicated), but the
+    token embedding computed on the whole batch on every rank: a tied head's gradient is then
+    complete from the embedding and partial from the head, so its reduction stays in the graph."""
+    from stpc.planner import Hints
+    from stpc.planner.hints import TOKEN_EMBEDDING
+
+    return Hints(force=[(r".", lambda s: s.kind == "spatial"),
+                        (r"^linear", lambda s: all(t == "S0" for t in s.ins[0])),
+                        (TOKEN_EMBEDDING, lambda s: all(t == "R" for t in s.ins[1]))],
+                 param_force=[(r".", lambda p: all(t == "R" for t in p))], temporal=False)
+
+
 # CP-SAT's wall-clock limit per candidate for the ``solved-budget`` plans (``make_plan``).
 SOLVED_BUDGET_TIME_LIMIT_S = 5.0
 

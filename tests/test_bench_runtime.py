@@ -66,18 +66,15 @@ def test_solved_note_says_whose_gap_it_is():
 
 
 def test_plan_delta_names_the_ops_that_differ():
-    from stpc.planner import Hints, search
-    from stpc.planner.hints import TOKEN_EMBEDDING
+    from stpc.planner import search
 
     from _graphs import traced_and_plan
+    from _multirank import whole_embedding_hints
     from stpc.cli.bench_runtime import plan_delta
 
     tg, dp = traced_and_plan("gpt-tiny", "4", "dp")
     assert plan_delta(dp, dp) == []
-    whole = Hints(force=[(r".", lambda s: s.kind == "spatial"),
-                         (r"^linear", lambda s: all(t == "S0" for t in s.ins[0])),
-                         (TOKEN_EMBEDDING, lambda s: all(t == "R" for t in s.ins[1]))],
-                  param_force=[(r".", lambda p: all(t == "R" for t in p))], temporal=False)
+    whole = whole_embedding_hints()
     other = search(tg, (4,), "cpu-local", hints=whole)
     delta = plan_delta(dp, other)
     assert delta and any(d.startswith("embedding") and d.endswith("-> (R)·(R) -> (R)") for d in delta), delta

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _multirank import _rel, full_grads, make_plan  # noqa: E402
+from _multirank import _rel, full_grads, make_plan, whole_embedding_hints  # noqa: E402
 
 from stpc.runtime.launch import spawn  # noqa: E402
 
@@ -30,16 +30,12 @@ def _whole_embedding_plan(world: int):
     gradient is complete from the embedding and partial from the head (its f stays)."""
     import stpc
     from stpc import models
-    from stpc.planner import Hints, search
-    from stpc.planner.hints import TOKEN_EMBEDDING
+    from stpc.planner import search
 
     with torch.device("meta"):
         m = models.build("gpt-tiny")
     tg = stpc.trace(m, models.example_inputs("gpt-tiny", B, S))
-    whole = Hints(force=[(r".", lambda s: s.kind == "spatial"),
-                         (r"^linear", lambda s: all(t == "S0" for t in s.ins[0])),
-                         (TOKEN_EMBEDDING, lambda s: all(t == "R" for t in s.ins[1]))],
-                  param_force=[(r".", lambda p: all(t == "R" for t in p))], temporal=False)
+    whole = whole_embedding_hints()
     return search(tg, (world,), "cpu-local", hints=whole)
 
 

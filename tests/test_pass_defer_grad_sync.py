@@ -5,6 +5,7 @@ import re
 import torch
 
 from _graphs import targets, traced_and_plan
+from _multirank import whole_embedding_hints
 from stpc import runtime
 from stpc.passes import cleanup, defer_grad_sync, insert_collectives, ring_decompose, shard_params
 
@@ -57,15 +58,11 @@ def test_tied_parameter_read_whole_by_one_consumer_keeps_its_reduction():
     # gpt-tiny's head is tied to the embedding. Embedding the whole batch on every rank makes
     # the weight's gradient there complete, so summing the tied parameter's gradient over the
     # axis would double that part: it must stay reduced where it is used
-    from stpc.planner import Hints, search
-    from stpc.planner.hints import TOKEN_EMBEDDING
+    from stpc.planner import search
 
     tg, _ = traced_and_plan("gpt-tiny", "4", "dp")
     assert tg.tied_params == {"p_lm_head_weight": "p_wte_weight"}
-    whole = Hints(force=[(r".", lambda s: s.kind == "spatial"),
-                         (r"^linear", lambda s: all(t == "S0" for t in s.ins[0])),
-                         (TOKEN_EMBEDDING, lambda s: all(t == "R" for t in s.ins[1]))],
-                  param_force=[(r".", lambda p: all(t == "R" for t in p))], temporal=False)
+    whole = whole_embedding_hints()
     plan = search(tg, (4,), "cpu-local", hints=whole)
     gm = cleanup(ring_decompose(insert_collectives(shard_params(tg.gm, plan, groups=["g0"]), plan), plan), plan)
     gm.meta["stpc_tied_params"] = dict(tg.tied_params)

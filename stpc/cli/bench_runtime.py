@@ -464,9 +464,10 @@ def run(cfg: dict, progress: bool = False) -> list[dict]:
     is the only place glibc reads it from)."""
     env = _KEEP_ENV if cfg.get("allocator", "system") == "keep" else {}
     out = spawn(_worker, cfg["ranks"], {**cfg, "progress": progress}, timeout_s=cfg.get("timeout_s", 1800), env=env)
-    if out[0]["malloc_env"] != {k: env.get(k) for k in _KEEP_ENV}:
+    expected = {k: env.get(k, os.environ.get(k)) for k in _KEEP_ENV}  # (system: whatever this process has)
+    if out[0]["malloc_env"] != expected:
         raise RuntimeError(f"bench runtime: --allocator {cfg.get('allocator')}: the ranks started with "
-                           f"{out[0]['malloc_env']}, not {env or 'none of those variables'}")
+                           f"{out[0]['malloc_env']}, not {expected}")
     return out[0]["engines"]
 
 
