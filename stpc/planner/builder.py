@@ -64,7 +64,7 @@ import math
 import re
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -72,6 +72,7 @@ import torch
 from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, MemoryModel, bytes_per_param, optimizer_step_time
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, fits, shard, shard_factor
+from stpc.planner import grad_sum
 from stpc.planner.analysis import GraphFacts, Item, analyse, kept_when_selective, layer_of, layer_param_bytes
 from stpc.planner.costs import (RESHARD_COPIES, NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, grad_bytes,
                                grad_reduction_bytes, kept_gathered_bytes, param_copy_phases, reshard_cost,
@@ -164,6 +165,27 @@ class Builder:
         self._tied_copies = self.tg.tied_copies()
         self._force_hits: set[int] = set()  # the Hints.force patterns that matched a decision node
         self._layer_bytes = layer_param_bytes(self.graph)
+        # a parameter several ops read: its reads in forward order, its modes per choice (``grad_sum``)
+        self._reader_of, self._readers = self._param_readers()
+        self._sum_modes: dict[int, list] = {}   # such a parameter's group -> its mode per choice
+
+    def _param_readers(self) -> tuple[dict, dict]:
+        """Parameters that more than one op reads (through their group: a view or cast of one
+        reads it too), as ``grad_sum`` sees them: (read (src, dst, i) -> its place in forward
+        order among its parameter's reads, group -> (how many reads, the most bytes one of
+        them moves whole: what sizes the penalty))."""
+        reads = defaultdict(set)
+        for src, dst, i in self.facts.edge_uses:
+            if self.facts.group_items[src.group].kind == "param" and src.group != dst.group:
+                reads[src.group].add((src, dst, i))
+        order, readers = {}, {}
+        for g, rs in reads.items():
+            if len(rs) > 1:
+                for k, r in enumerate(sorted(rs, key=lambda r: (self._order(r[1]), r[2]))):
+                    order[r] = k
+                readers[g] = (len(rs), max(r[0].node.meta["val"].numel() * r[0].node.meta["val"].element_size()
+                                           for r in rs))
+        return order, readers
 
     # ---------------------------------------------------------------- per item
     def _open_group(self, it: Item, strategies, cost, mem, transient, step=None, own_mem=None):
@@ -211,7 +233,12 @@ class Builder:
                     choices = [c for c in choices if pred(c)] or choices
             if fqn in self.hints.param_exact:
                 choices = self._exact(node, f"parameter {fqn}", choices, self.hints.param_exact[fqn])
-            choices = self._choice_lists.setdefault(tuple(choices), choices)  # (equal lists: one object)
+            if it.group in self._readers and node in self.rg:  # each placement once per mode (``grad_sum``)
+                with_modes = [(p, m) for p in choices for m in grad_sum.modes(p, self.mesh, self._readers[it.group][0])]
+                choices = [p for p, _ in with_modes]
+                self._sum_modes[it.group] = [m for _, m in with_modes]
+            else:
+                choices = self._choice_lists.setdefault(tuple(choices), choices)  # (equal lists: one object)
             cost = [0.0] * len(choices)
             shards = [math.prod(n for n, t in zip(self.mesh, p) if t != REPLICATE) for p in choices]
             if node.name in self._tied_copies:  # the same tensor as another parameter: held once, as read
@@ -774,9 +801,14 @@ class Builder:
             layer = self._layer_bytes.get(src.node, 0.0)
             inline = self.recompute and dst in self.facts.layer_items
             kept = dst in self.facts.head  # (the head's gathers are kept for backward: not made again)
-            key = ("param-edge", id(place), nbytes, layer, rg, id(strategies), i, id(win), inline, kept)
+            roles = None
+            if (reader := self._reader_of.get((src, dst, i))) is not None and src.group in self._sum_modes:
+                modes = self._sum_modes[src.group]
+                roles = (tuple(tuple(grad_sum.role(m[a], reader) for m in modes) for a in range(len(self.mesh))),
+                         self._readers[src.group][1])
+            key = ("param-edge", id(place), nbytes, layer, rg, id(strategies), i, id(win), inline, kept, roles)
             return self._shared_result(key, lambda: self._param_edge(place, nbytes, layer, rg, strategies, i, win,
-                                                                     inline, kept))
+                                                                     inline, kept, roles))
         replayed = self.recompute and (src, dst, i) in self.facts.replayed_edges
         key = ("edges", id(place), nbytes, rg, id(strategies), i, replayed)
         return self._shared_result(key, lambda: [
@@ -799,7 +831,7 @@ class Builder:
         return self._shared_result(("windows", id(strategies), id(timer), scale), lambda: [
             (f * scale, b * scale) for f, b in map(timer.windows, strategies)])
 
-    def _param_edge(self, place, nbytes, layer, rg, strategies, i, win, inline=False, kept=False):
+    def _param_edge(self, place, nbytes, layer, rg, strategies, i, win, inline=False, kept=False, roles=None):
         """Per-axis edges from a parameter to its consumer: on each axis the reshard's forward
         and backward parts, each overlapped with the consumer's compute of that phase
         (``CostModel.overlapped``, windows from :meth:`_windows`). Its collectives ride in
@@ -809,21 +841,29 @@ class Builder:
         ``inline``: the consumer sits in a recomputed layer (``passes.recompute``), whose
         ZeRO gathers stay the parameter's own, waited where they stand and replayed in
         backward (the regather): charged whole, as an activation's reshard is. ``kept``: the
-        consumer is in the head, whose gathers are kept for backward (no regather)."""
+        consumer is in the head, whose gathers are kept for backward (no regather).
+        ``roles``: for a parameter several ops read, (per axis, this reader's ``grad_sum``
+        role under each parameter choice's mode; the most bytes one of its reads moves whole,
+        which sizes the penalty); None: charged as it stands."""
         edges = []
         for a in range(len(self.mesh)):
             ucls, ukeys = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))[a]
+            if roles is None:
+                ukeys = [(k, grad_sum.AS_IS) for k in ukeys]
+            else:  # (producer classes that differ in this reader's role only cost apart)
+                ucls, ukeys = _classes([(ukeys[c], r) for c, r in zip(ucls, roles[0][a])])
             vcls, vkeys = self._shared_result(("vcls-win", id(strategies), i, id(win)), lambda: (
                 self._consumer_window_classes(strategies, i, win)))[a]
             sig = self.cm.axis_signature(a)
-            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, layer, rg, inline, kept)
+            regather = a not in self.hints.keep_gathered and not kept
+            pen_bytes = None if roles is None else roles[1]
+            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, layer, rg, inline, regather, pen_bytes)
             merged = self._axis_tables.get(key)
             if merged is None:
                 need, col = _classes([(q, split) for q, split, _ in vkeys])  # the reshards, without windows
                 phases = np.zeros((2, len(ukeys), len(col)))
                 copies = np.zeros((len(ukeys), len(col)))  # (on the rank's own thread: not overlapped)
-                regather = a not in self.hints.keep_gathered and not kept
-                for pc, (tok, sf) in enumerate(ukeys):
+                for pc, ((tok, sf), _) in enumerate(ukeys):
                     for qc, (q, split) in enumerate(col):
                         gathered = inline and tok[0] not in "RP" and q[0] in "RP"
                         k = (sig, tok, q, nbytes / sf, layer / sf, split, rg, regather, gathered)
@@ -845,6 +885,8 @@ class Builder:
                 wins = np.array([w for _, _, w in vkeys]).reshape(-1, 2)
                 cost = (self.cm.overlapped(fwd, wins[:, 0]) + self.cm.overlapped(bwd, wins[:, 1])
                         + copies[:, list(need)])
+                if pen_bytes is not None:
+                    self._charge_sum_roles(cost, a, ukeys, vkeys, pen_bytes, rg)
                 nz = np.nonzero(cost)
                 table = dict(zip(zip(nz[0].tolist(), nz[1].tolist()), cost[nz].tolist()))
                 merged = self._axis_tables[key] = _merge_classes(len(ukeys), len(vkeys), table)
@@ -852,6 +894,22 @@ class Builder:
             if table:
                 edges.append((tuple([rmap[c] for c in ucls]), tuple([cmap[c] for c in vcls]), table))
         return edges
+
+    def _charge_sum_roles(self, cost: np.ndarray, a: int, ukeys, vkeys, pen_bytes: float, rg: bool) -> None:
+        """Rows of a parameter edge's table on axis ``a`` (producer keys ``((token, split
+        factor), role)``, consumer keys ``(token, split, window)``) charged in place as the
+        reader's ``grad_sum`` role says. The penalty outweighs the sum of the largest of the
+        parameter's reads whole (a read through a cast may move more bytes than this one;
+        one split on another axis, fewer)."""
+        sum_s = axis_reshard_phases(self.cm, a, REPLICATE, REPLICATE, pen_bytes, True, True,
+                                    messages=(GRAD_BUCKET_BYTES, 0.0))[1]
+        copy_s = param_copy_phases(self.cm, a, REPLICATE, REPLICATE, pen_bytes, True, True)[1]
+        pen = grad_sum.penalty(sum_s, copy_s, self.cm.overlap_slowdown)
+        for pc, ((tok, sf), r) in enumerate(ukeys):
+            if r == grad_sum.AS_IS:
+                continue
+            for qc, (q, split, _) in enumerate(vkeys):
+                cost[pc, qc] = grad_sum.charge(cost[pc, qc], r, grad_sum.needs_sum(tok, q, split, rg), pen)
 
     def _consumer_window_classes(self, strategies, i, win):
         """Per axis: consumers alike on that axis for operand i (token, work split) and in
@@ -1084,14 +1142,58 @@ class Builder:
                 out[dst] = np.where(np.isin(keys[j], list(taken)), 0.0, row[keys[j]])
         return out
 
+    def settle_modes(self, choice: list[int], problem: Problem) -> tuple[list[int], int]:
+        """``choice`` with each parameter that has ``grad_sum`` modes in its cheapest mode for
+        the placement chosen, every other group as chosen, and the ns that saves. An exact
+        solve has it so already; one cut short (a time limit, an incumbent) may have left a
+        mode that pays a penalty. Modes change no memory: only the parameter's edges count."""
+        if not self._sum_modes:
+            return choice, 0
+        edges = defaultdict(list)
+        for e in problem.edges:
+            if e.u in self._sum_modes:
+                edges[e.u].append(e)
+        choice, saved = list(choice), 0
+        for g in self._sum_modes:
+            place = self.groups[g].strategies
+
+            def charged(c):
+                return problem.cost[g][c] + sum(e.table.get((e.ucls[c], e.vcls[choice[e.v]]), 0) for e in edges[g])
+            best = min((c for c, p in enumerate(place) if p == place[choice[g]]), key=charged)
+            saved += charged(choice[g]) - charged(best)
+            choice[g] = best
+        return choice, saved
+
+    def _moded_alternatives(self, u: int, it: Item, choice, reads) -> np.ndarray:
+        """Per choice of reader ``it``: what parameter ``u``'s edges (``reads``: (reader,
+        per-axis edge) of all its readers) cost beyond the other readers' as planned, ``u`` in
+        its cheapest mode for its planned placement given that choice (``grad_sum``: a
+        reader that stops needing the sum hands it on, not a penalty)."""
+        place = self.groups[u].strategies
+        n = len(self.groups[it.group].strategies)
+        best = np.full(n, np.inf)
+        for m in (c for c, p in enumerate(place) if p == place[choice[u]]):
+            total = np.zeros(n)
+            for d, (ucls, vcls, table) in reads:
+                if d is it:
+                    total += _edge_row(ucls[m], vcls, table)
+                else:
+                    total += table.get((ucls[m], vcls[choice[d.group]]), 0.0)
+            best = np.minimum(best, total)
+        others = sum(table.get((ucls[choice[u]], vcls[choice[d.group]]), 0.0)
+                     for d, (ucls, vcls, table) in reads if d is not it)
+        return best - others
+
     def _alternatives(self, choice, top: int = 6) -> dict:
         """For each representative decision node: its strategies ranked by node cost plus
         input-edge cost with every neighbour as planned (one copy of the node)."""
         res = {}
-        by_consumer = defaultdict(list)
+        by_consumer, by_reader = defaultdict(list), defaultdict(list)
         for (src, dst, i), edges in self._edge_cache.items():
             for val in edges:
                 by_consumer[dst].append((src.group, val))
+                if src.group in self._sum_modes:
+                    by_reader[src.group].append((dst, val))
         marginal = self._share_marginals(choice)
         for it in self.facts.group_items:
             grp = self.groups[it.group]
@@ -1100,13 +1202,17 @@ class Builder:
             scored = np.array(grp.own_cost, dtype=float)
             if it in marginal:
                 scored += marginal[it]
+            moded = set()
             for u, (ucls, vcls, table) in by_consumer[it]:
                 if u == it.group:  # the node feeds itself (both operands one tensor)
                     scored += [table.get((ucls[c], vcls[c]), 0.0) for c in range(len(scored))]
                     continue
-                row = ucls[choice[u]]  # the producer as planned: one row of the class table
-                per_class = np.array([table.get((row, q), 0.0) for q in range(max(vcls) + 1)])
-                scored += per_class[np.asarray(vcls)]
+                if u in self._sum_modes:
+                    moded.add(u)
+                    continue
+                scored += _edge_row(ucls[choice[u]], vcls, table)  # the producer as planned: one row
+            for u in moded:
+                scored += self._moded_alternatives(u, it, choice, by_reader[u])
             # rank by (time, description) the strategies at or below the top-th time
             cut = np.partition(scored, top - 1)[top - 1] if len(scored) > top else np.inf
             desc = {c: grp.strategies[c].describe() for c in np.flatnonzero(scored <= cut).tolist()}
@@ -1117,6 +1223,12 @@ class Builder:
                                 key=lambda c: scored[c]))
             res[it.node.name] = [(grp.strategies[c].describe(), float(scored[c])) for c in keep]
         return res
+
+
+def _edge_row(row: int, vcls, table: dict) -> np.ndarray:
+    """An edge's cost per consumer choice, its producer in class ``row``."""
+    per_class = np.array([table.get((row, q), 0.0) for q in range(max(vcls) + 1)])
+    return per_class[np.asarray(vcls)]
 
 
 def _op_name(node) -> str:
@@ -1175,6 +1287,9 @@ def make_plan(b: Builder, problem: Problem, sol: Solution, build_time_s: float, 
              "method": sol.method, "num_groups": len(problem.cost), "num_variables": sol.num_variables,
              "num_constraints": sol.num_constraints, "num_nodes": len(b.graph.nodes),
              "tied_nodes": len(b.tie), "fallback_ops": dict(b.fallback), "hints": b.hints.name}
+    choice, saved = b.settle_modes(sol.choice, problem)
+    if saved:
+        sol = replace(sol, choice=choice, objective_ns=sol.objective_ns - saved)
     plan = b.to_plan(sol.choice, sol, problem, {"dtype": dtype, "budget": b.budget, "stats": stats})
     plan.stats["strategy_counts"] = plan.strategy_counts()
     plan.attach(b, problem, sol)  # the problem, for plan.explain's re-solves (not serialised, not hashed)

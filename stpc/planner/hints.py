@@ -206,9 +206,8 @@ TOKEN_EMBEDDING = r"^(wte|embed|embed_tokens|model\.embed_tokens|transformer\.wt
 def data_parallel(mesh_shape: tuple[int, ...]) -> Hints:
     """Pure data parallelism (DDP): every linear's input and the token embedding's ids split
     on their batch on every axis, weights replicated. (Without the batch split, a small model
-    is planned whole on every rank: at that size latency beats any collective; and a tied
-    embedding is looked up whole, since the cost model charges its weight's gradient
-    reduction once per consumer where the runtime sums it once: not what DDP runs.)"""
+    is planned whole on every rank, where at that size latency beats any collective: not
+    what DDP runs.)"""
     return Hints(force=[(r".", lambda s: s.kind == "spatial"),
                         (r"^linear", lambda s: all(t == "S0" for t in s.ins[0])),
                         (TOKEN_EMBEDDING, lambda s: all(t == "S0" for t in s.ins[1]))],

@@ -644,7 +644,8 @@ def explain(plan, node_name: str, top: int = 6, time_limit_s: float = 10.0) -> s
         best = ranked[0].step_s
         who = "this node" + (f" (and its {copies - 1} tied copies)" if copies > 1 else "")
         lines.append(f"  alternatives ranked by full effect: the modelled step time of the best plan in which {who} "
-                     f"takes the strategy, the rest re-solved ({len(sv.problem.cost[g])} strategies; mirror images "
+                     f"takes the strategy, the rest re-solved ({len({repr(s) for s in sv.b.groups[g].strategies})} "
+                     f"strategies; mirror images "
                      f"over interchangeable mesh axes count as one):")
         lines.append(f"    {'strategy':48s} {'step ms':>12} {'vs chosen':>12} {'peak':>12}")
         for a in ranked:
