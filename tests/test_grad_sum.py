@@ -118,7 +118,9 @@ def test_a_solution_left_in_a_costlier_mode_is_settled_to_the_cheapest():
     g = next(iter(b._sum_modes))
     modes = b._sum_modes[g]
     assert modes[sol.choice[g]] == (0,)  # the embedding, the earliest reader, pays the one sum
-    for worse in (c for c, m in enumerate(modes) if m != (0,)):
+    worse_modes = [c for c, m in enumerate(modes) if m != (0,)]
+    assert worse_modes  # (PER_USE: each reader its own sum)
+    for worse in worse_modes:
         choice = list(sol.choice)
         choice[g] = worse
         settled, saved = b.settle_modes(choice, problem)
