@@ -256,9 +256,12 @@ def test_sequence_parallel_splits_every_norm_and_residual_add_on_the_sequence(mo
     decisions = {k: v for k, v in sp.nodes.items() if v.role == "decision"}
     assert all(decisions[k].out[1] == "S1" for k in norms_adds if k in decisions)
     assert any(free.nodes[k].out[1] != "S1" for k in norms_adds if k in decisions)  # (the switch changes the plan)
-    assert sp.peak_memory_bytes <= free.peak_memory_bytes
+    # what SP saves is activations (the free plan may store its weights otherwise: gpt-tiny's
+    # tied table vocab-split over TP, read whole by the embedding, not gathered again)
+    act = [breakdown(p)["activation_bytes"] for p in (sp, free)]
+    assert act[0] <= act[1]
     if model == "gpt-tiny":  # (llama-tiny's free plan splits those norms on the batch instead: as small)
-        assert sp.peak_memory_bytes < free.peak_memory_bytes
+        assert act[0] < act[1]
     lay = Layout(2, 2, "dp-outer", 0, sp=True)
     assert lay.as_dict()["sp"] is True and "sp" not in Layout(2, 2).as_dict()
     assert describe_layout(lay.as_dict()).endswith("sequence parallel")

@@ -9,12 +9,14 @@ import torch
 
 from stpc import models, trace
 from stpc.cost_models import CostModel, get_cluster
-from stpc.planner import Hints, plan_graph
+from stpc.planner import Hints, plan_graph, search
 from stpc.planner import grad_sum
-from stpc.planner.hints import data_parallel
+from stpc.planner.hints import TOKEN_EMBEDDING, data_parallel
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _multirank import whole_embedding_hints  # noqa: E402
+from _multirank import run_cases, whole_embedding_hints  # noqa: E402
+
+from stpc.runtime.launch import spawn  # noqa: E402
 
 
 def _truth(bases, needs, sums):
@@ -24,13 +26,14 @@ def _truth(bases, needs, sums):
     return sum(b for b, n in zip(bases, needs) if not n) + (sums[first] if first is not None else 0.0)
 
 
+@pytest.mark.parametrize("placement", ["R", "S0"])
 @pytest.mark.parametrize("readers", [2, 3, 4])
-def test_the_least_charge_over_modes_is_the_one_sum(readers):
-    """Brute force: for every reader choice (needs the sum or not, what its edge costs), the
-    cheapest mode charges exactly what the runtime pays, and no mode charges less."""
+def test_the_least_charge_over_modes_is_the_one_sum(readers, placement):
+    """Brute force: for every reader choice (needs the sum, or the gather, or not, what its
+    edge costs), the cheapest mode charges exactly what the runtime pays, and no mode less."""
     rng = random.Random(readers)
-    (placement,), mesh = ("R",), (4,)
-    modes = grad_sum.modes((placement,), mesh, readers)
+    mesh = (4,)
+    modes = grad_sum.modes((placement,), mesh, readers, gathers=True)
     assert len(modes) == readers  # PER_USE and each reader but the last as the earliest
     for _ in range(300):
         sums = [rng.uniform(0.0, 1.0) for _ in range(readers)]   # each reader's charge for the sum
@@ -45,17 +48,25 @@ def test_the_least_charge_over_modes_is_the_one_sum(readers):
             assert all(c >= truth - 1e-12 for c in charged)
 
 
-def test_only_replicated_axes_of_more_than_one_device_get_modes():
+def test_modes_on_replicated_axes_and_on_the_one_axis_a_gather_reads_the_parameter_on():
+    """An axis of more than one device that the placement replicates gets modes; one it
+    splits only where the readers' gathers are one call (``gathers``: every reader reads one
+    node) and no other axis splits it (a gather over one of two split axes reads the
+    other's output, which differs between readers)."""
     assert grad_sum.modes(("S0", "R"), (2, 2), 3) == [(-1, -1), (-1, 0), (-1, 1)]
+    assert grad_sum.modes(("S0", "R"), (2, 2), 2, gathers=True) == [(-1, -1), (-1, 0), (0, -1), (0, 0)]
+    assert grad_sum.modes(("S0", "S1"), (2, 2), 2, gathers=True) == [(-1, -1)]
+    assert grad_sum.modes(("S0", "S1"), (1, 4), 2, gathers=True) == [(-1, -1), (-1, 0)]  # (axis 0: one device)
     assert grad_sum.modes(("R", "R"), (1, 4), 2) == [(-1, -1), (-1, 0)]
     assert grad_sum.modes(("R", "R"), (2, 2), 2) == [(-1, -1), (-1, 0), (0, -1), (0, 0)]
+    assert grad_sum.needs_sum("S1", "R", True, True) and grad_sum.needs_sum("R", "R", True, True)
+    assert not grad_sum.needs_sum("S1", "R", False, True)  # (its gather slices the gradient: another call)
+    assert not grad_sum.needs_sum("S1", "S1", True, True) and not grad_sum.needs_sum("S1", "R", True, False)
 
 
-def _gpt(tied: bool):
+def _gpt(tied: bool, **overrides):
     with torch.device("meta"):
-        m = models.build("gpt-tiny", bias=False)
-        if not tied:
-            m.lm_head.weight = torch.nn.Parameter(torch.empty_like(m.lm_head.weight))
+        m = models.build("gpt-tiny", bias=False, tied_head=tied, **overrides)
     return trace(m, models.example_inputs(models.get_config("gpt-tiny"), 8, 64))
 
 
@@ -126,3 +137,151 @@ def test_a_solution_left_in_a_costlier_mode_is_settled_to_the_cheapest():
         settled, saved = b.settle_modes(choice, problem)
         assert settled == sol.choice
         assert saved == problem.evaluate(choice)[0] - sol.objective_ns > 0
+
+
+def _zero_embedding_hints(ndim: int):
+    """ZeRO over mesh axis 0 (every weight stored split there, replicated on the others),
+    data parallel on every axis: each linear and the token embedding split their batch and
+    read their weight whole, so the tied weight is gathered by both of its readers."""
+    return Hints(force=[(r".", lambda s: s.kind == "spatial"),
+                        (r"^linear", lambda s: all(t == "S0" for t in s.ins[0])),
+                        (TOKEN_EMBEDDING, lambda s: all(t == "S0" for t in s.ins[1]))],
+                 param_force=[(r".", lambda p: p[0][0] == "S" and all(t == "R" for t in p[1:]))], temporal=False)
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)])
+def test_a_tied_weight_stored_split_is_gathered_once_behind_the_embedding(mesh):
+    """ZeRO: the tied weight stored split over axis 0 and read whole by the batch-split
+    embedding and head. At run time their gathers are one (``cleanup``), issued with the
+    embedding's, with one reduce-scatter and one re-gather: charged on the embedding's edge
+    as an untied embedding's is, nothing on the head's (an untied head pays its own gather
+    and reduce-scatter; on 2x2 also its gradient's sum over axis 1)."""
+    cm = CostModel(get_cluster("cpu-local"), mesh)
+    hints = _zero_embedding_hints(len(mesh))
+    tied, untied = (plan_graph(_gpt(t), cm, hints=hints) for t in (True, False))
+    head = [k for k, v in tied.nodes.items() if v.op == "linear.default"][-1]
+    for p in (tied, untied):
+        assert p.nodes["embedding"].ins[0] == p.nodes[head].ins[1] == ["R"] * len(mesh)
+        assert p.nodes["embedding"].ins[1] == p.nodes[head].ins[0] == ["S0"] * len(mesh)
+    # the tied embedding pays the untied one's gather and reduce-scatter and the re-gather
+    # for the head's backward (an untied embedding's table is not gathered again: its
+    # backward keeps the indices; an untied head's gathers are kept), less than both apart
+    assert untied.nodes["embedding"].comm_s > 0 and untied.nodes[head].comm_s > 0
+    assert untied.nodes["embedding"].comm_s < tied.nodes["embedding"].comm_s
+    assert tied.nodes["embedding"].comm_s < untied.nodes["embedding"].comm_s + untied.nodes[head].comm_s
+    assert tied.nodes[head].comm_s == 0.0
+    assert tied.modelled_step_time_s < untied.modelled_step_time_s
+
+
+def test_an_embeddings_table_is_gathered_again_only_if_its_group_keeps_a_weight():
+    """ZeRO-3 gathers are made again in backward for the ops that read the weight there: an
+    embedding keeps its indices, so its gathered table is charged no re-gather, unless a
+    parameter gathered with it before the first layer is kept (the runtime gathers the
+    group again as a whole): a norm on the embeddings, BLOOM's ``word_embeddings_layernorm``."""
+    from stpc.planner.builder import build_problem
+
+    cm = CostModel(get_cluster("cpu-local"), (4,))
+    for embed_norm in (False, True):
+        tg = _gpt(False, embed_norm=embed_norm)  # (untied: a tied head keeps the table for backward)
+        b, _ = build_problem(tg, cm, None, _zero_embedding_hints(1))
+        emb = next(n for n in b.graph.nodes if n.name == "embedding")
+        linear = next(n for n in b.graph.nodes if n.target is torch.ops.aten.linear.default)
+        assert b._saves(emb, 0) == embed_norm
+        assert b._saves(linear, 1)
+        plan = plan_graph(tg, cm, hints=_zero_embedding_hints(1))
+        assert plan.nodes["embedding"].ins[0] == ["R"]
+        if not embed_norm:
+            without = plan.nodes["embedding"].comm_s
+    assert 0 < without < plan.nodes["embedding"].comm_s  # (the re-gather charged with the norm only)
+
+
+def test_the_tied_weights_readers_share_one_gather_at_run_time():
+    """What the charge above stands on, in the lowered program of that plan: the tied weight's
+    placeholder feeds one gather, read by the embedding and the head; ``prefetch_params``
+    puts it in the embedding's group (gathered again in backward, not kept as the head's)."""
+    from stpc import runtime
+    from stpc.passes import cleanup, insert_collectives, prefetch_params, shard_params
+    from stpc.planner import search
+
+    tg = _gpt(True)
+    plan = search(tg, (4,), "cpu-local", hints=_zero_embedding_hints(1))
+    gm = cleanup(insert_collectives(shard_params(tg.gm, plan, groups=["g0"]), plan), plan)
+    ph = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("param") == "lm_head.weight")
+    gathers = [u for u in ph.users if u.target is runtime.all_gather]
+    assert len(gathers) == 1 and len(ph.users) == 1
+    readers = {getattr(u.target, "__name__", "") for u in gathers[0].users}
+    assert readers == {"embedding.default", "linear.default"}, readers
+    gm = prefetch_params(gm, plan)
+    (start,) = [n for n in gm.graph.nodes if n.target is runtime.gather_start and ph in n.args[0]]
+    (wait,) = [u for u in start.users if u.target is runtime.gather_wait]
+    assert not wait.kwargs.get("keep")
+
+
+@pytest.mark.multirank
+def test_that_plan_trains_as_the_single_device_model_on_two_ranks():
+    """The shared gather on real gloo ranks: loss, every gradient and every parameter after
+    four AdamW steps match the single-device model (``run_cases``: fp32, rtol 1e-4)."""
+    from stpc.planner import search
+
+    plan = search(_gpt(True), (2,), "cpu-local", hints=_zero_embedding_hints(1))
+    assert plan.nodes["embedding"].ins[0] == ["R"] and plan.nodes["embedding"].ins[1] == ["S0"]
+    case = dict(id="zero-tied", model="gpt-tiny", overrides={"bias": False}, plan=plan.to_json(), batch=8, seq=64,
+                steps=4, opt="adamw")
+    results = spawn(run_cases, 2, [case], timeout_s=300)
+    for rank in results:
+        (r,) = rank
+        assert r["steps"] == 4 and not r.get("missing"), r
+        assert r["loss"] <= 1 and r["grad"] <= 1 and r["param"] <= 1, r  # (a NaN fails: nan <= 1 is False)
+    assert results[0][0]["losses"] == results[1][0]["losses"]
+
+
+def _regathered_tables(rank, world, cases):
+    """Per case: whether backward gathered the token embedding's table again, on this rank."""
+    import stpc
+    from stpc.planner import Plan
+    from stpc.runtime.param_gather import RegatherSaved
+
+    issued = []
+    original = RegatherSaved._issue
+
+    def logging_issue(self, g):
+        before = g.pending
+        original(self, g)
+        if g.pending is not None and before is None:
+            issued.extend(s.untyped_storage().data_ptr() for s in g.shards)
+
+    RegatherSaved._issue = logging_issue
+    out = []
+    try:
+        for overrides, plan_json in cases:
+            torch.manual_seed(0)
+            model = models.build("gpt-tiny", bias=False, **overrides)
+            plan = Plan.from_json(plan_json)
+            g = torch.Generator().manual_seed(1)
+            batch = [torch.randint(0, model.cfg.vocab, (8, 64), generator=g) for _ in range(2)]
+            dm = stpc.compile(model, tuple(plan.mesh_shape), tuple(batch), plan=plan)
+            issued.clear()
+            dm(*batch).backward()
+            params = dict(dm.named_parameters())
+            table = params["wte.weight"].to_local().untyped_storage().data_ptr()
+            layer = params["layers.0.attn.q_proj.weight"].to_local().untyped_storage().data_ptr()
+            out.append((table in issued, layer in issued))
+    finally:
+        RegatherSaved._issue = original
+    return out
+
+
+@pytest.mark.multirank
+def test_the_runtime_gathers_a_table_again_as_the_model_charges_it():
+    """On 2 gloo ranks, ZeRO-3 with the embedding and head reading whole: backward gathers the
+    layers' weights again (``RegatherSaved``), the untied table not (the embedding keeps its
+    indices), the tied one yes (the head keeps the weight) and the untied one beside an
+    embedding norm yes (its group keeps the norm's weight): what ``_saves`` charges."""
+    cases = []
+    for tied, norm in ((False, False), (True, False), (False, True)):
+        overrides = {"tied_head": tied, "embed_norm": norm}
+        plan = search(_gpt(tied, embed_norm=norm), (2,), "cpu-local", hints=_zero_embedding_hints(1))
+        assert plan.nodes["embedding"].ins[0] == ["R"]
+        cases.append((overrides, plan.to_json()))
+    results = spawn(_regathered_tables, 2, cases, timeout_s=300)
+    assert results[0] == results[1] == [(False, True), (True, True), (True, True)]

@@ -166,14 +166,42 @@ class Builder:
         self._force_hits: set[int] = set()  # the Hints.force patterns that matched a decision node
         self._layer_bytes = layer_param_bytes(self.graph)
         # a parameter several ops read: its reads in forward order, its modes per choice (``grad_sum``)
+        self._unsaved_embedding = self._embedding_group_unsaved()
         self._reader_of, self._readers = self._param_readers()
         self._sum_modes: dict[int, list] = {}   # such a parameter's group -> its mode per choice
+
+    def _embedding_group_unsaved(self) -> bool:
+        """Whether an embedding's gathered table is left out of backward at run time: its
+        backward keeps the indices, not the table, so ``RegatherSaved`` gathers it again only
+        if another parameter of its coalesced group is kept (``prefetch_params`` groups the
+        gathers before the first layer as one run: BLOOM's embedding norm joins the table).
+        So: no parameter read before the first layer by an op that keeps its operands for
+        backward, other than an embedding's table."""
+        order = {n: k for k, n in enumerate(self.graph.nodes)}
+        first = min((order[n] for n in self.graph.nodes if n.op == "call_function" and layer_of(n) is not None),
+                    default=len(order))
+        for n in self.graph.nodes:
+            if n.op == "call_function" and order[n] < first and n.target in SAVES_INPUTS:
+                for i, o in enumerate(tensor_operands(n)):
+                    if self.facts.node_item.get(o) is not None and self.facts.node_item[o].kind == "param" and not (
+                            n.target is aten.embedding.default and i == 0):
+                        return False
+        return True
+
+    def _saves(self, node, i: int) -> bool:
+        """Whether op ``node``'s ZeRO-3 gather of its operand i (a parameter) is made again in
+        backward: always, but an embedding's table where :meth:`_embedding_group_unsaved` (a
+        layer's gathers are made again as a group as soon as one of them is kept, and every
+        layer keeps its matmuls' weights)."""
+        return not (node.target is aten.embedding.default and i == 0 and self._unsaved_embedding)
 
     def _param_readers(self) -> tuple[dict, dict]:
         """Parameters that more than one op reads (through their group: a view or cast of one
         reads it too), as ``grad_sum`` sees them: (read (src, dst, i) -> its place in forward
         order among its parameter's reads, group -> (how many reads, the most bytes one of
-        them moves whole: what sizes the penalty))."""
+        them moves whole: what sizes the penalty, whether their ZeRO gathers are one call:
+        every read of one node, none inside a recomputed layer, whose gathers stay its own;
+        whether any of them keeps it for backward: a gather they share is then made again))."""
         reads = defaultdict(set)
         for src, dst, i in self.facts.edge_uses:
             if self.facts.group_items[src.group].kind == "param" and src.group != dst.group:
@@ -183,8 +211,11 @@ class Builder:
             if len(rs) > 1:
                 for k, r in enumerate(sorted(rs, key=lambda r: (self._order(r[1]), r[2]))):
                     order[r] = k
+                gathers = (len({src.node for src, _, _ in rs}) == 1
+                           and not (self.recompute and any(dst in self.facts.layer_items for _, dst, _ in rs)))
                 readers[g] = (len(rs), max(r[0].node.meta["val"].numel() * r[0].node.meta["val"].element_size()
-                                           for r in rs))
+                                           for r in rs), gathers,
+                              any(self._saves(dst.node, i) for _, dst, i in rs))
         return order, readers
 
     # ---------------------------------------------------------------- per item
@@ -234,7 +265,8 @@ class Builder:
             if fqn in self.hints.param_exact:
                 choices = self._exact(node, f"parameter {fqn}", choices, self.hints.param_exact[fqn])
             if it.group in self._readers and node in self.rg:  # each placement once per mode (``grad_sum``)
-                with_modes = [(p, m) for p in choices for m in grad_sum.modes(p, self.mesh, self._readers[it.group][0])]
+                count, _, gathers, _ = self._readers[it.group]
+                with_modes = [(p, m) for p in choices for m in grad_sum.modes(p, self.mesh, count, gathers)]
                 choices = [p for p, _ in with_modes]
                 self._sum_modes[it.group] = [m for _, m in with_modes]
             else:
@@ -801,14 +833,19 @@ class Builder:
             layer = self._layer_bytes.get(src.node, 0.0)
             inline = self.recompute and dst in self.facts.layer_items
             kept = dst in self.facts.head  # (the head's gathers are kept for backward: not made again)
+            # a gather is made again in backward only for an op that reads the weight there
+            # (``passes.prefetch_params``' groups, through ``RegatherSaved``: an embedding keeps
+            # its indices, not its table); one several readers share, if any of them does
+            saves = (self._saves(dst.node, i),) * 2
             roles = None
             if (reader := self._reader_of.get((src, dst, i))) is not None and src.group in self._sum_modes:
                 modes = self._sum_modes[src.group]
                 roles = (tuple(tuple(grad_sum.role(m[a], reader) for m in modes) for a in range(len(self.mesh))),
                          self._readers[src.group][1])
-            key = ("param-edge", id(place), nbytes, layer, rg, id(strategies), i, id(win), inline, kept, roles)
+                saves = (saves[0], self._readers[src.group][3])
+            key = ("param-edge", id(place), nbytes, layer, rg, id(strategies), i, id(win), inline, kept, roles, saves)
             return self._shared_result(key, lambda: self._param_edge(place, nbytes, layer, rg, strategies, i, win,
-                                                                     inline, kept, roles))
+                                                                     inline, kept, roles, saves))
         replayed = self.recompute and (src, dst, i) in self.facts.replayed_edges
         key = ("edges", id(place), nbytes, rg, id(strategies), i, replayed)
         return self._shared_result(key, lambda: [
@@ -831,7 +868,8 @@ class Builder:
         return self._shared_result(("windows", id(strategies), id(timer), scale), lambda: [
             (f * scale, b * scale) for f, b in map(timer.windows, strategies)])
 
-    def _param_edge(self, place, nbytes, layer, rg, strategies, i, win, inline=False, kept=False, roles=None):
+    def _param_edge(self, place, nbytes, layer, rg, strategies, i, win, inline=False, kept=False, roles=None,
+                    saves=(True, True)):
         """Per-axis edges from a parameter to its consumer: on each axis the reshard's forward
         and backward parts, each overlapped with the consumer's compute of that phase
         (``CostModel.overlapped``, windows from :meth:`_windows`). Its collectives ride in
@@ -844,7 +882,10 @@ class Builder:
         consumer is in the head, whose gathers are kept for backward (no regather).
         ``roles``: for a parameter several ops read, (per axis, this reader's ``grad_sum``
         role under each parameter choice's mode; the most bytes one of its reads moves whole,
-        which sizes the penalty); None: charged as it stands."""
+        which sizes the penalty); None: charged as it stands. ``saves``: (whether the consumer
+        reads the weight in backward, whether any of the parameter's readers does): a ZeRO-3
+        gather is made again only then, the former for its own gather, the latter for one the
+        readers share, which the earliest of them pays (``grad_sum``)."""
         edges = []
         for a in range(len(self.mesh)):
             ucls, ukeys = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))[a]
@@ -857,27 +898,28 @@ class Builder:
             sig = self.cm.axis_signature(a)
             regather = a not in self.hints.keep_gathered and not kept
             pen_bytes = None if roles is None else roles[1]
-            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, layer, rg, inline, regather, pen_bytes)
+            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, layer, rg, inline, regather, pen_bytes, saves)
             merged = self._axis_tables.get(key)
             if merged is None:
                 need, col = _classes([(q, split) for q, split, _ in vkeys])  # the reshards, without windows
                 phases = np.zeros((2, len(ukeys), len(col)))
                 copies = np.zeros((len(ukeys), len(col)))  # (on the rank's own thread: not overlapped)
-                for pc, ((tok, sf), _) in enumerate(ukeys):
+                for pc, ((tok, sf), r) in enumerate(ukeys):
+                    again = regather and saves[r == grad_sum.EARLIEST]
                     for qc, (q, split) in enumerate(col):
                         gathered = inline and tok[0] not in "RP" and q[0] in "RP"
-                        k = (sig, tok, q, nbytes / sf, layer / sf, split, rg, regather, gathered)
+                        k = (sig, tok, q, nbytes / sf, layer / sf, split, rg, again, gathered)
                         c = self._reshard_phases.get(k)
                         if c is None:
                             copy = sum(param_copy_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=True
-                                                         if gathered else regather))
+                                                         if gathered else again))
                             if gathered:  # (exposed: counted with the copies, not overlapped)
                                 f, b = axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=True,
                                                            messages=(GRAD_BUCKET_BYTES, 0.0))
                                 c = (0.0, 0.0), copy + self.cm.blocking(f) + self.cm.blocking(b)
                             else:
                                 c = (axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg,
-                                                         regather=regather, messages=(GRAD_BUCKET_BYTES, layer / sf)),
+                                                         regather=again, messages=(GRAD_BUCKET_BYTES, layer / sf)),
                                      copy)
                             self._reshard_phases[k] = c
                         phases[:, pc, qc], copies[pc, qc] = c
@@ -898,18 +940,22 @@ class Builder:
     def _charge_sum_roles(self, cost: np.ndarray, a: int, ukeys, vkeys, pen_bytes: float, rg: bool) -> None:
         """Rows of a parameter edge's table on axis ``a`` (producer keys ``((token, split
         factor), role)``, consumer keys ``(token, split, window)``) charged in place as the
-        reader's ``grad_sum`` role says. The penalty outweighs the sum of the largest of the
-        parameter's reads whole (a read through a cast may move more bytes than this one;
-        one split on another axis, fewer)."""
-        sum_s = axis_reshard_phases(self.cm, a, REPLICATE, REPLICATE, pen_bytes, True, True,
-                                    messages=(GRAD_BUCKET_BYTES, 0.0))[1]
-        copy_s = param_copy_phases(self.cm, a, REPLICATE, REPLICATE, pen_bytes, True, True)[1]
-        pen = grad_sum.penalty(sum_s, copy_s, self.cm.overlap_slowdown)
+        reader's ``grad_sum`` role says. The penalty outweighs the shared synchronisation of
+        the largest of the parameter's reads whole (a read through a cast may move more bytes
+        than this one; one split on another axis, fewer): its gradient's sum where the token
+        replicates it, its gather, reduce-scatter and re-gather where the token splits it
+        (on a message of its own, the dearest per byte)."""
+        pens = {}
         for pc, ((tok, sf), r) in enumerate(ukeys):
             if r == grad_sum.AS_IS:
                 continue
+            if tok not in pens:
+                f, b = axis_reshard_phases(self.cm, a, tok, REPLICATE, pen_bytes, True, True, regather=True,
+                                           messages=(GRAD_BUCKET_BYTES, 0.0))
+                copy_s = sum(param_copy_phases(self.cm, a, tok, REPLICATE, pen_bytes, True, True, regather=True))
+                pens[tok] = grad_sum.penalty(f + b, copy_s, self.cm.overlap_slowdown)
             for qc, (q, split, _) in enumerate(vkeys):
-                cost[pc, qc] = grad_sum.charge(cost[pc, qc], r, grad_sum.needs_sum(tok, q, split, rg), pen)
+                cost[pc, qc] = grad_sum.charge(cost[pc, qc], r, grad_sum.needs_sum(tok, q, split, rg), pens[tok])
 
     def _consumer_window_classes(self, strategies, i, win):
         """Per axis: consumers alike on that axis for operand i (token, work split) and in

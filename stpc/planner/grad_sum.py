@@ -10,6 +10,17 @@ parameter every reader of which splits to the bucketed reducer, which reduces it
 Either way the one reduction starts when backward has passed the earliest reader in
 forward that needs it, so it overlaps that reader's backward.
 
+The same holds on an axis the parameter is stored split over (ZeRO/FSDP) and read whole
+by work split there: each reader's reshard is the same ``all_gather`` of the parameter
+(``grad="rs"``), which ``cleanup`` merges into one read by all of them: one gather in
+forward (issued with the earliest reader's layer, ``prefetch_params``), one re-gather in
+backward where that layer's weights are made again (none if it is the head, whose
+gathers are kept), and one reduce-scatter of the readers' summed gradient: what the
+earliest reader's edge charges as it stands. (The merged gather's output lives from the
+earliest reader to the last in forward: for the embedding and the head, the whole forward.
+No memory edge is added for it: the memory model charges the head's whole copy as where
+the head gathers it alone, a named simplification, README's limitations.)
+
 Each reader's edge charged as it stands would pay it once per reader. The right charge,
 "once per axis if any reader needs it, hidden behind the earliest such reader", couples the
 parameter's placement with every reader's strategy: not a pairwise term. It becomes one by
@@ -23,15 +34,17 @@ giving the parameter's solver group a *mode* per mesh axis beside its placement:
 A mode whose condition fails pays ``penalty``, at least what any one reader's sum costs,
 so no mode is ever cheaper than the truth, and for every choice of the readers one mode
 (the earliest reader that needs it, or ``PER_USE`` if none does) charges exactly it: the
-minimum over modes is exact. Only an axis the placement replicates gets modes.
+minimum over modes is exact. An axis the placement replicates gets modes; one it splits
+gets them only where the readers' gathers are the same call (``modes``' ``gathers``):
+every reader reads one node (not views or casts of their own) and the placement splits
+no other axis (a gather over one axis of several reads the last one's output, which
+differs between readers that gather different sets of axes).
 
 Named simplification: where the sum is kept in the graph (a reader that reads the
 parameter whole, without splitting, keeps the others' ``f``), ``cleanup`` merges only
 ``f``s of identical calls; two readers splitting over different sets of axes of a
 multi-axis mesh may each keep their own on an axis, one reduction each at run time, charged
-once here. A ZeRO-sharded axis is not covered (open): ``cleanup`` merges the readers'
-identical gathers into one, with one reduce-scatter in backward, but each reader's edge
-charges its own.
+once here.
 """
 from __future__ import annotations
 
@@ -46,14 +59,19 @@ MAX_EARLIEST = 3  # readers that may be named the earliest to need the sum (per 
 AS_IS, BEFORE, EARLIEST, AFTER = 0, 1, 2, 3
 
 
-def modes(placement: tuple, mesh: tuple, readers: int) -> list[tuple[int, ...]]:
+def modes(placement: tuple, mesh: tuple, readers: int, gathers: bool = False) -> list[tuple[int, ...]]:
     """Every mode of a parameter of ``placement`` read by ``readers`` ops: per mesh axis
-    ``PER_USE``, or (an axis it replicates, of more than one device) the reader that is the
-    earliest to need the sum: any but the last (the last as earliest charges what
-    ``PER_USE`` does), and one of the first ``MAX_EARLIEST`` (the modes multiply over the
-    axes; a sum whose earliest reader is later is charged per reader, an upper bound)."""
-    per_axis = [[PER_USE] + (list(range(min(readers - 1, MAX_EARLIEST))) if tok == REPLICATE and n > 1 else [])
-                for tok, n in zip(placement, mesh)]
+    ``PER_USE``, or (an axis of more than one device that it replicates, or, with
+    ``gathers`` (every reader reads one node), that it splits alone on a dim, ZeRO) the
+    reader that is the earliest to need the sum (or gather): any but the last (the last as
+    earliest charges what ``PER_USE`` does), and one of the first ``MAX_EARLIEST`` (the
+    modes multiply over the axes; a sum whose earliest reader is later is charged per
+    reader, an upper bound)."""
+    split = [a for a, (tok, n) in enumerate(zip(placement, mesh)) if tok != REPLICATE and n > 1]
+    alone = gathers and len(split) == 1 and placement[split[0]][0] == "S"
+    per_axis = [[PER_USE] + (list(range(min(readers - 1, MAX_EARLIEST)))
+                             if n > 1 and (tok == REPLICATE or alone and a == split[0]) else [])
+                for a, (tok, n) in enumerate(zip(placement, mesh))]
     return list(itertools.product(*per_axis))
 
 
@@ -65,9 +83,11 @@ def role(mode: int, reader: int) -> int:
 
 
 def needs_sum(tok: str, q: str, split: bool, needs_grad: bool) -> bool:
-    """A reader's gradient is summed over the axis: the parameter replicated there, read
-    whole by work split there (``costs.axis_reshard_phases``' all-reduce)."""
-    return needs_grad and split and tok == q == REPLICATE
+    """A reader's synchronisation on the axis is the one its parameter's readers share: the
+    parameter read whole (``q``) by work split there, its gradient summed over the axis
+    (``costs.axis_reshard_phases``' all-reduce where it is replicated there; where it is
+    stored split, ``tok``, the gather whose dual reduce-scatters it)."""
+    return needs_grad and split and q == REPLICATE and (tok == REPLICATE or tok[0] == "S")
 
 
 def charge(base: float, role_: int, needs: bool, penalty: float) -> float:
@@ -80,9 +100,9 @@ def charge(base: float, role_: int, needs: bool, penalty: float) -> float:
 
 
 def penalty(sum_s: float, copy_s: float, overlap_slowdown: float) -> float:
-    """More than any reader pays for the sum (``sum_s`` its collective, ``copy_s`` its bucket
-    copy): the exposed part of an overlapped collective is at most ``max(1, slowdown)``
-    times it (``overlap.exposed``)."""
+    """More than any reader pays for the sum (``sum_s`` its collectives, ``copy_s`` its
+    copies: the bucket's, or a gather's cuts): the exposed part of an overlapped collective
+    is at most ``max(1, slowdown)`` times it (``overlap.exposed``)."""
     return 2.0 * (max(1.0, overlap_slowdown) * sum_s + copy_s) + 1e-6
 
 
