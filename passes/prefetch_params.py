@@ -24,9 +24,11 @@ its per-module groups:
   * the start of each group is issued right after the previous group's wait, so the
     next layer's parameters travel while this layer computes (prefetch one layer ahead);
     in backward the gradients of a group are reduce-scattered in one collective;
-  * the groups read only after the last layer's last op (the head: final norm, output
-    projection) are waited with ``keep=True``: their whole parameters are kept for their
-    backward, which runs first (FSDP2 keeps its root module's alike).
+  * the groups outside any layer read after the last layer's last op (the head: final
+    norm, output projection; and a weight the head shares with the embedding, whose one
+    gather ``cleanup`` made, issued with the embedding's) are waited with ``keep=True``:
+    their whole parameters are kept for their backward, which runs first (FSDP2 keeps its
+    root module's alike, a tied embedding's included), not gathered again there.
 
 Guarantees: the same values and gradients (a reduce-scatter of a concatenation is the
 concatenation of the reduce-scatters). In flight, one more layer's whole parameters. The
@@ -146,12 +148,12 @@ def prefetch_params(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
     mode = fake_mode_of(gm)
     previous_wait = None
     groups.sort(key=lambda members: min(first_use(n) for n in members))
-    # the head: the groups outside any layer read only after the last layer's last op (none
-    # in a model without indexed layers), whether or not any layer's weights are gathered
+    # the head: the groups outside any layer read after the last layer's last op (none in a
+    # model without indexed layers), whether or not any layer's weights are gathered
     in_layers = [order[n] for n in gm.graph.nodes if "comm" not in n.meta and indexed_module(n.meta.get("module", ""))]
     end = max(in_layers, default=None)
     head = {k for k, members in enumerate(groups)
-            if end is not None and not blocks[id(members)] and min(first_use(n) for n in members) > end}
+            if end is not None and not blocks[id(members)] and max(order[u] for n in members for u in n.users) > end}
     for k, members in enumerate(groups):
         shards = [n.args[0] for n in members]
         dims = [n.kwargs["dim"] for n in members]

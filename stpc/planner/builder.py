@@ -201,7 +201,9 @@ class Builder:
         order among its parameter's reads, group -> (how many reads, the most bytes one of
         them moves whole: what sizes the penalty, whether their ZeRO gathers are one call:
         every read of one node, none inside a recomputed layer, whose gathers stay its own;
-        whether any of them keeps it for backward: a gather they share is then made again))."""
+        whether any of them outside the head keeps it for backward: a gather they share is
+        then made again, unless a head op reads it too, for which it is kept from forward,
+        as ``prefetch_params`` keeps the head's; charged again then, an over-charge))."""
         reads = defaultdict(set)
         for src, dst, i in self.facts.edge_uses:
             if self.facts.group_items[src.group].kind == "param" and src.group != dst.group:
@@ -215,7 +217,7 @@ class Builder:
                            and not (self.recompute and any(dst in self.facts.layer_items for _, dst, _ in rs)))
                 readers[g] = (len(rs), max(r[0].node.meta["val"].numel() * r[0].node.meta["val"].element_size()
                                            for r in rs), gathers,
-                              any(self._saves(dst.node, i) for _, dst, i in rs))
+                              any(self._saves(dst.node, i) for _, dst, i in rs if dst not in self.facts.head))
         return order, readers
 
     # ---------------------------------------------------------------- per item
@@ -835,7 +837,8 @@ class Builder:
             kept = dst in self.facts.head  # (the head's gathers are kept for backward: not made again)
             # a gather is made again in backward only for an op that reads the weight there
             # (``passes.prefetch_params``' groups, through ``RegatherSaved``: an embedding keeps
-            # its indices, not its table); one several readers share, if any of them does
+            # its indices, not its table); one several readers share, if any of them outside the
+            # head does (a gather the head reads is kept from forward)
             saves = (self._saves(dst.node, i),) * 2
             roles = None
             if (reader := self._reader_of.get((src, dst, i))) is not None and src.group in self._sum_modes:

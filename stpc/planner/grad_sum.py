@@ -14,9 +14,10 @@ The same holds on an axis the parameter is stored split over (ZeRO/FSDP) and rea
 by work split there: each reader's reshard is the same ``all_gather`` of the parameter
 (``grad="rs"``), which ``cleanup`` merges into one read by all of them: one gather in
 forward (issued with the earliest reader's layer, ``prefetch_params``), one re-gather in
-backward where that layer's weights are made again (none if it is the head, whose
-gathers are kept), and one reduce-scatter of the readers' summed gradient: what the
-earliest reader's edge charges as it stands. (The merged gather's output lives from the
+backward if a reader keeps the weight for backward (none where a head op reads it: the
+head's gathers are kept from forward, a tied embedding's too, as FSDP2's root module keeps
+them), and one reduce-scatter of the readers' summed gradient: what the earliest reader's
+edge charges (its re-gather: whether any reader outside the head keeps the weight). (The merged gather's output lives from the
 earliest reader to the last in forward: for the embedding and the head, the whole forward.
 No memory edge is added for it: the memory model charges the head's whole copy as where
 the head gathers it alone, a named simplification, README's limitations.)
