@@ -26,7 +26,8 @@ its per-module groups:
     in backward the gradients of a group are reduce-scattered in one collective;
   * the groups outside any layer read after the last layer's last op (the head: final
     norm, output projection; and a weight the head shares with the embedding, whose one
-    gather ``cleanup`` made, issued with the embedding's) are waited with ``keep=True``:
+    gather ``cleanup`` made, issued before the embedding in a group of its own, so that
+    the embeddings' other tables are not kept with it) are waited with ``keep=True``:
     their whole parameters are kept for their backward, which runs first (FSDP2 keeps its
     root module's alike, a tied embedding's included), not gathered again there.
 
@@ -128,9 +129,19 @@ def prefetch_params(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
     def first_use(n):
         return min(order[u] for u in n.users)
 
+    # the last layer's last op (None in a model without indexed layers): a gather outside any
+    # layer read after it is the head's, kept for its backward
+    in_layers = [order[n] for n in gm.graph.nodes if "comm" not in n.meta and indexed_module(n.meta.get("module", ""))]
+    end = max(in_layers, default=None)
+
+    def read_by_head(n):
+        return end is not None and max(order[u] for u in n.users) > end
+
     # groups: the gathers of one layer on one group of ranks, with one dtype and gradient kind
     # (a layer's gathers on two mesh axes make two groups); outside any indexed module, a run
-    # of consecutive gathers (the embedding at the start, the head at the end: not one group)
+    # of consecutive gathers (the embedding at the start, the head at the end: not one group),
+    # those the head reads apart from the others (a tied table, read by the embedding too, is
+    # kept to the head's backward, its neighbours not)
     groups: list[list[fx.Node]] = []
     blocks: dict[int, str] = {}  # id(group) -> its layer ("" outside any indexed module)
     open_groups: dict = {}
@@ -139,7 +150,8 @@ def prefetch_params(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
         b = _block(n, order)
         if b != block:  # the next layer (or a run of root-level gathers) starts
             open_groups, block = {}, b
-        key = (n.kwargs["group"], n.kwargs.get("grad", "rs"), n.meta["val"].dtype, n.meta["val"].device)
+        key = (n.kwargs["group"], n.kwargs.get("grad", "rs"), n.meta["val"].dtype, n.meta["val"].device,
+               not b and read_by_head(n))
         if key not in open_groups:
             open_groups[key] = []
             groups.append(open_groups[key])
@@ -148,12 +160,9 @@ def prefetch_params(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
     mode = fake_mode_of(gm)
     previous_wait = None
     groups.sort(key=lambda members: min(first_use(n) for n in members))
-    # the head: the groups outside any layer read after the last layer's last op (none in a
-    # model without indexed layers), whether or not any layer's weights are gathered
-    in_layers = [order[n] for n in gm.graph.nodes if "comm" not in n.meta and indexed_module(n.meta.get("module", ""))]
-    end = max(in_layers, default=None)
-    head = {k for k, members in enumerate(groups)
-            if end is not None and not blocks[id(members)] and max(order[u] for n in members for u in n.users) > end}
+    # the head: the groups outside any layer read after the last layer's last op, whether or
+    # not any layer's weights are gathered
+    head = {k for k, members in enumerate(groups) if not blocks[id(members)] and read_by_head(members[0])}
     for k, members in enumerate(groups):
         shards = [n.args[0] for n in members]
         dims = [n.kwargs["dim"] for n in members]

@@ -198,12 +198,13 @@ def test_an_embeddings_table_is_gathered_again_only_if_its_group_keeps_a_weight(
 def test_the_tied_weights_readers_share_one_gather_at_run_time():
     """What the charge above stands on, in the lowered program of that plan: the tied weight's
     placeholder feeds one gather, read by the embedding and the head; ``prefetch_params``
-    issues it with the embedding's group and keeps it for the head's backward."""
+    issues it before the embedding and keeps it for the head's backward, in a group of its
+    own (the embedding norm's weight, gathered beside it, is not kept with it)."""
     from stpc import runtime
     from stpc.passes import cleanup, insert_collectives, prefetch_params, shard_params
     from stpc.planner import search
 
-    tg = _gpt(True)
+    tg = _gpt(True, embed_norm=True)  # (a norm on the embeddings: its weight gathered beside the table)
     plan = search(tg, (4,), "cpu-local", hints=_zero_embedding_hints(1))
     gm = cleanup(insert_collectives(shard_params(tg.gm, plan, groups=["g0"]), plan), plan)
     ph = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("param") == "lm_head.weight")
@@ -215,6 +216,10 @@ def test_the_tied_weights_readers_share_one_gather_at_run_time():
     (start,) = [n for n in gm.graph.nodes if n.target is runtime.gather_start and ph in n.args[0]]
     (wait,) = [u for u in start.users if u.target is runtime.gather_wait]
     assert wait.kwargs.get("keep")
+    assert list(start.args[0]) == [ph]  # (kept alone: the norm's weight, gathered beside it, is not kept)
+    (norm,) = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("param") == "ln_emb.weight"]
+    (other,) = [n for n in gm.graph.nodes if n.target is runtime.gather_start and norm in n.args[0]]
+    assert not next(u for u in other.users if u.target is runtime.gather_wait).kwargs.get("keep")
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     embedding = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.embedding.default)
     assert order[start] < order[wait] < order[embedding]
