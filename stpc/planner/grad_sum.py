@@ -13,14 +13,15 @@ forward that needs it, so it overlaps that reader's backward.
 The same holds on an axis the parameter is stored split over (ZeRO/FSDP) and read whole
 by work split there: each reader's reshard is the same ``all_gather`` of the parameter
 (``grad="rs"``), which ``cleanup`` merges into one read by all of them: one gather in
-forward (issued with the earliest reader's layer, ``prefetch_params``), one re-gather in
+forward (issued before the earliest reader, ``prefetch_params``), one re-gather in
 backward if a reader keeps the weight for backward (none where a head op reads it: the
 head's gathers are kept from forward, a tied embedding's too, as FSDP2's root module keeps
 them), and one reduce-scatter of the readers' summed gradient: what the earliest reader's
-edge charges (its re-gather: whether any reader outside the head keeps the weight). (The merged gather's output lives from the
-earliest reader to the last in forward: for the embedding and the head, the whole forward.
-No memory edge is added for it: the memory model charges the head's whole copy as where
-the head gathers it alone, a named simplification, README's limitations.)
+edge charges (its re-gather: whether any reader outside the head keeps the weight). (The
+merged gather's output lives from the earliest reader to the last in forward, for the
+embedding and the head the whole forward, and on to the head's backward. No memory edge is
+added for it: the memory model charges the head's whole copy as where the head gathers it
+alone, a named simplification, README's limitations.)
 
 Each reader's edge charged as it stands would pay it once per reader. The right charge,
 "once per axis if any reader needs it, hidden behind the earliest such reader", couples the
