@@ -139,7 +139,7 @@ def test_a_solution_left_in_a_costlier_mode_is_settled_to_the_cheapest():
         assert saved == problem.evaluate(choice)[0] - sol.objective_ns > 0
 
 
-def _zero_embedding_hints(ndim: int):
+def _zero_embedding_hints():
     """ZeRO over mesh axis 0 (every weight stored split there, replicated on the others),
     data parallel on every axis: each linear and the token embedding split their batch and
     read their weight whole, so the tied weight is gathered by both of its readers."""
@@ -158,7 +158,7 @@ def test_a_tied_weight_stored_split_is_gathered_once_behind_the_embedding(mesh):
     the head's (an untied head pays its own gather and reduce-scatter; on 2x2 also its
     gradient's sum over axis 1)."""
     cm = CostModel(get_cluster("cpu-local"), mesh)
-    hints = _zero_embedding_hints(len(mesh))
+    hints = _zero_embedding_hints()
     tied, untied = (plan_graph(_gpt(t), cm, hints=hints) for t in (True, False))
     head = [k for k, v in tied.nodes.items() if v.op == "linear.default"][-1]
     for p in (tied, untied):
@@ -183,12 +183,12 @@ def test_an_embeddings_table_is_gathered_again_only_if_its_group_keeps_a_weight(
     cm = CostModel(get_cluster("cpu-local"), (4,))
     for embed_norm in (False, True):
         tg = _gpt(False, embed_norm=embed_norm)  # (untied: a tied head keeps the table for backward)
-        b, _ = build_problem(tg, cm, None, _zero_embedding_hints(1))
+        b, _ = build_problem(tg, cm, None, _zero_embedding_hints())
         emb = next(n for n in b.graph.nodes if n.name == "embedding")
         linear = next(n for n in b.graph.nodes if n.target is torch.ops.aten.linear.default)
         assert b._saves(emb, 0) == embed_norm
         assert b._saves(linear, 1)
-        plan = plan_graph(tg, cm, hints=_zero_embedding_hints(1))
+        plan = plan_graph(tg, cm, hints=_zero_embedding_hints())
         assert plan.nodes["embedding"].ins[0] == ["R"]
         if not embed_norm:
             without = plan.nodes["embedding"].comm_s
@@ -202,10 +202,9 @@ def test_the_tied_weights_readers_share_one_gather_at_run_time():
     own (the embedding norm's weight, gathered beside it, is not kept with it)."""
     from stpc import runtime
     from stpc.passes import cleanup, insert_collectives, prefetch_params, shard_params
-    from stpc.planner import search
 
     tg = _gpt(True, embed_norm=True)  # (a norm on the embeddings: its weight gathered beside the table)
-    plan = search(tg, (4,), "cpu-local", hints=_zero_embedding_hints(1))
+    plan = search(tg, (4,), "cpu-local", hints=_zero_embedding_hints())
     gm = cleanup(insert_collectives(shard_params(tg.gm, plan, groups=["g0"]), plan), plan)
     ph = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("param") == "lm_head.weight")
     gathers = [u for u in ph.users if u.target is runtime.all_gather]
@@ -229,9 +228,7 @@ def test_the_tied_weights_readers_share_one_gather_at_run_time():
 def test_that_plan_trains_as_the_single_device_model_on_two_ranks():
     """The shared gather on real gloo ranks: loss, every gradient and every parameter after
     four AdamW steps match the single-device model (``run_cases``: fp32, rtol 1e-4)."""
-    from stpc.planner import search
-
-    plan = search(_gpt(True), (2,), "cpu-local", hints=_zero_embedding_hints(1))
+    plan = search(_gpt(True), (2,), "cpu-local", hints=_zero_embedding_hints())
     assert plan.nodes["embedding"].ins[0] == ["R"] and plan.nodes["embedding"].ins[1] == ["S0"]
     case = dict(id="zero-tied", model="gpt-tiny", overrides={"bias": False}, plan=plan.to_json(), batch=8, seq=64,
                 steps=4, opt="adamw")
@@ -289,7 +286,7 @@ def test_the_runtime_gathers_a_table_again_as_the_model_charges_it():
     cases = []
     for tied, norm in ((False, False), (True, False), (False, True)):
         overrides = {"tied_head": tied, "embed_norm": norm}
-        plan = search(_gpt(tied, embed_norm=norm), (2,), "cpu-local", hints=_zero_embedding_hints(1))
+        plan = search(_gpt(tied, embed_norm=norm), (2,), "cpu-local", hints=_zero_embedding_hints())
         assert plan.nodes["embedding"].ins[0] == ["R"]
         cases.append((overrides, plan.to_json()))
     results = spawn(_regathered_tables, 2, cases, timeout_s=300)

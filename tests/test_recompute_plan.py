@@ -285,11 +285,10 @@ def test_a_layers_kept_copies_are_the_reshards_its_span_reads(family, mesh):
     spans = [e for e in p.saved_edges if (e.u, e.v, tuple(sorted(e.table.items()))) not in kept]
     charged = sum(e.table.get((e.ucls[ch[e.u]], e.vcls[ch[e.v]]), 0) for e in spans)
     assert charged == read
-    # (these layouts reshard each layer's input for its first norm; the zero plan's embedding
-    # reads the tied table whole on each rank's rows, sharing the head's gather, so its output
-    # enters the layers as they read it: nothing to keep, and nothing charged)
-    if family in ("megatron", "p2x2"):
+    if family in ("megatron", "p2x2"):  # (these layouts reshard each layer's input for its first norm)
         assert read > 0
+    if family == "zero":  # (its embedding reads the tied table whole on each rank's rows, sharing the
+        assert read == 0  # head's gather: its output enters the layers as they read it, nothing kept)
 
 
 def test_the_searchs_recompute_arguments_set_every_point(gpt4):

@@ -65,6 +65,7 @@ import re
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -112,6 +113,20 @@ class _Group:
     bwd_mem: np.ndarray | None = None  # the last layer's backward beyond the end of forward (one copy)
     bwd_transient: list[float] | None = None  # its working set in that phase (a last-layer op's; else 0)
     head_mem: np.ndarray | None = None  # the head's gradient reduction beyond the end of forward (one copy)
+
+
+class _Readers(NamedTuple):
+    """A parameter several ops read, as ``grad_sum`` sees it."""
+
+    count: int         # how many reads
+    pen_bytes: float   # the most bytes one of them moves whole: what sizes the penalty
+    # whether their ZeRO gathers are one call: every read of one node, none inside a
+    # recomputed layer (whose gathers stay its own)
+    gathers: bool
+    # whether any of them outside the head keeps it for backward: a gather they share is then
+    # made again (unless a head op reads it too, for which it is kept from forward, as
+    # ``prefetch_params`` keeps the head's: charged again then, an over-charge)
+    saved: bool
 
 
 class Builder:
@@ -198,12 +213,7 @@ class Builder:
     def _param_readers(self) -> tuple[dict, dict]:
         """Parameters that more than one op reads (through their group: a view or cast of one
         reads it too), as ``grad_sum`` sees them: (read (src, dst, i) -> its place in forward
-        order among its parameter's reads, group -> (how many reads, the most bytes one of
-        them moves whole: what sizes the penalty, whether their ZeRO gathers are one call:
-        every read of one node, none inside a recomputed layer, whose gathers stay its own;
-        whether any of them outside the head keeps it for backward: a gather they share is
-        then made again, unless a head op reads it too, for which it is kept from forward,
-        as ``prefetch_params`` keeps the head's; charged again then, an over-charge))."""
+        order among its parameter's reads, group -> its :class:`_Readers`)."""
         reads = defaultdict(set)
         for src, dst, i in self.facts.edge_uses:
             if self.facts.group_items[src.group].kind == "param" and src.group != dst.group:
@@ -215,9 +225,9 @@ class Builder:
                     order[r] = k
                 gathers = (len({src.node for src, _, _ in rs}) == 1
                            and not (self.recompute and any(dst in self.facts.layer_items for _, dst, _ in rs)))
-                readers[g] = (len(rs), max(r[0].node.meta["val"].numel() * r[0].node.meta["val"].element_size()
-                                           for r in rs), gathers,
-                              any(self._saves(dst.node, i) for _, dst, i in rs if dst not in self.facts.head))
+                readers[g] = _Readers(
+                    len(rs), max(r[0].node.meta["val"].numel() * r[0].node.meta["val"].element_size() for r in rs),
+                    gathers, any(self._saves(dst.node, i) for _, dst, i in rs if dst not in self.facts.head))
         return order, readers
 
     # ---------------------------------------------------------------- per item
@@ -267,8 +277,8 @@ class Builder:
             if fqn in self.hints.param_exact:
                 choices = self._exact(node, f"parameter {fqn}", choices, self.hints.param_exact[fqn])
             if it.group in self._readers and node in self.rg:  # each placement once per mode (``grad_sum``)
-                count, _, gathers, _ = self._readers[it.group]
-                with_modes = [(p, m) for p in choices for m in grad_sum.modes(p, self.mesh, count, gathers)]
+                rd = self._readers[it.group]
+                with_modes = [(p, m) for p in choices for m in grad_sum.modes(p, self.mesh, rd.count, rd.gathers)]
                 choices = [p for p, _ in with_modes]
                 self._sum_modes[it.group] = [m for _, m in with_modes]
             else:
@@ -844,8 +854,8 @@ class Builder:
             if (reader := self._reader_of.get((src, dst, i))) is not None and src.group in self._sum_modes:
                 modes = self._sum_modes[src.group]
                 roles = (tuple(tuple(grad_sum.role(m[a], reader) for m in modes) for a in range(len(self.mesh))),
-                         self._readers[src.group][1])
-                saves = (saves[0], self._readers[src.group][3])
+                         self._readers[src.group].pen_bytes)
+                saves = (saves[0], self._readers[src.group].saved)
             key = ("param-edge", id(place), nbytes, layer, rg, id(strategies), i, id(win), inline, kept, roles, saves)
             return self._shared_result(key, lambda: self._param_edge(place, nbytes, layer, rg, strategies, i, win,
                                                                      inline, kept, roles, saves))
