@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from stpc import passes, runtime
 from stpc.placement import is_grid, local_shape
-from stpc.runtime.dtensors import dtensor_placements, stored, to_plan_layout
+from stpc.runtime.dtensors import dtensor_placements, param_local, stored, to_plan_layout
 from stpc.runtime.failure import comm_failure
 from stpc.runtime.grad_reducer import GradReducer
 from stpc.runtime.hook_taps import HookTaps, UnsupportedHook
@@ -180,7 +180,9 @@ class Compiled:
         prog = self.programs.get(key)
         if prog is None:
             prog = self._new_program(module, key, args, kwargs)
-        self._arm_reducer(module, prog)
+        # every name, a tied alias's too: one walk of the module per call, not one per parameter
+        params = dict(module.named_parameters(remove_duplicate=False))
+        self._arm_reducer(module, prog, params)
         fn, taps = self._runner(prog, hooked)
         if taps is not None:
             taps.begin(module)
@@ -188,7 +190,7 @@ class Compiled:
         regather = RegatherSaved(prog.regathers) if prog.regathers and torch.is_grad_enabled() else contextlib.nullcontext()
         try:
             with regather:
-                out = fn(*self._feed(module, prog, flat))
+                out = fn(*self._feed(module, prog, flat, params))
         except RuntimeError as e:  # a compiled program's collectives fail inside generated code
             if isinstance(e, UnsupportedHook):
                 raise
@@ -199,19 +201,19 @@ class Compiled:
         out = [self._wrap_output(x, p, s) for x, p, s in zip(out, prog.out_placements, prog.out_shapes)]
         return pytree.tree_unflatten(out, prog.out_spec)
 
-    def _arm_reducer(self, module, prog: Program) -> None:
+    def _arm_reducer(self, module, prog: Program, params: dict) -> None:
         """The backward of this call sums its deferred gradients with this program's reducer
         (built on first use: the parameters are the module's DTensors by then; built again
         when one of them was replaced since); other programs' reducers stand aside."""
         if prog.deferred:
-            params = [(module.get_parameter(fqn), group) for fqn, group in prog.deferred.items()]
-            if prog.reducer is not None and not prog.reducer.holds(params):
+            deferred = [(_param(module, params, fqn), group) for fqn, group in prog.deferred.items()]
+            if prog.reducer is not None and not prog.reducer.holds(deferred):
                 # a parameter was replaced or converted since: hook the module's own now, or its
                 # gradient would reach .grad unsummed over the data-parallel ranks
                 prog.reducer.remove()
                 prog.reducer = None
             if prog.reducer is None:
-                prog.reducer = GradReducer(params, prog.bucket_bytes)
+                prog.reducer = GradReducer(deferred, prog.bucket_bytes)
         for other in self.programs.values():
             if other.reducer is not None:
                 other.reducer.enabled = other is prog
@@ -279,15 +281,15 @@ class Compiled:
         self.add(key, prog)
         return prog
 
-    def _feed(self, module, prog: Program, flat) -> list:
+    def _feed(self, module, prog: Program, flat, params: dict) -> list:
         shape = tuple(prog.plan.mesh_shape)
         out = []
         for entry in prog.feed:
             kind = entry[0]
             if kind == "param":
                 _, fqn, placement = entry
-                p = module.get_parameter(fqn)
-                local = p.to_local() if isinstance(p, DTensor) else p
+                p = _param(module, params, fqn)
+                local = param_local(p) if isinstance(p, DTensor) else p
                 out.append(to_plan_layout(local, placement, self.groups) if any(is_grid(t) for t in placement)
                            else local)
             elif kind == "buffer":
@@ -318,6 +320,13 @@ class Compiled:
         return DTensor.from_local(x, self.mesh, dtensor_placements(placement, ()), run_check=False,
                                   shape=torch.Size(global_shape),
                                   stride=torch.empty(global_shape, device="meta").stride())
+
+
+def _param(module: nn.Module, params: dict, fqn: str):
+    """The module's parameter ``fqn`` (from this call's ``named_parameters``; where it is
+    not there, ``get_parameter`` says what is missing)."""
+    p = params.get(fqn)
+    return p if p is not None else module.get_parameter(fqn)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -44,6 +44,32 @@ def _cases(rank, world, plans):
                    and len(red.buckets) == 2)
     red.remove()
 
+    # the parameter feed's local view (runtime.param_local) and the reducer's gradient DTensor
+    # (runtime.dtensors.grad_like) give what to_local's backward and from_local give
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from stpc.runtime.dtensors import grad_like, param_local
+    same = []
+    for placements in [(Replicate(), Replicate()), (Shard(0), Replicate()), (Shard(1), Shard(0))]:
+        for transposed in (False, True):  # a gradient that reaches the view non-contiguous: the fallback
+            full = torch.arange(16.0).reshape(4, 4)
+            grads = []
+            for local_of in (param_local, DTensor.to_local):
+                p = torch.nn.Parameter(DTensor.from_local(full, mesh, [Replicate(), Replicate()]).redistribute(
+                    mesh, placements))
+                x = local_of(p)
+                ((x.t() if transposed else x) * (rank + 2)).sum().backward()
+                grads.append(p.grad)
+            mine, theirs = grads
+            same.append(type(mine) is DTensor and mine.placements == theirs.placements and mine.shape == theirs.shape
+                        and mine.stride() == theirs.stride() and torch.equal(mine.to_local(), theirs.to_local()))
+        local = torch.full(p.to_local().shape, float(rank))
+        mine = grad_like(p, local)
+        theirs = DTensor.from_local(local, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        same.append(mine.placements == theirs.placements and mine.shape == theirs.shape
+                    and mine.stride() == theirs.stride() and torch.equal(mine.to_local(), local))
+    out["param_local"] = same
+
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 128, (B, S), generator=g), torch.randint(0, 128, (B, S), generator=g))
                for _ in range(2)]
@@ -102,6 +128,7 @@ def test_bucketed_reduction_matches_single_device():
     res = spawn(_cases, 4, plans, timeout_s=240)
     for r in res:
         assert r["bare"]
+        assert all(r["param_local"]) and len(r["param_local"]) == 9, r["param_local"]
         small, default, plain = r["2x2-small-buckets"], r["4-default"], r["4-unbucketed"]
         # fp32, rtol 1e-4: bucketing changes the order of the sums only
         assert small["worst"] <= 1 and default["worst"] <= 1 and plain["worst"] <= 1, r

@@ -224,8 +224,8 @@ def _placed_io(rank, world):
     mine = slice(row * B // 2, (row + 1) * B // 2)
     fed, feed = [], pm.stpc._feed  # what the program receives, to check it is the caller's tensor
 
-    def spy(module, prog, flat):
-        fed.append(feed(module, prog, flat))
+    def spy(module, prog, flat, params):
+        fed.append(feed(module, prog, flat, params))
         return fed[-1]
 
     pm.stpc._feed = spy

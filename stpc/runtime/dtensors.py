@@ -20,16 +20,18 @@ stack per-tensor norms) never mix meshes.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from stpc.placement import is_grid, parse
 from stpc.runtime.reshard import grid_relayout
 
-__all__ = ["grid_axes", "storage_mesh", "stored", "dtensor_placements", "to_plan_layout", "tokens_of"]
+__all__ = ["grid_axes", "storage_mesh", "stored", "dtensor_placements", "to_plan_layout", "tokens_of", "param_local",
+           "grad_like"]
 
 
 def grid_axes(placements) -> tuple[int, ...]:
@@ -123,3 +125,53 @@ def to_plan_layout(local: torch.Tensor, placement, groups: list[str]) -> torch.T
         if kind in "XW":
             local = grid_relayout(local, "B", kind, groups[a])
     return local
+
+
+# --------------------------------------------------------------------------- per step
+
+
+def _plain(spec) -> bool:
+    """Whether a DTensor of ``spec`` is contiguous and has no Partial placement: its gradient's
+    spec is then its own (what ``to_local``'s backward computes for a contiguous gradient)."""
+    shape, stride = tuple(spec.tensor_meta.shape), tuple(spec.tensor_meta.stride)
+    want, acc = [], 1
+    for n in reversed(shape):
+        want.append(acc)
+        acc *= max(int(n), 1)
+    return stride == tuple(reversed(want)) and not any(p.is_partial() for p in spec.placements)
+
+
+def grad_like(p: DTensor, local: torch.Tensor) -> DTensor:
+    """``local`` (this rank's piece, contiguous) as a gradient of parameter ``p``: a DTensor of
+    p's spec, made directly (``DTensor.from_local`` runs an autograd function and builds a
+    new spec: per parameter per step, measurable Python on a small step). Falls back to it
+    where ``p`` is not contiguous or ``local`` is not."""
+    if local.is_contiguous() and _plain(p._spec):
+        return DTensor(local, copy.copy(p._spec), requires_grad=False)
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+class _ParamLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p):
+        ctx.param_spec = p._spec
+        ctx.set_materialize_grads(False)
+        local = p._local_tensor
+        return local.view_as(local)  # (a new tensor object: autograd writes its metadata into it)
+
+    @staticmethod
+    def backward(ctx, g):
+        if g is None:
+            return None
+        spec = ctx.param_spec
+        if g.is_contiguous() and _plain(spec):
+            return DTensor(g, copy.copy(spec), requires_grad=False)
+        return DTensor.from_local(g, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                  stride=spec.stride)
+
+
+def param_local(p: DTensor) -> torch.Tensor:
+    """``p.to_local()`` for a parameter the program reads every call: the same local view, and
+    in backward the same gradient (a DTensor of p's placements), made by :func:`grad_like`'s
+    direct route instead of ``to_local``'s ``DTensor.from_local``."""
+    return _ParamLocal.apply(p)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from stpc.runtime.dtensors import grad_like
 from stpc.runtime.failure import comm_failure
 from stpc.runtime.lazy_wait import settle
 from stpc.runtime.reshard import _pg
@@ -65,10 +66,7 @@ def _local(t: Tensor) -> Tensor:
 
 def _as_grad(p, local: Tensor) -> Tensor:
     """``local`` as a gradient of ``p`` (a DTensor of p's layout if p is one)."""
-    if isinstance(p, DTensor):
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
-    return local
+    return grad_like(p, local) if isinstance(p, DTensor) else local
 
 
 class GradReducer:
