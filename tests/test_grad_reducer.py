@@ -68,6 +68,16 @@ def _cases(rank, world, plans):
         theirs = DTensor.from_local(local, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
         same.append(mine.placements == theirs.placements and mine.shape == theirs.shape
                     and mine.stride() == theirs.stride() and torch.equal(mine.to_local(), local))
+    # double backward (the gradient itself differentiable): param_local's gradient keeps its
+    # graph, as to_local's does (a direct DTensor of it did not: the second order was lost)
+    orders = []
+    for local_of in (param_local, DTensor.to_local):
+        p = torch.nn.Parameter(DTensor.from_local(torch.arange(4.0) + rank, mesh, [Shard(0), Replicate()]))
+        (g,) = torch.autograd.grad((local_of(p) ** 3).sum(), p, create_graph=True)
+        (g.to_local() ** 2).sum().backward()
+        orders.append((g.to_local(), p.grad.to_local() if p.grad is not None else None))
+    (g1, h1), (g2, h2) = orders
+    same.append(h1 is not None and torch.equal(g1, g2) and torch.equal(h1, h2))
     out["param_local"] = same
 
     g = torch.Generator().manual_seed(1)
@@ -128,7 +138,7 @@ def test_bucketed_reduction_matches_single_device():
     res = spawn(_cases, 4, plans, timeout_s=240)
     for r in res:
         assert r["bare"]
-        assert all(r["param_local"]) and len(r["param_local"]) == 9, r["param_local"]
+        assert all(r["param_local"]) and len(r["param_local"]) == 10, r["param_local"]
         small, default, plain = r["2x2-small-buckets"], r["4-default"], r["4-unbucketed"]
         # fp32, rtol 1e-4: bucketing changes the order of the sums only
         assert small["worst"] <= 1 and default["worst"] <= 1 and plain["worst"] <= 1, r

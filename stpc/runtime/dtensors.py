@@ -164,7 +164,8 @@ class _ParamLocal(torch.autograd.Function):
         if g is None:
             return None
         spec = ctx.param_spec
-        if g.is_contiguous() and _plain(spec):
+        # (a gradient that itself requires grad, double backward: from_local keeps it differentiable)
+        if g.is_contiguous() and not g.requires_grad and _plain(spec):
             return DTensor(g, copy.copy(spec), requires_grad=False)
         return DTensor.from_local(g, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
                                   stride=spec.stride)
