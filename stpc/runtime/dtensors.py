@@ -141,14 +141,21 @@ def _plain(spec) -> bool:
     return stride == tuple(reversed(want)) and not any(p.is_partial() for p in spec.placements)
 
 
+def _grad_of(spec, g: torch.Tensor) -> DTensor:
+    """``g`` (this rank's piece) as a gradient of a DTensor of ``spec``: a DTensor of that
+    spec, made directly (``DTensor.from_local`` runs an autograd function and builds a new
+    spec: per parameter per step, measurable Python on a small step; FSDP2's
+    ``_from_local_no_grad`` does the same). ``from_local`` where ``g`` or the spec is not
+    contiguous, or ``g`` itself requires grad (double backward: from_local keeps it
+    differentiable, a direct DTensor would drop the second order)."""
+    if g.is_contiguous() and not g.requires_grad and _plain(spec):
+        return DTensor(g, copy.copy(spec), requires_grad=False)
+    return DTensor.from_local(g, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
 def grad_like(p: DTensor, local: torch.Tensor) -> DTensor:
-    """``local`` (this rank's piece, contiguous) as a gradient of parameter ``p``: a DTensor of
-    p's spec, made directly (``DTensor.from_local`` runs an autograd function and builds a
-    new spec: per parameter per step, measurable Python on a small step). Falls back to it
-    where ``p`` is not contiguous or ``local`` is not."""
-    if local.is_contiguous() and _plain(p._spec):
-        return DTensor(local, copy.copy(p._spec), requires_grad=False)
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    """``local`` (this rank's piece) as a gradient of parameter ``p`` (:func:`_grad_of`)."""
+    return _grad_of(p._spec, local)
 
 
 class _ParamLocal(torch.autograd.Function):
@@ -161,14 +168,7 @@ class _ParamLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        if g is None:
-            return None
-        spec = ctx.param_spec
-        # (a gradient that itself requires grad, double backward: from_local keeps it differentiable)
-        if g.is_contiguous() and not g.requires_grad and _plain(spec):
-            return DTensor(g, copy.copy(spec), requires_grad=False)
-        return DTensor.from_local(g, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
-                                  stride=spec.stride)
+        return None if g is None else _grad_of(ctx.param_spec, g)
 
 
 def param_local(p: DTensor) -> torch.Tensor:
