@@ -89,16 +89,34 @@ def test_cpsat_equals_brute_force_under_budget(p, method):
         assert sol.peak_bytes <= p.budget
 
 
+@pytest.mark.parametrize("method", ["auto", "cpsat"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems())
-def test_objective_cap_prunes_exactly(p):
+@given(p=problems())
+def test_objective_cap_prunes_exactly(p, method):
     from stpc.planner.solver import NoBetterPlan
     best, _ = brute_force(p)
     p.cap = best - 1
     with pytest.raises(NoBetterPlan):
-        solve(p)
+        solve(p, method=method)
     p.cap = best
-    assert solve(p).objective_ns == best
+    assert solve(p, method=method).objective_ns == best
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(with_budget=True))
+def test_objective_cap_under_budget(p):
+    """CP-SAT's cap (the objective's domain) where the budget binds too: a cap one below
+    the budgeted optimum proves no plan reaches it, the optimum itself is found."""
+    from stpc.planner.solver import NoBetterPlan
+    best = brute_force(p)
+    if best is None:
+        return
+    p.cap = best[0] - 1
+    with pytest.raises(NoBetterPlan):
+        solve(p, method="cpsat")
+    p.cap = best[0]
+    sol = solve(p, method="cpsat")
+    assert sol.objective_ns == best[0] and sol.peak_bytes <= p.budget
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
