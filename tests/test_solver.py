@@ -103,6 +103,21 @@ def test_objective_cap_prunes_exactly(p, method):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=problems(with_budget=True), data=st.data())
+def test_hint_leaves_the_optimum(p, data):
+    """A hint (any choice per group, fitting or not) only says where CP-SAT starts: the
+    budgeted optimum, or the infeasibility, is what brute force finds."""
+    hint = [data.draw(st.integers(0, len(c) - 1)) for c in p.cost]
+    best = brute_force(p)
+    if best is None:
+        with pytest.raises(InfeasibleBudget):
+            solve(p, method="cpsat", hint=hint)
+        return
+    sol = solve(p, method="cpsat", hint=hint)
+    assert sol.objective_ns == best[0] and sol.peak_bytes <= p.budget
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(with_budget=True))
 def test_objective_cap_under_budget(p):
     """CP-SAT's cap (the objective's domain) where the budget binds too: a cap one below

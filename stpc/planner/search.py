@@ -490,7 +490,8 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
                 watch = _CpsatWatch(report, _name(c.layout), i, _least(incumbent, held and held.objective_ns),
                                     [None] * i + rest)  # (its bound at [i], the queue's after it)
             try:
-                sol = solve(c.problem, method="cpsat", on_progress=watch, time_limit_s=time_limit_s)
+                sol = solve(c.problem, method="cpsat", on_progress=watch, time_limit_s=time_limit_s,
+                            hint=c.choice)  # (its memory-blind optimum: where CP-SAT starts)
             except NoBetterPlan:
                 if held is None:
                     tried.append({**entry, "modelled_step_time_s": None, "pruned": True,

@@ -467,7 +467,7 @@ class _Progress(cp_model.CpSolverSolutionCallback):
 
 
 def solve(p: Problem, time_limit_s: float = TIME_LIMIT_S, prune: bool = True, method: str = "auto",
-          on_progress=None) -> Solution:
+          on_progress=None, hint: list[int] | None = None) -> Solution:
     """Exact optimum; deterministic.
 
     ``auto``: an infeasible budget is detected exactly by :func:`min_memory`; then
@@ -478,7 +478,11 @@ def solve(p: Problem, time_limit_s: float = TIME_LIMIT_S, prune: bool = True, me
     ``cpsat``: CP-SAT only (one worker, fixed seed), dominated choices pruned first
     (exact, see :func:`prune_dominated`). ``on_progress(objective_ns, bound_ns)``, if
     given, is called at each better solution and each raised bound CP-SAT finds (either
-    argument may be None); an exception it raises stops the solve and propagates."""
+    argument may be None); an exception it raises stops the solve and propagates.
+    ``hint``: a choice per group CP-SAT starts its search from (``CpModel.AddHint``; the
+    search's memory-blind optimum: it need not fit the budget or the cap). It changes how
+    fast CP-SAT gets there, not the answer: on the five slowest capped problems measured
+    (``_minimise``'s), 48 / 12 / 71 / 79 / 89 s without it, 36 / 2 / 103 / 56 / 44 s with it."""
     t0 = time.perf_counter()
     if method == "auto":
         if p.budget is not None and min_memory_bound(p) > p.budget:
@@ -502,6 +506,8 @@ def solve(p: Problem, time_limit_s: float = TIME_LIMIT_S, prune: bool = True, me
     if prune:
         p, keep = prune_dominated(p)
     m, x, n_edge_vars = _build(p, minimise_memory=False)
+    if hint is not None:
+        _add_hint(m, x, hint, keep if prune else None)
     solver = _solver(time_limit_s)
     if on_progress is None:
         status = solver.Solve(m)
@@ -525,6 +531,19 @@ def solve(p: Problem, time_limit_s: float = TIME_LIMIT_S, prune: bool = True, me
     return Solution(choice=choice, objective_ns=obj, peak_bytes=peak, status=solver.StatusName(status),
                     solve_time_s=time.perf_counter() - t0, num_variables=len(proto.variables),
                     num_constraints=len(proto.constraints))
+
+
+def _add_hint(m, x, hint: list[int], keep: list[list[int]] | None) -> None:
+    """Hint group g's Booleans to ``hint[g]`` (an index into the unpruned choices; ``keep``
+    maps them to the pruned model's). A group whose hinted choice was pruned as dominated
+    gets no hint: CP-SAT completes a partial one."""
+    for g, xs in enumerate(x):
+        if xs is None:
+            continue
+        c = hint[g] if keep is None else (keep[g].index(hint[g]) if hint[g] in keep[g] else None)
+        if c is not None:
+            for j, v in enumerate(xs):
+                m.AddHint(v, j == c)
 
 
 def memory_blind_optimum(p: Problem) -> tuple[list[int] | None, int, int | None]:
