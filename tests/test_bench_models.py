@@ -1,10 +1,12 @@
 """The model benchmarks (``python -m stpc bench primepar|planner|kernel``): their helpers, and
 each verb on a tiny size (one model cut to 2 layers, one device count, one cluster)."""
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from stpc.cli.bench_kernel import main_kernel, ring_step_shapes, step_gemms
 from stpc.cli.bench_planner import large_target, main_planner, primepar_search_s, row
 from stpc.cli.bench_primepar import (best_fitting, compare, greatest_fitting_depth, inter_node_gbs, main_primepar,
                                      p2x2_line, p2x2_modules, p2x2_probe, p2x2_reasons, parse_target, recompute_line,
-                                     unproven_line, why, with_inter_node)
+                                     unproven_line, why, with_inter_node, cell_at_bandwidth)
 from stpc.cost_models import get_cluster
 
 TINY = ["--models", "llama2-7b", "--layers", "2", "--sizes", "4"]
@@ -269,6 +271,41 @@ def test_unproven_line_names_each_plan_not_proven_optimal():
     (line, _) = unproven_line(cells, ["megatron", "fsdp-tp"])
     assert line.endswith(": stpc on b at 8 (CP-SAT ran out of time on mesh 4x2, mesh 2x2x2); megatron on b at 8 "
                          "(its own CP-SAT solve stopped at the time limit).")
+    # a sensitivity cell is named by its bandwidth (its device count is every such cell's)
+    for c, g in zip(cells, (12.5, 100.0)):
+        c["inter_node_gbs_per_node"] = g
+    (line, _) = unproven_line(cells, ["megatron"], where=cell_at_bandwidth)
+    assert line.endswith(": stpc on b at 100 GB/s per node (CP-SAT ran out of time on mesh 4x2, mesh 2x2x2); "
+                         "megatron on b at 100 GB/s per node (its own CP-SAT solve stopped at the time limit).")
+
+
+REPO = Path(__file__).resolve().parent.parent
+KEPT_CHECKPOINT = REPO / "benchmarks" / "data" / "primepar_checkpoint_s37.jsonl"
+
+
+def _section_body(text: str) -> list[str]:
+    """A primepar section's lines but those that name the run (its command, machine and date,
+    wall time, and which checkpoint and code gave its jobs)."""
+    body = text[text.index("<!-- bench:primepar -->"):text.index("<!-- /bench:primepar -->")]
+    skip = ("Command:", "machine:", "Wall time of this run:", "Planned by stpc")
+    return [line for line in body.splitlines() if not line.startswith(skip)]
+
+
+def test_results_primepar_section_is_its_kept_checkpoint_rendered(tmp_path):
+    # RESULTS.md's primepar section is what its run's checkpoint, kept in benchmarks/data,
+    # renders: every job taken from it (nothing planned), every table row and sentence the same
+    ck = tmp_path / "pp.jsonl"
+    shutil.copy(KEPT_CHECKPOINT, ck)
+    results, out = tmp_path / "RESULTS.md", tmp_path / "pp.json"
+    assert main_primepar(["--checkpoint", str(ck), "--json", str(out), "--results", str(results), "-q"],
+                         machine_line, write_section) == 0
+    assert ck.read_bytes() == KEPT_CHECKPOINT.read_bytes()  # no job was planned again
+    rendered = results.read_text()
+    assert "25 of 25 jobs were taken from the checkpoint" in rendered
+    assert _section_body(rendered) == _section_body((REPO / "benchmarks" / "RESULTS.md").read_text())
+    # the sensitivity cells say which plans were not proven optimal, by their bandwidth
+    sensitivity = rendered[rendered.index("### Sensitivity"):rendered.index("### PrimePar's worked example")]
+    assert "stpc on llama2-70b at 12.5 GB/s per node (CP-SAT ran out of time on" in sensitivity
 
 
 @pytest.mark.slow  # (221 s in CI when every depth tried was planned; now each is a fits_budget proof, and

@@ -497,17 +497,26 @@ def _why(w: dict) -> str:
             f"{bound.get(w['how'], '')}")
 
 
-def unproven_line(cells: list[dict], baselines) -> list[str]:
+def cell_at_devices(c: dict) -> str:
+    return f"{c['model']} at {c['devices']}"
+
+
+def cell_at_bandwidth(c: dict) -> str:
+    return f"{c['model']} at {c['inter_node_gbs_per_node']:g} GB/s per node"
+
+
+def unproven_line(cells: list[dict], baselines, where=cell_at_devices) -> list[str]:
     """The plans not proven optimal in their space (CP-SAT stopped at its time limit on a
     candidate, or on the chosen one with a solution in hand): a speedup against or of such a
-    plan is a bound in one direction only. Nothing when every plan was proven."""
+    plan is a bound in one direction only. Nothing when every plan was proven. ``where``
+    names a cell (its model and device count; a sensitivity cell's, its bandwidth)."""
     out = []
     for c in cells:
         for who, rec in [("stpc", c["stpc"])] + [(b, c["baselines"].get(b)) for b in baselines]:
             if rec and rec.get("fits") and rec.get("optimal") is False:
                 why = (f"CP-SAT ran out of time on {', '.join(rec['unresolved'])}" if rec.get("unresolved")
                        else "its own CP-SAT solve stopped at the time limit")
-                out.append(f"{who} on {c['model']} at {c['devices']} ({why})")
+                out.append(f"{who} on {where(c)} ({why})")
     if not out:
         return []
     return [f"Not proven optimal (the search's wall-clock limit of CP-SAT, {TIME_LIMIT_S:g} s a candidate, ran out): "
@@ -564,6 +573,7 @@ def report(cfg: dict, cells: list[dict], sens: list[dict], machine: str, command
             lines.append(f"At {g:g} GB/s per node: geo-mean speedup {_s(geo_mean(got), '.3f')}x over "
                          f"{len(got)} cells (modelled).")
         lines.append("")
+        lines += unproven_line(sens, baselines, where=cell_at_bandwidth)
     if example is not None:
         lines += primepar_example.section(example) + [""]
     jobs = cfg.get("jobs", 1)
