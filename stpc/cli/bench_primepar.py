@@ -498,10 +498,12 @@ def _why(w: dict) -> str:
 
 
 def cell_at_devices(c: dict) -> str:
+    """A cell as the tables' sentences name it: its model and device count."""
     return f"{c['model']} at {c['devices']}"
 
 
 def cell_at_bandwidth(c: dict) -> str:
+    """A sensitivity cell (every one at the largest device count) by its inter-node bandwidth."""
     return f"{c['model']} at {c['inter_node_gbs_per_node']:g} GB/s per node"
 
 
