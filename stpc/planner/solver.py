@@ -15,8 +15,7 @@ CP-SAT model
           sum_p e[k,p,q] = sum_{c in class q} x[v,c]
           (exact for 0/1 values; its LP relaxation is tight on trees)
   T       integer >= transient of the chosen choice of every group (the max), plus what its
-          incoming transient edges add at the chosen pairs (a resharded operand's copies);
-          the max in threshold form, z_k = "T reaches the k-th working set" (``_working_set_max``)
+          incoming transient edges add at the chosen pairs (a resharded operand's copies)
   memory  sum mem[g,c] x[g,c] + T <= budget          (the end of forward)
           sum (mem + bwd_mem)[g,c] x[g,c] + sum bwd[k,p,q] f[k,p,q] + B <= budget
                                                      (the last layer's backward; f: the
@@ -354,8 +353,17 @@ def _memory_rows(p: Problem) -> list:
 def _phase_memory(m, x, summed, maxed, name: str, also=None, incoming=None):
     """CP-SAT expression of one memory phase's bytes: the chosen ``summed`` (and ``also``)
     bytes of every group plus the largest chosen ``maxed`` bytes (an integer variable
-    ``name``, with the expressions ``incoming[g]`` added to group g's); any list may be None
-    (nothing of that kind in the phase). The largest is :func:`_working_set_max`."""
+    ``name`` at least each group's, with the expressions ``incoming[g]`` added to group g's);
+    any list may be None (nothing of that kind in the phase).
+
+    Tried and measured worse (the thirty-eighth session, commit fcfb409, reverted): the max in
+    threshold form (a Boolean "the max reaches v" per working-set size v above the groups'
+    largest least, each group's choices of v or more summed at most it), whose LP relaxation
+    is tighter. On opt-175b at 10 layers on 16 V100s it helped (unresolved candidates 3 -> 1,
+    search 407 s -> 302 s), but over the 14 primepar jobs it finished it lost proofs that the
+    plain form makes (llama2-7b on 4 V100s, opt-175b on 16 H100s), left llama2-70b on 32 V100s
+    with 4 unresolved candidates instead of 3, and searched 5556 s against 5058 s: with one
+    worker, CP-SAT branches on the threshold Booleans too."""
     terms, const = [], 0
     for rows in (summed, also):
         for g, mems in enumerate(rows or []):
@@ -364,46 +372,17 @@ def _phase_memory(m, x, summed, maxed, name: str, also=None, incoming=None):
             else:
                 terms += [mems[c] * x[g][c] for c in range(len(mems)) if mems[c]]
     if maxed is not None:
-        terms.append(_working_set_max(m, x, maxed, name, incoming or {}))
+        incoming = incoming or {}
+        hi = max((max(t) for t in maxed), default=0) + max((most for _, most in incoming.values()), default=0)
+        top = m.NewIntVar(0, max(0, hi), name)
+        for g, ts in enumerate(maxed):
+            own = ts[0] if x[g] is None else sum(ts[c] * x[g][c] for c in range(len(ts)) if ts[c])
+            if g in incoming:
+                m.Add(top >= own + sum(incoming[g][0]))
+            elif x[g] is None or any(ts):
+                m.Add(top >= own)
+        terms.append(top)
     return sum(terms) + const
-
-
-def _working_set_max(m, x, maxed, name: str, incoming: dict):
-    """An integer variable at least the largest chosen ``maxed[g]`` over the groups (plus, for
-    a group in ``incoming``, what its transient edges add at the chosen pairs), in the
-    threshold (unary) form: with L the largest of the groups' least (the max is at least it
-    whatever is chosen) and v_1 < ... < v_K the working sets above L that some group can
-    choose, a Boolean z_k = "the max reaches v_k" (z_{k+1} implies z_k), each group's choices
-    of at least v_k summed at most z_k, and the variable at least L + sum (v_k - v_{k-1}) z_k.
-    At 0/1 values it is the max exactly; its LP relaxation is the max over groups of each
-    threshold's chosen share, where the plain form ``top >= sum_c t[g,c] x[g,c]`` for each g
-    (implied by it, so dropped) gives only the largest group's mean. A group with incoming
-    transient edges (which may be negative) keeps the plain row.
-
-    Why: on the capped problems of opt-175b at 10 layers on 16 V100s (40 groups, up to 278
-    choices each), the plain form's bound stalled 2.6% under the cap; one worker, 120 s each,
-    plain against threshold: out of time -> proved infeasible in 16 s, out of time on both,
-    10.7 s -> 12.3 s; the uncapped candidate out of time with a plan -> proved optimal in 114 s."""
-    hi = max((max(t) for t in maxed), default=0) + max((most for _, most in incoming.values()), default=0)
-    top = m.NewIntVar(0, max(0, hi), name)
-    for g in incoming:
-        ts = maxed[g]
-        own = ts[0] if x[g] is None else sum(ts[c] * x[g][c] for c in range(len(ts)) if ts[c])
-        m.Add(top >= own + sum(incoming[g][0]))
-    plain = [g for g in range(len(maxed)) if g not in incoming]
-    least = max((min(maxed[g]) for g in plain), default=0)
-    levels = sorted({t for g in plain if x[g] is not None for t in maxed[g] if t > least})
-    z = {t: m.NewBoolVar(f"{name}_reaches{k}") for k, t in enumerate(levels)}
-    for lower, upper in zip(levels, levels[1:]):
-        m.AddImplication(z[upper], z[lower])
-    for g in plain:
-        if x[g] is None:
-            continue
-        for t in sorted(set(maxed[g])):
-            if t > least:
-                m.Add(sum(x[g][c] for c, tc in enumerate(maxed[g]) if tc >= t) <= z[t])
-    m.Add(top >= least + sum((t - s) * z[t] for s, t in zip([least, *levels], levels)))
-    return top
 
 
 def prune_dominated(p: Problem, rounds: int = 2) -> tuple[Problem, list[list[int]]]:
