@@ -269,14 +269,14 @@ def test_unproven_line_names_each_plan_not_proven_optimal():
                   "baselines": {"megatron": {"fits": True, "optimal": False, "unresolved": []},
                                 "fsdp-tp": {"fits": False}}})
     (line, _) = unproven_line(cells, ["megatron", "fsdp-tp"])
-    assert line.endswith(": stpc on b at 8 (CP-SAT ran out of time on mesh 4x2, mesh 2x2x2); megatron on b at 8 "
+    assert line.endswith(": stpc's plan for b on 8 (CP-SAT ran out of time on mesh 4x2, mesh 2x2x2); megatron's plan for b on 8 "
                          "(its own CP-SAT solve stopped at the time limit).")
     # a sensitivity cell is named by its bandwidth (its device count is every such cell's)
     for c, g in zip(cells, (12.5, 100.0)):
         c["inter_node_gbs_per_node"] = g
     (line, _) = unproven_line(cells, ["megatron"], where=cell_at_bandwidth)
-    assert line.endswith(": stpc on b at 100 GB/s per node (CP-SAT ran out of time on mesh 4x2, mesh 2x2x2); "
-                         "megatron on b at 100 GB/s per node (its own CP-SAT solve stopped at the time limit).")
+    assert line.endswith(": stpc's plan for b at 100 GB/s per node (CP-SAT ran out of time on mesh 4x2, mesh 2x2x2); "
+                         "megatron's plan for b at 100 GB/s per node (its own CP-SAT solve stopped at the time limit).")
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -305,7 +305,7 @@ def test_results_primepar_section_is_its_kept_checkpoint_rendered(tmp_path):
     assert _section_body(rendered) == _section_body((REPO / "benchmarks" / "RESULTS.md").read_text())
     # the sensitivity cells say which plans were not proven optimal, by their bandwidth
     sensitivity = rendered[rendered.index("### Sensitivity"):rendered.index("### PrimePar's worked example")]
-    assert "stpc on llama2-70b at 12.5 GB/s per node (CP-SAT ran out of time on" in sensitivity
+    assert "stpc's plan for llama2-70b at 12.5 GB/s per node (CP-SAT ran out of time on" in sensitivity
 
 
 @pytest.mark.slow  # (221 s in CI when every depth tried was planned; now each is a fits_budget proof, and

@@ -400,6 +400,16 @@ def table_head(baselines, extra: list[str] = ()) -> list[str]:
     return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
 
+def cell_on_devices(c: dict) -> str:
+    """A cell as the tables' sentences name it: its model and device count."""
+    return f"{c['model']} on {c['devices']}"
+
+
+def cell_at_bandwidth(c: dict) -> str:
+    """A sensitivity cell (every one at the largest device count) by its inter-node bandwidth."""
+    return f"{c['model']} at {c['inter_node_gbs_per_node']:g} GB/s per node"
+
+
 def summary_lines(cells: list[dict], top: int) -> list[str]:
     """The geo-mean at ``top`` devices beside PrimePar's, the memory ratio, and which cells
     stpc wins, ties or loses."""
@@ -418,8 +428,8 @@ def summary_lines(cells: list[dict], top: int) -> list[str]:
     by = {"wins": [], "ties": [], "loses": []}
     for c in cells:
         if c["speedup"] is not None:
-            by[verdict(c["speedup"])].append(f"{c['model']} on {c['devices']} ({c['speedup']:.2f}x)")
-    none = [f"{c['model']} on {c['devices']}" for c in cells if c["speedup"] is None]
+            by[verdict(c["speedup"])].append(f"{cell_on_devices(c)} ({c['speedup']:.2f}x)")
+    none = [cell_on_devices(c) for c in cells if c["speedup"] is None]
     words = {"wins": f"wins (> {WIN:g}x)", "ties": f"ties ({TIE_LOW:g}-{WIN:g}x)", "loses": f"loses (< {TIE_LOW:g}x)"}
     text = "; ".join(f"stpc {words[k]} in {len(v)}" + (f": {', '.join(v)}" if v else "") for k, v in by.items())
     if none:
@@ -436,7 +446,7 @@ def recompute_line(cells: list[dict], baselines) -> list[str]:
             rec = rec_of(c)
             if rec and rec.get("fits") and rec.get("recompute", "none") in by:
                 first = f", {first_layers(rec['recompute_layers'])}" if rec.get("recompute_layers") else ""
-                by[rec["recompute"]].append(f"{c['model']} on {c['devices']}{first}")
+                by[rec["recompute"]].append(f"{cell_on_devices(c)}{first}")
         return "; ".join(f"{k} in {len(v)}" + (f" ({', '.join(v)})" if v else "") for k, v in by.items())
     text = f"Recomputation of the layers: stpc's plan {levels(lambda c: c['stpc'])}; none in the other cells."
     for b in baselines:
@@ -451,14 +461,14 @@ def p2x2_line(cells: list[dict]) -> list[str]:
     for c in cells:
         own = {} if c["infeasible"] else (c["stpc"] or {})
         if own.get("p2x2_why"):
-            ops.append(", ".join(f"{w['module']} in {c['model']} on {c['devices']} ({_why(w)})"
+            ops.append(", ".join(f"{w['module']} in {cell_on_devices(c)} ({_why(w)})"
                                  for w in own["p2x2_why"]))
         elif own.get("p2x2_modules"):   # (a cell checkpointed before the reasons were recorded)
-            ops.append(f"{', '.join(own['p2x2_modules'])} in {c['model']} on {c['devices']}")
+            ops.append(f"{', '.join(own['p2x2_modules'])} in {cell_on_devices(c)}")
         probe = own.get("p2x2")
         if probe is None:
             continue
-        where = f"{c['model']} on {c['devices']}"
+        where = cell_on_devices(c)
         if not probe["available"] or probe.get("node") is None:
             none.append(where)
         elif probe.get("chosen"):
@@ -497,17 +507,7 @@ def _why(w: dict) -> str:
             f"{bound.get(w['how'], '')}")
 
 
-def cell_at_devices(c: dict) -> str:
-    """A cell as the tables' sentences name it: its model and device count."""
-    return f"{c['model']} at {c['devices']}"
-
-
-def cell_at_bandwidth(c: dict) -> str:
-    """A sensitivity cell (every one at the largest device count) by its inter-node bandwidth."""
-    return f"{c['model']} at {c['inter_node_gbs_per_node']:g} GB/s per node"
-
-
-def unproven_line(cells: list[dict], baselines, where=cell_at_devices) -> list[str]:
+def unproven_line(cells: list[dict], baselines, where=cell_on_devices) -> list[str]:
     """The plans not proven optimal in their space (CP-SAT stopped at its time limit on a
     candidate, or on the chosen one with a solution in hand): a speedup against or of such a
     plan is a bound in one direction only. Nothing when every plan was proven. ``where``
@@ -518,7 +518,7 @@ def unproven_line(cells: list[dict], baselines, where=cell_at_devices) -> list[s
             if rec and rec.get("fits") and rec.get("optimal") is False:
                 why = (f"CP-SAT ran out of time on {', '.join(rec['unresolved'])}" if rec.get("unresolved")
                        else "its own CP-SAT solve stopped at the time limit")
-                out.append(f"{who} on {where(c)} ({why})")
+                out.append(f"{who}'s plan for {where(c)} ({why})")
     if not out:
         return []
     return [f"Not proven optimal (the search's wall-clock limit of CP-SAT, {TIME_LIMIT_S:g} s a candidate, ran out): "
