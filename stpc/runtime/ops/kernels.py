@@ -20,11 +20,13 @@ Dispatch (:func:`ring_step_matmul`):
   single calls only, their launch included: 0.47x and 0.53x.)
 - anything else -> plain torch, because ``torch.compile`` of a graph holding a Triton
   op fails on CPU (the fake-tensor run reaches the interpreter), and the interpreter is
-  far too slow for real work anyway. A batched block ``[batch, m, n]`` whose rows fold
-  into one ``[batch*m, n]`` view (and whose output slice folds too) is one 2-D GEMM in
-  place; one that does not (a ring block along a middle dim of a batched activation) is,
-  on CPU, one 2-D GEMM into a temporary and a copy into the slice: MKL runs ``bmm`` as a
-  batch of separate small GEMMs, 5-10% slower on a GPT's ring steps at batch 4.
+  far too slow for real work anyway. (Tried and reverted, the thirty-ninth session: on
+  CPU, a batched block that does not fold to rows as one 2-D GEMM into a temporary and a
+  copy into the slice, instead of ``bmm`` with an expanded b. Alone, on one thread, it ran
+  a GPT's ring steps at batch 4 up to 5% faster; in the fidelity bench's ``ag_rs`` plan, on 4
+  ranks sharing 2 cores, the GEMM time it saved (0.19 s a step, profiled) went to the
+  copies and fresh temporaries (+0.17 s in other ops), and forward + backward did not
+  move: 5.754 s before, 5.763 s after.)
 
 The Triton kernel itself can be run on CPU tensors for testing with
 ``TRITON_INTERPRET=1`` in the environment *before this module is imported*
@@ -90,37 +92,20 @@ def ring_step_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumu
     _check_shapes(a, b, out)
     if out.is_cuda and _ring_kernel == "triton":
         return triton_ring_step_matmul(a, b, out, accumulate)
-    if a.dim() == 3:
-        a2, out2 = _rows(a), _rows(out)
-        if a2 is not None and out2 is not None:
-            a, out_2d = a2, out2      # both fold to [batch*m, ...]: one 2-D GEMM, in place
-        elif not out.is_cuda:
-            # A slice of a batched activation (a ring block along a middle dim) does not fold.
-            # On CPU one GEMM over the folded rows into a temporary, then a copy into the
-            # slice, beats bmm/baddbmm with an expanded b: MKL runs a batch as separate small
-            # GEMMs (b packed for each), ~5-10% slower on the ring steps of a GPT at batch 4
-            # (the fidelity bench's ag_rs plan); the copy is one pass over the block.
-            prod = torch.mm(a.reshape(-1, a.shape[-1]), b).view(out.shape)
-            return out.add_(prod) if accumulate else out.copy_(prod)
+    if a.dim() == 2:
+        if accumulate:
+            out.addmm_(a, b)
         else:
-            # CUDA: matmul(out=) refuses a strided 3-D out; bmm/baddbmm accept it, and an
-            # expanded (stride-0) b costs nothing (cuBLAS's strided batched GEMM).
-            bb = b.expand(a.shape[0], *b.shape)
-            return out.baddbmm_(a, bb) if accumulate else torch.bmm(a, bb, out=out)
+            torch.mm(a, b, out=out)
     else:
-        out_2d = out
-    if accumulate:
-        out_2d.addmm_(a, b)
-    else:
-        torch.mm(a, b, out=out_2d)
+        # matmul(out=) refuses a strided 3-D out; bmm/baddbmm accept it, and an
+        # expanded (stride-0) b costs nothing.
+        bb = b.expand(a.shape[0], *b.shape)
+        if accumulate:
+            out.baddbmm_(a, bb)
+        else:
+            torch.bmm(a, bb, out=out)
     return out
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` [batch, m, c] as a [batch*m, c] view, or None where its strides do not allow one."""
-    if t.shape[0] == 1 or t.shape[1] == 1 or t.stride(0) == t.shape[1] * t.stride(1):
-        return t.view(-1, t.shape[-1])
-    return None
 
 
 if HAS_TRITON:
