@@ -447,11 +447,12 @@ def _solver(time_limit_s: float) -> cp_model.CpSolver:
     # Probing in presolve costs more than it saves on these models (measured on the
     # zoo: 2-3x faster without it); the search is still complete.
     solver.parameters.cp_model_probing_level = 0
-    # The LP relaxation at level 2 (CP-SAT's cuts on every linear constraint, the phases'
-    # working-set maxima included): on the four candidates of opt-175b at 10 layers on 16
-    # V100s (fp16), one worker, 120 s each, the three capped ones were proved infeasible in
-    # 82, 44 and 16 s; at the default level (1) two of them ran out of time.
-    solver.parameters.linearization_level = 2
+    # Tried and reverted (the thirty-ninth session): CP-SAT's LP relaxation at
+    # linearization level 2. On the four candidates of opt-175b at 10 layers on 16 V100s
+    # (fp16; one worker, 120 s each) it proved the three capped ones infeasible in 82, 44 and
+    # 16 s, where level 1 ran out of time on two; the uncapped one stayed unproven either way,
+    # so the cell's plan did too. The planner bench (`python -m stpc bench planner`) measured
+    # bloom-7b1 on 8 V100s at 12.7 s of search against 7.7 s, the other cells within 8%.
     solver.parameters.max_time_in_seconds = time_limit_s
     return solver
 
