@@ -452,7 +452,8 @@ def _solver(time_limit_s: float) -> cp_model.CpSolver:
     # (fp16; one worker, 120 s each) it proved the three capped ones infeasible in 82, 44 and
     # 16 s, where level 1 ran out of time on two; the uncapped one stayed unproven either way,
     # so the cell's plan did too. The planner bench (`python -m stpc bench planner`) measured
-    # bloom-7b1 on 8 V100s at 12.7 s of search against 7.7 s, the other cells within 8%.
+    # bloom-7b1 on 8 V100s at 12.7 s of search against 7.7 s, the other cells from 8% faster
+    # to 11% slower.
     solver.parameters.max_time_in_seconds = time_limit_s
     return solver
 
