@@ -23,10 +23,10 @@ Dispatch (:func:`ring_step_matmul`):
   far too slow for real work anyway. (Tried and reverted, the thirty-ninth session: on
   CPU, a batched block that does not fold to rows as one 2-D GEMM into a temporary and a
   copy into the slice, instead of ``bmm`` with an expanded b. Alone, on one thread, it ran
-  a GPT's ring steps at batch 4 up to 5% faster; in the fidelity bench's ``ag_rs`` plan, on 4
-  ranks sharing 2 cores, the GEMM time it saved (0.19 s a step, profiled) went to the
-  copies and fresh temporaries (+0.17 s in other ops), and forward + backward did not
-  move: 5.754 s before, 5.763 s after.)
+  a GPT's ring steps at batch 4 from 2% slower to 11% faster by shape; in the fidelity
+  bench's ``ag_rs`` plan, on 4 ranks sharing 2 cores, the GEMM time it saved (0.19 s a
+  step, profiled) went to the copies and fresh temporaries (+0.17 s in other ops), and
+  forward + backward did not move: 5.754 s before, 5.763 s after.)
 
 The Triton kernel itself can be run on CPU tensors for testing with
 ``TRITON_INTERPRET=1`` in the environment *before this module is imported*
