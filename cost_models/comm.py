@@ -50,7 +50,7 @@ import math
 from bisect import bisect_left
 
 from .cluster import Cluster, Link
-from .compute import COPY_OP, gemm_time, roofline
+from .compute import COPY_OP, batched_weight_time, gemm_time, roofline
 from .overlap import OVERLAP_COMPUTE_SLOWDOWN, exposed
 
 # The message a data-parallel gradient rides in: the runtime's bucket (``stpc.compile``'s
@@ -187,6 +187,11 @@ class CostModel:
         """Seconds of one GEMM of ``flops`` FLOPs: :meth:`compute` at its size's efficiency
         (``cost_models.compute.gemm_time``)."""
         return gemm_time(self.device, flops, bytes_moved, dtype)
+
+    def batched_gemm_extra(self, batch: int, weight_bytes: float) -> float:
+        """Seconds a GEMM batched ``batch`` ways over one shared weight of ``weight_bytes``
+        adds to :meth:`gemm` of the same FLOPs (``compute.batched_weight_time``)."""
+        return batched_weight_time(self.device, batch, weight_bytes)
 
     # ------------------------------------------------------------------ collectives
     def all_gather(self, nbytes: float, axis: int) -> float:

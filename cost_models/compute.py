@@ -56,6 +56,15 @@ def gemm_time(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32"
     return max(flops / rate + device.ramp_s(dtype), bytes_moved / device.mem_bw)
 
 
+def batched_weight_time(device: DeviceSpec, batch: int, weight_bytes: float) -> float:
+    """Seconds a GEMM batched ``batch`` ways over one shared weight of ``weight_bytes`` takes
+    beyond the single GEMM of the same FLOPs: the weight read again for every element past
+    the first, at ``DeviceSpec.batch_reread_bw`` (0 where the device has no such figure)."""
+    if batch <= 1 or device.batch_reread_bw is None:
+        return 0.0
+    return (batch - 1) * weight_bytes / device.batch_reread_bw
+
+
 # Bytes one optimizer step moves per parameter element, by optimizer layout
 # (``cost_models.memory.LAYOUTS``). It does no matmul: memory traffic bounds it. torch's
 # default AdamW (the foreach path of torch/optim/adamw.py: decoupled weight decay, no

@@ -74,6 +74,13 @@ class DeviceSpec:
                  each op the built-in models use, forward + backward, on its own machine:
                  a CPU runs erf, exp and attention's softmax far below its memory
                  bandwidth); other ops take their roofline time (factor 1)
+    batch_reread_bw: bytes/s at which a batched GEMM whose elements share one weight (an
+                 expanded, stride-0 operand) reads that weight again for every element past
+                 the first, where measured (``calibrate``'s batched-block probe: on a CPU,
+                 ``torch.bmm`` packs the shared weight anew per element). A ring step whose
+                 activation block does not fold to rows runs as such a GEMM
+                 (``runtime.ops.kernels.ring_step_matmul``); None: no extra cost (the
+                 presets: cuBLAS's strided batched GEMM, an assumption, not measured)
     """
 
     name: str
@@ -84,6 +91,7 @@ class DeviceSpec:
     gemm_ramp_s: float = 0.0
     gemm_ramps: dict = field(default_factory=dict, hash=False)
     op_slowdown: dict = field(default_factory=dict, hash=False)
+    batch_reread_bw: float | None = None
 
     def __post_init__(self):
         missing = {"fp32", "tf32", "bf16", "fp16"} - set(self.peak_flops)
@@ -99,6 +107,9 @@ class DeviceSpec:
                              f"{self.op_slowdown}")
         if self.mem_bw <= 0 or self.mem_bytes <= 0:
             raise ValueError(f"DeviceSpec {self.name!r}: mem_bw and mem_bytes must be positive")
+        if self.batch_reread_bw is not None and not self.batch_reread_bw > 0:
+            raise ValueError(f"DeviceSpec {self.name!r}: batch_reread_bw must be positive or None, got "
+                             f"{self.batch_reread_bw}")
 
     def achievable_flops(self, dtype="fp32") -> float:
         """FLOP/s a large matmul reaches in ``dtype`` (peak x efficiency)."""

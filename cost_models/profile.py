@@ -9,7 +9,8 @@ Profile JSON (version 1)::
      "device": {"name", "peak_flops": {fp32,tf32,bf16,fp16: FLOP/s}, "mem_bw": B/s,
                 "mem_bytes": B, "efficiency": 1.0, "gemm_ramp_s": s,      # ramps: optional
                 "gemm_ramps": {dtype: s},
-                "op_slowdown": {aten op: measured / roofline}},       # optional
+                "op_slowdown": {aten op: measured / roofline},        # optional
+                "batch_reread_bw": B/s},                             # optional
      "matmul": [{"m","n","k","dtype","seconds","flops_per_s"}, ...],
      "link": {"alpha_s": s, "bw_bytes_per_s": B/s},          # joint fit, all collectives
      "collectives": {kind: {"alpha_s", "bw_bytes_per_s", "rel_rms",
@@ -26,6 +27,13 @@ before the ramp was fitted lack them: no ramp, and the best row's rate).
 it, and every op takes its roofline time) is, per non-GEMM aten op the built-in models use,
 its measured forward + backward time over the roofline time the planner charges it
 (``stpc.cli.calibrate_ops``).
+
+``batch_reread_bw`` (``DeviceSpec.batch_reread_bw``; optional, older profiles lack it and
+charge none) is how fast a GEMM batched over one shared weight reads that weight again for
+each element past the first, from the ``batched_gemm`` probe kept beside it (its shape and
+its two timings: the batched block into a strided slice, as a ring step runs it, and the
+same rows as one 2-D GEMM). ``python -m stpc calibrate --amend PROFILE`` measures it into
+a profile written before the probe existed, and notes so under ``amended``.
 
 ``overlap`` (written by ``calibrate`` since it measures it; older profiles lack it and get
 the presets' figures): ``slowdown`` is how much of an asynchronous collective's time
@@ -176,10 +184,8 @@ def _validate(p: dict, path: str) -> None:
         raise ValueError(f"profile {path}: unsupported version {p['version']}")
 
 
-def load_profile(path: str) -> Cluster:
-    """A calibration profile as a :class:`Cluster`: one node of ``ranks`` devices, the
-    measured device throughput (``efficiency=1``), the jointly fitted link as both intra
-    and inter link, and per-collective fits in ``collective_links``."""
+def read_profile(path: str) -> dict:
+    """The profile JSON at ``path``, checked (a clear error where it is missing or not one)."""
     try:
         with open(path) as fh:
             p = json.load(fh)
@@ -187,12 +193,22 @@ def load_profile(path: str) -> Cluster:
         raise FileNotFoundError(f"no calibration profile at {path}; create one with "
                                 f"`python -m stpc calibrate --out {path}`") from None
     _validate(p, path)
+    return p
+
+
+def load_profile(path: str) -> Cluster:
+    """A calibration profile as a :class:`Cluster`: one node of ``ranks`` devices, the
+    measured device throughput (``efficiency=1``), the jointly fitted link as both intra
+    and inter link, and per-collective fits in ``collective_links``."""
+    p = read_profile(path)
     d = p["device"]
     device = DeviceSpec(d["name"], dict(d["peak_flops"]), mem_bw=float(d["mem_bw"]),
                         mem_bytes=float(d["mem_bytes"]), efficiency=float(d.get("efficiency", 1.0)),
                         gemm_ramp_s=float(d.get("gemm_ramp_s", 0.0)),
                         gemm_ramps={k: float(v) for k, v in d.get("gemm_ramps", {}).items()},
-                        op_slowdown={k: float(v) for k, v in d.get("op_slowdown", {}).items()})
+                        op_slowdown={k: float(v) for k, v in d.get("op_slowdown", {}).items()},
+                        # (profiles written before the batched-block probe lack it: no extra cost)
+                        batch_reread_bw=float(d["batch_reread_bw"]) if d.get("batch_reread_bw") else None)
     link = Link(float(p["link"]["alpha_s"]), float(p["link"]["bw_bytes_per_s"]))
     per_kind = {kind: Link(float(c["alpha_s"]), float(c["bw_bytes_per_s"]))
                 for kind, c in p["collectives"].items()}

@@ -60,6 +60,10 @@ def test_calibrate_two_ranks_smoke(tmp_path):
     for op, r in prof["ops"].items():
         assert r["measured_s"] > 0 and r["roofline_s"] > 0, op
         assert cl.device.op_slowdown[op] == pytest.approx(r["measured_s"] / r["roofline_s"]), op
+    # the batched-block probe: both parts timed, and its figure on the device
+    b = prof["batched_gemm"]
+    assert b["batched_s"] > 0 and b["rows_s"] > 0 and b["rounds"] > 0
+    assert cl.device.batch_reread_bw == b["batch_reread_bw"] == prof["device"]["batch_reread_bw"]
     # The CostModel uses the profile's band that contains the message size.
     # (an axis of 2 ranks, the pairs' bands)
     from stpc.cost_models.profile import coefficients
@@ -87,6 +91,39 @@ def test_cli_rejects_bad_arguments(capsys):
     assert main_calibrate(["--ranks", "1", "--out", os.devnull]) == 2
     err = capsys.readouterr().err
     assert "at least 2 ranks" in err and "Fix:" in err and len(err.strip().splitlines()) == 1
+    assert main_calibrate(["--amend", os.devnull + ".missing.json"]) == 2
+    err = capsys.readouterr().err
+    assert "no such profile" in err and "Fix:" in err
+
+
+@pytest.mark.multirank
+def test_amend_measures_the_batched_block_into_an_older_profile(tmp_path, capsys):
+    """``--amend``: a profile written before the batched-block probe gets it, measured on its
+    own number of ranks, with a note of the amendment; the rest of the profile is kept."""
+    from stpc.cli.calibrate import BATCHED_BLOCK
+    from stpc.cost_models import save_profile
+
+    prof = {"version": 1, "name": "older", "ranks": 2, "backend": "gloo",
+            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
+                       "mem_bw": 1e10, "mem_bytes": 1e10},
+            "link": {"alpha_s": 1e-4, "bw_bytes_per_s": 1e9}, "collectives": {}, "overlap": {"slowdown": 0.5}}
+    path = str(tmp_path / "old.json")
+    save_profile(prof, path)
+    assert get_cluster(path).device.batch_reread_bw is None
+    assert main_calibrate(["--amend", path]) == 0
+    assert "amended" in capsys.readouterr().out
+    got = json.load(open(path))
+    b = got.pop("batched_gemm")
+    assert b["shape"] == list(BATCHED_BLOCK) and b["batched_s"] > 0 and b["rows_s"] > 0
+    if b["extra_s"] > 0:   # (the VM decides whether the batched GEMM was slower)
+        assert b["batch_reread_bw"] == pytest.approx((BATCHED_BLOCK[0] - 1) * b["weight_bytes"] / b["extra_s"])
+    else:
+        assert b["batch_reread_bw"] is None
+    note = got.pop("amended")
+    assert [(n["probe"], n["ranks"]) for n in note] == [("batched_gemm", 2)] and note[0]["date"]
+    assert got.pop("device").pop("batch_reread_bw") == b["batch_reread_bw"]
+    assert got == {k: v for k, v in prof.items() if k != "device"}
+    assert get_cluster(path).device.batch_reread_bw == b["batch_reread_bw"]
 
 
 @pytest.mark.slow

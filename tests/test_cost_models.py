@@ -370,6 +370,51 @@ def test_fit_overlap_takes_each_term_per_round_then_the_median():
     assert both - g - c == pytest.approx(0.001)
 
 
+def test_fit_batched_reads_the_weight_reread_from_each_rounds_difference():
+    """calibrate's batched-block probe: per round each part the slowest rank's, the weight
+    bandwidth from the median of the rounds' differences (the weight read again batch - 1
+    times); no extra where the batched GEMM measured no slower."""
+    from stpc.cli.calibrate import BATCHED_BLOCK, fit_batched
+
+    batch, _, n, k = BATCHED_BLOCK
+    wbytes, bw = 4.0 * n * k, 5e9
+    extra = (batch - 1) * wbytes / bw
+    loads = [1.0, 1.3, 1.0, 1.6, 1.1]   # the machine's load moves both parts of a round together
+    fast = [(0.020 * f + extra, 0.020 * f) for f in loads]
+    slow = [(b * 1.01, m * 1.01) for b, m in fast]   # the other rank, a little slower: its rounds count
+    got = fit_batched([fast, slow])
+    assert got["rounds"] == 5 and got["weight_bytes"] == wbytes
+    assert got["extra_s"] == pytest.approx(1.01 * extra)
+    assert got["batch_reread_bw"] == pytest.approx(bw / 1.01)
+    assert fit_batched([[(0.020, 0.021)] * 3])["batch_reread_bw"] is None
+
+
+def test_a_batched_gemm_reads_its_shared_weight_again_per_element(tmp_path):
+    """``DeviceSpec.batch_reread_bw``: a GEMM batched over one weight pays the weight's bytes
+    again per element past the first; the presets and profiles without the figure pay
+    nothing; a profile's figure reaches the device."""
+    from stpc.cost_models import batched_weight_time
+
+    dev = dataclasses.replace(get_device("CPU"), batch_reread_bw=4e9)
+    assert batched_weight_time(dev, 4, 8e6) == pytest.approx(3 * 8e6 / 4e9)
+    assert batched_weight_time(dev, 1, 8e6) == 0.0
+    assert all(d.batch_reread_bw is None for d in (c.device for c in CLUSTERS.values()))
+    assert batched_weight_time(get_device("H100"), 8, 8e6) == 0.0
+    assert CostModel(get_cluster("primepar-v100"), (4,)).batched_gemm_extra(4, 8e6) == 0.0
+    with pytest.raises(ValueError, match="batch_reread_bw"):
+        dataclasses.replace(dev, batch_reread_bw=0.0)
+    prof = {"version": 1, "name": "synthetic", "ranks": 2, "backend": "gloo",
+            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
+                       "mem_bw": 1e10, "mem_bytes": 1e10},
+            "link": {"alpha_s": 1e-4, "bw_bytes_per_s": 1e9}, "collectives": {}}
+    path = str(tmp_path / "p.json")
+    save_profile(prof, path)
+    assert get_cluster(path).device.batch_reread_bw is None
+    save_profile({**prof, "device": {**prof["device"], "batch_reread_bw": 6e9}}, path)
+    cm = CostModel(get_cluster(path), (2,))
+    assert cm.device.batch_reread_bw == 6e9 and cm.batched_gemm_extra(3, 6e6) == pytest.approx(2e-3)
+
+
 # ----------------------------------------------------------------------------- memory formulas
 
 

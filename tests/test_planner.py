@@ -1087,6 +1087,41 @@ def test_a_ring_step_gemm_pays_the_ramp_once_per_step():
     assert with_ramp(spatial) - without(spatial) == pytest.approx(3 * ramp, rel=1e-6)   # one GEMM a phase
 
 
+def test_a_ring_step_whose_block_does_not_fold_to_rows_reads_its_weight_per_batch_element():
+    """Rings split x's rows on its sequence dim: where x's leading (batch) dims hold more than
+    one element on a device, the runtime runs a step's forward and input-gradient GEMMs
+    batched over them, the weight shared (``ring_step_matmul``), and a device with a measured
+    ``batch_reread_bw`` charges the weight read again per batch element past the first;
+    the weight-gradient GEMM is 2-D, and a 2-D x, or a device without the figure, pays
+    nothing."""
+    def timers(x_shape, mesh):
+        lin = torch.nn.Linear(256, 512, bias=False, device="meta")
+        tg = trace(lin, (torch.empty(*x_shape, device="meta", requires_grad=True),))
+        node = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.linear.default)
+        fast = dataclasses.replace(get_cluster("dgx-h100"), intra=Link(0.0, 1e15))   # compute-bound steps
+        reread = dataclasses.replace(fast, device=dataclasses.replace(fast.device, batch_reread_bw=1e9))
+        assert fast.device.batch_reread_bw is None   # the presets: no such cost (an assumption)
+        return node, [NodeTimer(node, CostModel(c, mesh), [True, True]) for c in (fast, reread)]
+
+    w_local = 256 * 512 * 4 / 4   # the weight split four ways (AG: its rows, RS: its columns)
+    node, (plain, reread) = timers((4, 64, 256), (4,))
+    rings = {s.kind: s for s in enumerate_strategies(node, (4,))[0] if s.kind in ("ag_ring", "rs_ring")}
+    assert set(rings) == {"ag_ring", "rs_ring"}
+    for kind, s in rings.items():   # 4 steps, each a batched forward and input-gradient GEMM over 4
+        assert reread(s) - plain(s) == pytest.approx(4 * 2 * 3 * w_local / 1e9, rel=1e-6), kind
+        assert reread.forward(s) - plain.forward(s) == pytest.approx(4 * 3 * w_local / 1e9, rel=1e-6), kind
+    spatial = [s for s in enumerate_strategies(node, (4,))[0] if s.kind == "spatial"]
+    assert all(reread(s) == plain(s) for s in spatial)
+    # the batch split by another axis: the ring's block batched over what is left of it
+    node, (plain, reread) = timers((4, 64, 256), (2, 4))
+    s = next(s for s in enumerate_strategies(node, (2, 4))[0]
+             if s.kind == "ag_ring" and s.axis == 1 and s.ins[0][0] == "S0" and s.ins[1][0] == "R")
+    assert reread(s) - plain(s) == pytest.approx(4 * 2 * 1 * w_local / 1e9, rel=1e-6)
+    # rows that fold: no batch
+    node, (plain, reread) = timers((256, 256), (4,))
+    assert all(reread(s) == plain(s) for s in enumerate_strategies(node, (4,))[0])
+
+
 def test_a_layers_parameters_share_one_gather_message():
     """``analysis.layer_param_bytes``: a parameter of an indexed module (``layers.1``) rides
     in that module's one ZeRO collective (``passes.prefetch_params`` groups them so), whose

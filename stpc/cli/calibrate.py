@@ -24,6 +24,15 @@ planner models):
   ``op_slowdown["aten.clone.default"]``, what the runtime's copies cost (``CostModel.copy``);
   and one step of torch's AdamW (foreach) over ``OPTIMIZER_NUMEL`` elements against the
   roofline of ``OPTIMIZER_STEP_BYTES``: ``op_slowdown["optimizer.adamw"]``;
+* a ring step's GEMM when its block does not fold to rows (``batched_gemm``, the device's
+  ``batch_reread_bw``): a block of ``BATCHED_BLOCK`` (batch x rows of a [batch, seq, d]
+  activation split on seq) times one weight, written into a strided slice of a larger
+  output as ``runtime.ops.kernels.ring_step_matmul`` runs it (a GEMM batched over the
+  shared weight), against the same rows as one 2-D GEMM, every rank at once, in rounds;
+  the difference is the weight read again per batch element past the first. On the
+  development VM (MKL, one thread a rank) it fell with the rows per element: 1.6 ms at 128
+  rows, 1.0 ms at 256 and nothing at 512 for a 3 MiB weight, so the probe uses the rows the
+  fidelity bench's ring steps have (its GPT at batch 4, seq 512, on 4 ranks);
 * how compute and communication overlap (``overlap`` in the profile), three ways, each
   as the runtime meets it:
 
@@ -61,11 +70,14 @@ which and why; nothing hangs.
 
 ``python -m stpc calibrate [--json profile.json] [--ranks 4] [--sizes 64K,1M,16M]``: the
 profile goes to ``--json`` (``--out``, its old name, still works); ``--quiet`` prints only
-the path written. Exit codes: 0 written, 1 the measurement failed, 2 a usage error.
+the path written. ``--amend PROFILE`` measures only what ``PROFILE`` (written before the
+probe existed) lacks, the batched-block probe, on as many ranks as it was measured with,
+writes it in and notes the amendment (date, host, torch) under the profile's ``amended``. Exit codes: 0 written, 1 the measurement failed, 2 a usage error.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
 import socket
@@ -81,9 +93,10 @@ from stpc.cli._progress import Status
 from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_step
 from stpc.cost_models import DeviceSpec, get_device
 from stpc.cost_models.compute import COPY_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES
-from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, fit_gemm_curve, save_profile
+from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, fit_gemm_curve, read_profile, save_profile
 from stpc.runtime.launch import SpawnTimeout, spawn
 from stpc.runtime.ops import ring_allgather_matmul
+from stpc.runtime.ops.kernels import ring_step_matmul
 from stpc.runtime.reshard import _c10d
 
 DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -272,6 +285,43 @@ def _ring_times(dev, world: int, rows: int, n: int, k: int, window_s: float) -> 
 
 OVERLAP_ROUNDS = 5
 
+# The batched-block probe: (batch, rows per element, n, k) of one ring step's GEMM whose
+# block does not fold to rows (module docstring).
+BATCHED_BLOCK = (4, 128, 1024, 1024)
+# Its rounds: the difference it measures is a tenth of either part (three calibrations of
+# the development VM at 5 rounds gave 5.1, 6.2 and 10.4 GB/s)
+BATCHED_ROUNDS = 15
+
+
+def _batched_block(dev, window_s: float = 0.2) -> list[tuple[float, float]]:
+    """(batched, 2-D) seconds of one ring step's GEMM on a ``BATCHED_BLOCK`` block, every rank
+    at once, in :func:`_rounds`: batched, the block ([batch, rows, n], a slice of seq) into
+    its strided slice of a [batch, seq, k] output, as ``ring_step_matmul`` runs it; 2-D, the
+    same rows as one [batch * rows, n] block into a matrix of its own."""
+    batch, rows, n, k = BATCHED_BLOCK
+    w = torch.randn(n, k, device=dev)
+    block = torch.randn(batch, rows, n, device=dev)
+    out = torch.empty(batch, 4 * rows, k, device=dev)
+    flat = torch.randn(batch * rows, n, device=dev)
+    out2 = torch.empty(batch * rows, k, device=dev)
+    return _rounds([lambda: ring_step_matmul(block, w, out[:, rows:2 * rows], accumulate=False),
+                    lambda: ring_step_matmul(flat, w, out2, accumulate=False)], dev, window_s, BATCHED_ROUNDS)
+
+
+def fit_batched(per_rank: list[list[tuple[float, float]]]) -> dict:
+    """The profile's ``batched_gemm`` from every rank's :func:`_batched_block` rounds: per
+    round each part the slowest rank's, and ``batch_reread_bw`` from the median over rounds
+    of their difference (the weight's bytes read again ``batch - 1`` times); None where the
+    batched GEMM measured no slower."""
+    batch, rows, n, k = BATCHED_BLOCK
+    rounds = [tuple(max(r[i][j] for r in per_rank) for j in range(2)) for i in range(min(map(len, per_rank)))]
+    extra = statistics.median(b - m for b, m in rounds)
+    weight_bytes = 4.0 * n * k
+    return {"shape": list(BATCHED_BLOCK), "rounds": len(rounds),
+            "batched_s": statistics.median(b for b, _ in rounds), "rows_s": statistics.median(m for _, m in rounds),
+            "extra_s": extra, "weight_bytes": weight_bytes,
+            "batch_reread_bw": (batch - 1) * weight_bytes / extra if extra > 0 else None}
+
 
 def _rounds(fns: list, dev, window_s: float, rounds: int = OVERLAP_ROUNDS) -> list[tuple[float, ...]]:
     """Seconds per call of each of ``fns`` (every rank joins each call), in ``rounds`` rounds
@@ -370,6 +420,10 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
     the result."""
     dev = torch.device("cuda", rank) if task["backend"] == "nccl" else torch.device("cpu")
     result: dict = {"samples": []}
+    if task.get("batched_only"):  # --amend
+        gathered = [None] * world
+        dist.all_gather_object(gathered, _batched_block(dev))
+        return {"batched": gathered} if rank == 0 else None
     if task.get("matmul"):
         dist.barrier()
         rates = _matmul_rates(dev)
@@ -382,8 +436,10 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
             ops = {p.op: _sustained(probe_step(p, dev), dev, window_s=0.3) for p in PROBES}
             ops[COPY_OP] = _fresh_copy(dev)
             ops[OPTIMIZER_OP] = _optimizer_step(dev)
+        batched = _batched_block(dev)
         gathered = [None] * world
-        dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw, "overlap": overlap, "ops": ops})
+        dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw, "overlap": overlap, "ops": ops,
+                                          "batched": batched})
         result["per_rank"] = gathered
     cases = [(kind, nbytes) for kind in task["kinds"] for nbytes in task["sizes"]]
     fns = [_collective_fn(kind, nbytes, rank, world, dev) for kind, nbytes in cases]
@@ -488,6 +544,8 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
         roof = OPTIMIZER_NUMEL * OPTIMIZER_STEP_BYTES["fp32-adam"] / device["mem_bw"]
         ops[OPTIMIZER_OP] = {"measured_s": opt_s, "roofline_s": roof, "slowdown": opt_s / roof}
     device["op_slowdown"] = {op: r["slowdown"] for op, r in ops.items()}
+    batched = fit_batched([r["batched"] for r in per_rank])
+    device["batch_reread_bw"] = batched["batch_reread_bw"]
 
     collectives = {kind: _fit_kind([s for s in samples if s[0] == kind], world_size) for kind in kinds}
     # the same kinds on each smaller group (every group of consecutive ranks at once)
@@ -497,12 +555,29 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     alpha, bw, err = fit_alpha_beta(samples, world_size)
     profile = {"version": 1, "name": f"calibrated-{socket.gethostname()}-{backend}-{world_size}",
                "backend": backend, "ranks": world_size, "torch": torch.__version__,
-               "device": device, "matmul": rows, "ops": ops,
+               "device": device, "matmul": rows, "ops": ops, "batched_gemm": batched,
                "link": {"alpha_s": alpha, "bw_bytes_per_s": bw, "rel_rms": err},
                "collectives": collectives, "group_collectives": groups, "overlap": fit_overlap([r["overlap"] for r in per_rank])}
     if out:
         save_profile(profile, out)
     return profile
+
+
+def amend(path: str, timeout_s: float = 600.0) -> dict:
+    """Measure the batched-block probe into the profile at ``path`` (written before the probe
+    existed), on as many ranks as it was measured with, and note the amendment; returns the
+    probe's entry."""
+    profile = read_profile(path)
+    world = int(profile["ranks"])
+    task = {"backend": profile.get("backend", "gloo"), "batched_only": True}
+    batched = fit_batched(run_spawned(world, task, timeout_s)["batched"])
+    profile["batched_gemm"] = batched
+    profile["device"]["batch_reread_bw"] = batched["batch_reread_bw"]
+    profile.setdefault("amended", []).append(
+        {"probe": "batched_gemm", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+         "host": socket.gethostname(), "torch": torch.__version__, "ranks": world})
+    save_profile(profile, path)
+    return batched
 
 
 def _parse_size(given: str) -> int:
@@ -527,7 +602,21 @@ def main_calibrate(argv: list[str]) -> int:
     ap.add_argument("--iters", type=int, default=5, help="timed windows per size (default: 5)")
     ap.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                     help="default: nccl when enough GPUs, else gloo")
+    ap.add_argument("--amend", metavar="PROFILE", default=None,
+                    help="measure only the batched-block probe into PROFILE, a profile written before it "
+                         "existed, on its number of ranks")
     args = ap.parse_args(argv)
+    if args.amend:
+        if not os.path.exists(args.amend):
+            ap.error(f"--amend {args.amend}: no such profile. Fix: give a profile `python -m stpc calibrate` wrote")
+        with Status(f"calibrate: measuring the batched-block probe into {args.amend}", not args.quiet):
+            got = amend(args.amend, timeout_s=args.timeout)
+        bw = got["batch_reread_bw"]
+        print(args.amend if args.quiet else
+              f"amended {args.amend}: batched block {got['batched_s'] * 1e3:.2f} ms against {got['rows_s'] * 1e3:.2f} ms "
+              f"as one 2-D GEMM ({'x'.join(map(str, got['shape']))}): "
+              + (f"the weight re-read at {bw / 1e9:.2f} GB/s" if bw else "no extra cost"))
+        return 0
     if args.ranks < 2:
         ap.error(f"--ranks {args.ranks}: calibration needs at least 2 ranks to time collectives. Fix: --ranks 2 "
                  "or more")
@@ -564,6 +653,10 @@ def main_calibrate(argv: list[str]) -> int:
     print("|---|---|---|---|")
     for op, r in prof["ops"].items():
         print(f"| {op} | {r['measured_s'] * 1e3:.2f} | {r['roofline_s'] * 1e3:.2f} | {r['slowdown']:.2f} |")
+    b = prof["batched_gemm"]
+    print(f"a batched block ({'x'.join(map(str, b['shape']))}): {b['batched_s'] * 1e3:.2f} ms against "
+          f"{b['rows_s'] * 1e3:.2f} ms as one 2-D GEMM: "
+          + (f"its weight re-read at {b['batch_reread_bw'] / 1e9:.2f} GB/s" if b["batch_reread_bw"] else "no extra cost"))
     ov = prof["overlap"]
     print(f"overlap: compute beside an asynchronous collective slows by {ov['slowdown']:.2f} of the "
           f"collective's time, beside a ring step's transfer by {ov['ring_slowdown']:.2f}; a ring step's overhead "

@@ -38,7 +38,7 @@ import torch
 
 from stpc.cost_models import CostModel, MemoryModel
 from stpc.cost_models.compute import MASKED_ATTENTION_OP
-from stpc.placement import REPLICATE, parse, received_fraction, shard_factor
+from stpc.placement import REPLICATE, dims_split, local_shape, parse, received_fraction, shard_factor
 from stpc.planner.strategies import Strategy, aten, tensor_operands
 
 _MATMUL = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
@@ -238,6 +238,20 @@ class NodeTimer:
                 return sum(self.cm.blocking(self.cm.all_gather(self.mesh[a] * rows * k * width, a)) for k in (1, 2))
         return 0.0
 
+    def _batched(self, s: Strategy, ring_token: str, fwd: float, bwd: float) -> tuple[float, float]:
+        """A ring step's forward and input-gradient GEMMs when its block does not fold to
+        rows: the ring splits x's rows on dim m (``ring_token``), and where x's dims before m
+        hold more than one element locally, the runtime runs each step as a GEMM batched over
+        them with the weight shared (``runtime.ops.kernels.ring_step_matmul``), which reads
+        the weight again per batch element (``CostModel.batched_gemm_extra``). The weight
+        gradient's GEMM is 2-D (rows of x against rows of dO)."""
+        if self.cm.device.batch_reread_bw is None:  # (the presets: no such cost; spare the planner the shapes)
+            return fwd, bwd
+        m = dims_split(ring_token)[0]
+        batch = math.prod(local_shape(tuple(self.node.args[0].meta["val"].shape), s.ins[0], self.mesh)[:m])
+        extra = self.cm.batched_gemm_extra(batch, self._arg_bytes(1) / shard_factor(s.ins[1], self.mesh))
+        return fwd + extra, (bwd + extra if bwd > 0 else bwd)
+
     def __call__(self, s: Strategy) -> float:
         return self._time(s, forward_only=False)
 
@@ -264,6 +278,7 @@ class NodeTimer:
             # n steps; each moves one block of x (fwd, and again for dW) or of dI (bwd), and
             # runs 1/n of the device's GEMMs.
             fwd, bwd, grad = self.phases(_work_split(s, mesh) * n)
+            fwd, bwd = self._batched(s, s.ins[0][a], fwd, bwd)
             step = cm.p2p(x_local, a)
             if forward_only:
                 return n * cm.ring_step(fwd, step)
@@ -271,6 +286,7 @@ class NodeTimer:
         if s.kind == "rs_ring":
             # fwd: accumulator blocks of the output travel; bwd+grad: one AG ring over dO blocks.
             fwd, bwd, grad = self.phases(_work_split(s, mesh) * n)
+            fwd, bwd = self._batched(s, s.out[a], fwd, bwd)
             step = cm.p2p(out_local, a)
             if forward_only:
                 return n * cm.ring_step(fwd, step)

@@ -87,6 +87,9 @@ class _FreeCompute(CostModel):
 
     gemm = compute
 
+    def batched_gemm_extra(self, batch, weight_bytes):
+        return 0.0
+
 
 class Solved:
     """What a Plan planned in this process keeps of its solve: the builder (graph facts,
