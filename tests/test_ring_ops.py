@@ -31,7 +31,7 @@ FWD_CHECKS = ["out", "dx", "dw", "schedule"]
 NUMERIC_CHECKS = (
     [f"ag{i}_{c}" for i in range(len(CASES)) for c in FWD_CHECKS]
     + [f"rs{i}_{c}" for i in range(len(CASES)) for c in FWD_CHECKS]
-    + ["bad_dim", "rs_not_divisible"]
+    + ["bad_dim", "rs_not_divisible", "ag_dw_layout", "rs_dw_layout"]
 )
 # compile and opcheck do not depend on the world size: checked on 2 ranks only
 EXTRA_CHECKS = ["compile_aot_eager", "opcheck_ag", "opcheck_rs", "opcheck_ag_bwd", "opcheck_rs_bwd"]
@@ -89,6 +89,29 @@ def _worker(rank, world, extras, with_inductor):
         res[f"rs{ci}_schedule"] = (
             None if (fwd_sends, cnt.sends) == expect else f"sends (fwd, total) {(fwd_sends, cnt.sends)} != {expect}"
         )
+
+    # a linear's weight W [K, N] reaches the ring as W.t(): its gradient comes back in W's
+    # layout, contiguous (the optimizer's elementwise kernels crawl over a transposed one).
+    # Seen by a hook, before autograd's accumulation fixes a plain leaf's layout with a copy;
+    # a DTensor parameter's local gradient gets no such fix
+    xshape, dim, K = CASES[0]
+    g, N = dim % len(xshape), xshape[-1]
+    x, w = _full(xshape, gen), _full((N, K), gen)
+    gout = _full((*xshape[:-1], K), gen)
+    dw_full = x.reshape(-1, N).t() @ gout.reshape(-1, K)
+    s, n, k = xshape[g] // P, N // P, K // P
+    for key, wpart, xl, go, ref in (
+            ("ag", w[:, rank * k:(rank + 1) * k], x.narrow(g, rank * s, s), gout[..., rank * k:(rank + 1) * k],
+             dw_full[:, rank * k:(rank + 1) * k]),
+            ("rs", w[rank * n:(rank + 1) * n], x[..., rank * n:(rank + 1) * n], gout.narrow(g, rank * s, s),
+             dw_full[rank * n:(rank + 1) * n])):
+        W = wpart.t().contiguous().float().requires_grad_()   # [K, N]: an nn.Linear's weight
+        seen = []
+        W.register_hook(seen.append)
+        op = O.ring_allgather_matmul if key == "ag" else O.ring_matmul_reducescatter
+        op(xl.float(), W.t(), dim, name).backward(go.float())
+        res[f"{key}_dw_layout"] = (_cmp(seen[0].t(), ref) or
+                                   (None if seen[0].is_contiguous() else f"W's gradient strides {seen[0].stride()}"))
 
     # clear errors, raised before any P2P (so every rank raises, nothing hangs)
     try:

@@ -188,7 +188,8 @@ def _ring_allgather_matmul(x: Tensor, w: Tensor, gather_dim: int, group_name: st
     pre, R, n = _split3(x.shape, g)
     k = w.shape[1]
     x3 = x.reshape(pre, R, n).contiguous()
-    w = w.contiguous()
+    # w as given, any strides (a linear's weight comes transposed, W.t()): every GEMM takes it
+    # so, where a contiguous copy cost a copy of the weight per call
     out3 = x.new_empty(pre, P * R, k)
     for src, cur in _ring_pass(group, x3):
         ring_step_matmul(cur, w, _rows_block(out3, src, R), accumulate=False)
@@ -226,7 +227,7 @@ def _ring_allgather_matmul_backward(
     wT = w.t()
     prev, nxt = ring_peers(i, P)
 
-    dw = w.new_empty(w.shape)
+    dw = torch.empty_like(w)  # w's layout: the gradient of W (w = W.t()) comes out contiguous, as W is
     x_bufs = [torch.empty_like(x3) for _ in range(min(P - 1, 2))]
     # RS accumulators: the one being computed, the one in flight, the one received
     acc, acc_sent, acc_recv = (x.new_empty(pre, R, n) for _ in range(3))
@@ -262,7 +263,7 @@ def _register_ring_autograd(op, backward_op) -> None:
 
     @backward_op.register_fake
     def _(grad_out, x, w, dim, group_name):
-        return x.new_empty(x.shape), w.new_empty(w.shape)
+        return x.new_empty(x.shape), torch.empty_like(w)  # dw in w's layout, as the kernels make it
 
     def setup_context(ctx, inputs, output):
         x, w, dim, group_name = inputs
@@ -293,7 +294,6 @@ def _ring_matmul_reducescatter(x: Tensor, w: Tensor, scatter_dim: int, group_nam
     R = RP // P
     k = w.shape[1]
     x3 = x.reshape(pre, RP, n)  # block slices are strided views: no copy
-    w = w.contiguous()
     prev, nxt = ring_peers(i, P)
     acc, acc_sent, acc_recv = (x.new_empty(pre, R, k) for _ in range(3))
     for t in range(P):
@@ -344,7 +344,7 @@ def _ring_matmul_reducescatter_backward(
     go3 = grad_out.reshape(pre, R, k).contiguous()
     wT = w.t()
     dx3 = x.new_empty(pre, RP, n)
-    dw = w.new_empty(w.shape)
+    dw = torch.empty_like(w)  # w's layout (see the AG ring's backward)
     for t, (src, cur) in enumerate(_ring_pass(group, go3)):
         ring_step_matmul(cur, wT, _rows_block(dx3, src, R), accumulate=False)
         ring_step_matmul(_flat2(_rows_block(x3, src, R)).t(), _flat2(cur), dw, accumulate=t > 0)
