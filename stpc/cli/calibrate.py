@@ -406,12 +406,14 @@ def fit_overlap(per_rank: list[dict]) -> dict:
     if all("probes" in r for r in per_rank):
         rounds = slowest("async", "probes")
         out["slowdown"] = statistics.median(max(0.0, (both - max(g, c)) / min(g, c)) for g, c, both in rounds)
+        # (each round's parts kept: the term is the median of the rounds' terms, which the
+        # parts' medians do not give back)
         out["async"] = {"gemms_s": med(rounds, 0), "all_reduce_s": med(rounds, 1), "both_s": med(rounds, 2),
-                        "bytes": ASYNC_BYTES, "gemms": ASYNC_GEMMS}
+                        "bytes": ASYNC_BYTES, "gemms": ASYNC_GEMMS, "rounds_s": [list(r) for r in rounds]}
         rounds = slowest("blocking", "probes")
         out["collective_sync_s"] = statistics.median(max(0.0, both - g - c) for g, c, both in rounds)
         out["blocking"] = {"gemms_s": med(rounds, 0), "all_reduce_s": med(rounds, 1), "both_s": med(rounds, 2),
-                           "bytes": SYNC_BYTES, "gemms": SYNC_GEMMS}
+                           "bytes": SYNC_BYTES, "gemms": SYNC_GEMMS, "rounds_s": [list(r) for r in rounds]}
     return out
 
 
