@@ -72,7 +72,8 @@ which and why; nothing hangs.
 profile goes to ``--json`` (``--out``, its old name, still works); ``--quiet`` prints only
 the path written. ``--amend PROFILE`` measures only what ``PROFILE`` (written before the
 probe existed) lacks, the batched-block probe, on as many ranks as it was measured with,
-writes it in and notes the amendment (date, host, torch) under the profile's ``amended``. Exit codes: 0 written, 1 the measurement failed, 2 a usage error.
+writes it in and notes the amendment (date, host, torch) under the profile's ``amended``.
+Exit codes: 0 written, 1 the measurement failed, 2 a usage error.
 """
 from __future__ import annotations
 
