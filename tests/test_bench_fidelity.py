@@ -209,8 +209,9 @@ def test_param_mismatches_and_notes():
 
 
 def test_report_and_json_records():
-    recs = [_full_record(), _full_record("solved", zero=False) | {"predicted_step_s": 0.9, "measured_step_s": 1.2,
-                                                                   "measured_fwd_bwd_s": 1.0, "plan_hash": "def"}]
+    recs = [_full_record() | {"measured_cpu_s": 0.6543, "measured_page_faults": 92877.5},
+            _full_record("solved", zero=False) | {"predicted_step_s": 0.9, "measured_step_s": 1.2,
+                                                  "measured_fwd_bwd_s": 1.0, "plan_hash": "def"}]
     cfg = {"model": "gpt-50m", "d_model": 64, "layers": 1, "heads": 4, "ffn": 256, "batch": 4, "seq": 16,
            "ranks": 2, "warmup": 1, "steps": 3, "cluster": None, "n_params": 1e6}
     v = judge(recs)
@@ -220,6 +221,11 @@ def test_report_and_json_records():
     assert "Kendall's tau-b 1.000" in text and v["tau_fwd_bwd"] == pytest.approx(1.0)
     assert "pairs of plans the measurement separates" in text and "measurement ties" in text
     assert "memory within 5% on every plan: MISSED" in text
+    # the step's work beside its time (a record made before it was measured shows none)
+    assert "| CPU s per rank | page faults per rank |" in text
+    assert "| 1.250 | 0.150 | 0.654 | 92878 |" in text and "| 1.000 | 0.150 | - | - |" in text
+    assert "glibc's defaults" in text and "MALLOC_TRIM_THRESHOLD_" not in text
+    assert "MALLOC_TRIM_THRESHOLD_" in report(cfg | {"allocator": "keep"}, recs, v, "machine: test", "cmd")
     out = json_records(recs)
     assert all(tuple(o)[:5] == KEYS for o in out)
     json.dumps(out)  # serialisable
@@ -262,10 +268,11 @@ def test_phase_split_peak_is_bench_runtimes_peak():
 @pytest.mark.slow
 def test_end_to_end_tiny(tmp_path):
     out, md = tmp_path / "fidelity.json", tmp_path / "RESULTS.md"
-    md.write_text("# Results\n\n<!-- bench:fidelity -->\nold\n<!-- /bench:fidelity -->\n\ntail\n")
+    md.write_text("# Results\n\n<!-- bench:fidelity -->\nthe old section\n<!-- /bench:fidelity -->\n\ntail\n")
     rc = bench.main_bench(["fidelity", "--layers", "1", "--d-model", "64", "--heads", "4", "--ffn", "128",
                            "--batch", "4", "--seq", "16", "--steps", "2", "--warmup", "1", "--cluster", "cpu-local",
-                           "--json", str(out), "--results", str(md), "--timeout", "600"])
+                           "--allocator", "keep", "--json", str(out), "--results", str(md), "--timeout", "600"])
+    # (run() raises unless the ranks started with --allocator keep's malloc variables)
     assert rc == 0
     data = json.loads(out.read_text())
     recs = data["records"]
@@ -278,6 +285,7 @@ def test_end_to_end_tiny(tmp_path):
         assert r["measured_peak_bytes"] == max(r["measured_peak_bytes_per_rank"])
         assert len(r["measured_peak_bytes_per_rank"]) == 4 and len(r["steps_s"]) == 2
         assert r["mesh"] and r["families"] and r["cluster"]
+        assert r["measured_cpu_s"] > 0 and r["measured_page_faults"] >= 0
     fams = {r["plan"]: r["families"] for r in recs}
     assert fams["p2x2"].get("p2x2") and fams["ag_rs"].get("ag_ring") and fams["ag_rs"].get("rs_ring")
     assert fams["grid"].get("p2x2") == fams["p2x2"]["p2x2"]
@@ -288,5 +296,6 @@ def test_end_to_end_tiny(tmp_path):
     v = data["verdict"]
     assert set(v) >= {"rows", "tau", "memory_met", "time_met", "order_met"}
     text = md.read_text()
-    assert text.count("<!-- bench:fidelity -->") == 1 and "old" not in text and text.rstrip().endswith("tail")
-    assert "| p2x2 |" in text and "Kendall's tau-b" in text
+    assert text.count("<!-- bench:fidelity -->") == 1 and "the old section" not in text and text.rstrip().endswith("tail")
+    assert "| p2x2 |" in text and "Kendall's tau-b" in text and "MALLOC_TRIM_THRESHOLD_" in text
+    assert data["config"]["allocator"] == "keep"

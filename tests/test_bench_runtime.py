@@ -80,6 +80,25 @@ def test_plan_delta_names_the_ops_that_differ():
     assert delta and any(d.startswith("embedding") and d.endswith("-> (R)·(R) -> (R)") for d in delta), delta
 
 
+def test_allocator_env_and_its_check(monkeypatch):
+    """``--allocator``'s environment for the ranks, and the check of what rank 0 saw: keep's
+    variables exactly; system's, whatever this process has (here: none of them)."""
+    from stpc.cli.bench_runtime import ALLOCATORS, allocator_env, check_malloc_env
+
+    for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(k, raising=False)
+    assert set(ALLOCATORS) == {"system", "keep"}
+    keep = allocator_env("keep")
+    assert keep == {"MALLOC_MMAP_THRESHOLD_": str(128 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30)}
+    assert allocator_env("system") == {}
+    check_malloc_env(keep, "keep", "bench x")
+    check_malloc_env(dict.fromkeys(keep), "system", "bench x")
+    with pytest.raises(RuntimeError, match="bench x: --allocator keep: the ranks started with"):
+        check_malloc_env(dict.fromkeys(keep), "keep", "bench x")
+    with pytest.raises(RuntimeError, match="--allocator system"):
+        check_malloc_env(keep, "system", "bench x")
+
+
 @pytest.mark.multirank
 def test_a_tiny_run_end_to_end(tmp_path):
     js, md = str(tmp_path / "rt.json"), str(tmp_path / "RESULTS.md")

@@ -52,6 +52,15 @@ Measured, per plan, on all ranks at once (``bench_runtime``'s measures, reused):
   between two barriers, the slowest rank's time; the median of ``--steps`` rounds after
   ``--warmup`` rounds. Rounds are interleaved (one step of every plan per round, the order
   rotating) so the machine's drift, and the other jobs on it, hit every plan alike.
+* the work of a step, over the same rounds: the CPU seconds (user + system, every thread
+  of a rank's process, the backend's included) and the minor page faults (first touches
+  of memory the allocator took fresh from the system), each the mean over ranks. Where
+  ranks outnumber cores the step's wall time follows the CPU time of all ranks over the
+  cores, so a plan's CPU work the model does not see shows here. ``--allocator keep``
+  starts the ranks with glibc told to keep freed memory (``bench_runtime.ALLOCATORS``):
+  with its defaults a block of 32 MiB or more (a whole tied embedding table of this GPT)
+  is mapped fresh and faulted in page by page at every allocation, a cost a device's
+  caching allocator does not have and the model does not charge.
 * peak memory: ``bench_runtime._peak_of_step``: the bytes of the distinct storages live at
   the step's start (parameter shards, their gradients from the previous step, optimizer
   state, buffers) plus the highest level the CPU allocator climbed to during the step
@@ -113,7 +122,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from stpc.cli._common import Parser, add_flags, verb, write_json
 from stpc.cli._progress import SearchStatus, Status
 from stpc.cli._stats import SIGN_TEST_P, paired_rounds
-from stpc.cli.bench_runtime import (StpcEngine, _live_bytes, _live_storages, _peak_of_step, interleaved,
+from stpc.cli.bench_runtime import (ALLOCATORS, StpcEngine, _live_bytes, _live_storages, _peak_of_step,
+                                    add_allocator_flag, allocator_env, check_malloc_env, interleaved, malloc_env,
                                     memory_timeline, timed_step)
 from stpc.compile import compile as stpc_compile
 from stpc.compile import trace
@@ -523,7 +533,7 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
         engines.append(StpcEngine(rec["plan"], rec["layout"] or rec["mesh"], pm, idx, tgt))
     del base
     opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for e in engines]
-    times = [[] for _ in engines]       # per round: [step, forward+backward, optimizer], the slowest rank's each
+    times = [[] for _ in engines]       # per round: [step, fwd+bwd, optimizer] (slowest rank), [CPU s, faults] (mean)
     first_loss = [None] * len(engines)
     for r, i in interleaved(len(engines), cfg["warmup"], cfg["steps"], "[bench fidelity] rounds",
                             bool(cfg.get("progress")) and rank == 0):
@@ -557,18 +567,23 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
         out.append({"measured_step_s": statistics.median(steps), "steps_s": steps,
                     "measured_fwd_bwd_s": statistics.median(t[1] for t in times[i]),
                     "measured_optimizer_s": statistics.median(t[2] for t in times[i]),
+                    "measured_cpu_s": statistics.median(t[3] for t in times[i]),
+                    "measured_page_faults": statistics.median(t[4] for t in times[i]),
                     "measured_peak_bytes": max(peaks[i]), "measured_peak_bytes_per_rank": peaks[i],
                     "unprimed_peak_bytes": max(first_peaks[i]),
                     "profiled": phases[i], "first_loss": first_loss[i], "held_params": held[i]})
-    return {"records": out}
+    return {"records": out, "malloc_env": malloc_env()}
 
 
 def run(cfg: dict, progress: bool = False) -> list[dict]:
     """Plan, spawn the ranks, measure: one record per plan (``plan_json`` dropped).
     ``progress``: status lines for the planning, and rank 0's bar over the rounds."""
     plans = make_plans(cfg, progress)
-    got = spawn(_worker, cfg["ranks"], {**cfg, "progress": progress}, plans,
-                timeout_s=cfg.get("timeout_s", 3600))[0]["records"]
+    allocator = cfg.get("allocator", "system")
+    got = spawn(_worker, cfg["ranks"], {**cfg, "progress": progress}, plans, timeout_s=cfg.get("timeout_s", 3600),
+                env=allocator_env(allocator))[0]
+    check_malloc_env(got["malloc_env"], allocator, "bench fidelity")
+    got = got["records"]
     records = []
     for rec, meas in zip(plans, got):
         r = {k: v for k, v in rec.items() if k != "plan_json"} | meas
@@ -703,13 +718,16 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
              f"Interleaved rounds: {cfg['warmup']} warm-up, then the median of {cfg['steps']}; a step "
              f"(zero_grad, forward, backward, optimizer step) is the slowest rank's time. Measured peak: the "
              f"highest rank's live bytes at a step's start + the allocator's highest climb during it, the highest of "
-             f"{PEAK_STEPS} steps. Modelled "
+             f"{PEAK_STEPS} steps. The work of a step (medians over the same rounds, each the mean over ranks): "
+             f"CPU seconds, user + system, of every thread of a rank's process (the backend's included), and the "
+             f"minor page faults, first touches of memory the allocator took fresh from the system "
+             f"({ALLOCATORS[cfg.get('allocator', 'system')]}). Modelled "
              f"figures come from the cost model (`plan.peak_memory_bytes`, `plan.modelled_step_time_s`, "
              f"the optimizer step included).", "",
              "| plan | mesh / layout | families | predicted peak MiB | measured peak MiB | error | "
              "predicted step s | measured step s | error | measured min .. max s | measured fwd+bwd s | "
-             "measured optimizer s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "measured optimizer s | CPU s per rank | page faults per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = {r["plan"]: r for r in verdict["rows"]}
     for r in records:
         v = rows[r["plan"]]
@@ -720,7 +738,8 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
                      f"{r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | {_pct(v['time_error'])}"
                      f"{'' if v['time_met'] else ' (missed)'} | {min(r['steps_s']):.3f} .. {max(r['steps_s']):.3f} | "
                      f"{r['measured_fwd_bwd_s']:.3f} | "
-                     f"{r['measured_optimizer_s']:.3f} |")
+                     f"{r['measured_optimizer_s']:.3f} | {_work(r, 'measured_cpu_s', '.3f')} | "
+                     f"{_work(r, 'measured_page_faults', '.0f')} |")
     tau = verdict["tau"]
     pred_order = " < ".join(r["plan"] for r in sorted(records, key=lambda r: r["predicted_step_s"]))
     meas_order = " < ".join(r["plan"] for r in sorted(records, key=lambda r: r["measured_step_s"]))
@@ -774,6 +793,11 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
     return "\n".join(lines) + "\n"
 
 
+def _work(r: dict, key: str, fmt: str) -> str:
+    """A record's measured work figure (absent from a run made before it was measured)."""
+    return format(r[key], fmt) if key in r else "-"
+
+
 def json_records(records: list[dict]) -> list[dict]:
     """The JSON's records: the five keys the issue names first, then the rest."""
     keys = ("plan", "predicted_peak_bytes", "measured_peak_bytes", "predicted_step_s", "measured_step_s")
@@ -808,6 +832,7 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
                     help="untimed rounds first (default: %(default)s)")
     ap.add_argument("--plans", default=",".join(DEFAULT_PLANS),
                     help=f"comma-separated, of: {', '.join(KNOWN_PLANS)} (default: %(default)s)")
+    add_allocator_flag(ap, "every plan")
     ap.add_argument("--results", help="regenerate this markdown file's fidelity section (e.g. benchmarks/RESULTS.md)")
     args = ap.parse_args(argv)
     if not isinstance(models.get_config(args.model), models.GPTConfig):
@@ -822,7 +847,7 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
         if p in plans and args.ranks != 4:
             ap.error(f"the {p} plan needs a mesh axis of 4 devices. Fix: --ranks 4, or leave {p} out of --plans")
     cfg = {k: getattr(args, k) for k in ("model", "layers", "d_model", "heads", "ffn", "batch", "seq", "ranks",
-                                         "steps", "warmup", "cluster")}
+                                         "steps", "warmup", "cluster", "allocator")}
     cfg["plans"], cfg["timeout_s"] = plans, args.timeout
     with torch.device("meta"):
         cfg["n_params"] = models.num_params(models.build(cfg["model"], **model_overrides(cfg)))

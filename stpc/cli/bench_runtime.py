@@ -62,9 +62,37 @@ ALLOCATORS = {
     "system": "glibc's defaults: a block over its mmap threshold (128 KiB, raised to the largest freed "
               "up to 32 MiB) is mapped fresh and handed back when freed, and the heap's free top trimmed",
     "keep": "glibc told to keep freed memory for reuse, as a caching allocator does: MALLOC_MMAP_THRESHOLD_"
-            "=128 MiB and MALLOC_TRIM_THRESHOLD_=4 GiB for every rank",
+            "=128 MiB and MALLOC_TRIM_THRESHOLD_=4 GiB for every rank (a freed block too small for the next "
+            "request still leaves it to fresh pages: torch asks for its CPU tensors aligned, which splits blocks)",
 }
 _KEEP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30)}
+
+
+def allocator_env(allocator: str) -> dict[str, str]:
+    """The environment the ranks start with for ``--allocator`` (:data:`ALLOCATORS`): glibc
+    reads these variables once, when a process starts, so they go to ``spawn``."""
+    return dict(_KEEP_ENV) if allocator == "keep" else {}
+
+
+def add_allocator_flag(ap, what: str) -> None:
+    """``--allocator`` on a bench's parser (``what``: whom it applies to, alike)."""
+    ap.add_argument("--allocator", choices=sorted(ALLOCATORS), default="system",
+                    help=f"the ranks' malloc, for {what} alike: system (glibc's defaults) or keep (glibc keeps "
+                         f"freed memory for reuse instead of returning it to the system; default: system)")
+
+
+def malloc_env() -> dict[str, str | None]:
+    """This process's glibc malloc variables of ``--allocator keep`` (a rank reports them)."""
+    return {k: os.environ.get(k) for k in _KEEP_ENV}
+
+
+def check_malloc_env(seen: dict, allocator: str, verb: str) -> None:
+    """Raise unless the ranks started with ``allocator``'s variables (``system``: whatever this
+    process has), as rank 0 reported them (:func:`malloc_env`)."""
+    env = allocator_env(allocator)
+    expected = {k: env.get(k, os.environ.get(k)) for k in _KEEP_ENV}
+    if seen != expected:
+        raise RuntimeError(f"{verb}: --allocator {allocator}: the ranks started with {seen}, not {expected}")
 
 
 class StpcEngine(Engine):
@@ -282,7 +310,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         peaks.append(int(p))
     if rank != 0:
         return {}
-    return {"malloc_env": {k: os.environ.get(k) for k in _KEEP_ENV},
+    return {"malloc_env": malloc_env(),
             "engines": [{"pair": pair, "side": side, "name": e.name, "layout": e.layout,
                          "median_step_s": statistics.median(t[0] for t in times[i]),
                          "steps_s": [t[0] for t in times[i]],
@@ -462,12 +490,9 @@ def run(cfg: dict, progress: bool = False) -> list[dict]:
     over the rounds on stderr). ``cfg["allocator"] == "keep"``: the ranks start with glibc's
     malloc keeping freed memory (:data:`ALLOCATORS`; the environment a process starts with
     is the only place glibc reads it from)."""
-    env = _KEEP_ENV if cfg.get("allocator", "system") == "keep" else {}
+    env = allocator_env(cfg.get("allocator", "system"))
     out = spawn(_worker, cfg["ranks"], {**cfg, "progress": progress}, timeout_s=cfg.get("timeout_s", 1800), env=env)
-    expected = {k: env.get(k, os.environ.get(k)) for k in _KEEP_ENV}  # (system: whatever this process has)
-    if out[0]["malloc_env"] != expected:
-        raise RuntimeError(f"bench runtime: --allocator {cfg.get('allocator')}: the ranks started with "
-                           f"{out[0]['malloc_env']}, not {expected}")
+    check_malloc_env(out[0]["malloc_env"], cfg.get("allocator", "system"), "bench runtime")
     return out[0]["engines"]
 
 
@@ -481,10 +506,7 @@ def main_runtime(argv: list[str], machine_line, write_section) -> int:
                    "timeout": {"default": 1800.0, "shown": "1800"},
                    "json": {"shown": "none", "note": "one record per engine, and the rows"}})
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: 3)")
-    ap.add_argument("--allocator", choices=sorted(ALLOCATORS), default="system",
-                    help="the ranks' malloc, for every engine alike: system (glibc's defaults) or keep (glibc "
-                         "keeps freed memory for reuse, no fresh pages for memory freed and taken again; "
-                         "default: system)")
+    add_allocator_flag(ap, "every engine")
     ap.add_argument("--results", help="regenerate this markdown file's runtime section (e.g. benchmarks/RESULTS.md)")
     args = ap.parse_args(argv)
     if args.warmup < 0:
@@ -506,4 +528,4 @@ def main_runtime(argv: list[str], machine_line, write_section) -> int:
     return 0
 
 
-__all__ = ["solved_note", "main_runtime", "pairs", "evaluate", "report", "run", "StpcEngine"]
+__all__ = ["solved_note", "main_runtime", "ALLOCATORS", "add_allocator_flag", "allocator_env", "malloc_env", "check_malloc_env", "pairs", "evaluate", "report", "run", "StpcEngine"]
