@@ -12,7 +12,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from stpc.cli import main
 from stpc.cli.bench import write_section
-from stpc.cli.bench_runtime import evaluate, memory_timeline, pairs, solved_note
+from stpc.cli.bench_runtime import (ALLOCATORS, allocator_env, check_malloc_env, evaluate, memory_timeline, pairs,
+                                    solved_note)
 
 
 def test_write_section_replaces_only_its_own_section(tmp_path):
@@ -83,8 +84,6 @@ def test_plan_delta_names_the_ops_that_differ():
 def test_allocator_env_and_its_check(monkeypatch):
     """``--allocator``'s environment for the ranks, and the check of what rank 0 saw: keep's
     variables exactly; system's, whatever this process has (here: none of them)."""
-    from stpc.cli.bench_runtime import ALLOCATORS, allocator_env, check_malloc_env
-
     for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         monkeypatch.delenv(k, raising=False)
     assert set(ALLOCATORS) == {"system", "keep"}
