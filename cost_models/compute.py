@@ -59,10 +59,11 @@ def gemm_time(device: DeviceSpec, flops: float, bytes_moved: float, dtype="fp32"
 def batched_weight_time(device: DeviceSpec, batch: int, weight_bytes: float) -> float:
     """Seconds a GEMM batched ``batch`` ways over one shared weight of ``weight_bytes`` takes
     beyond the single GEMM of the same FLOPs: the weight read again for every element past
-    the first, at ``DeviceSpec.batch_reread_bw`` (0 where the device has no such figure)."""
+    the first, at ``DeviceSpec.batch_reread_bw`` (0 where the device has no such figure),
+    less the ``DeviceSpec.batch_reread_cached_bytes`` of it the cache serves."""
     if batch <= 1 or device.batch_reread_bw is None:
         return 0.0
-    return (batch - 1) * weight_bytes / device.batch_reread_bw
+    return (batch - 1) * max(0.0, weight_bytes - device.batch_reread_cached_bytes) / device.batch_reread_bw
 
 
 # Bytes one optimizer step moves per parameter element, by optimizer layout

@@ -10,7 +10,7 @@ Profile JSON (version 1)::
                 "mem_bytes": B, "efficiency": 1.0, "gemm_ramp_s": s,      # ramps: optional
                 "gemm_ramps": {dtype: s},
                 "op_slowdown": {aten op: measured / roofline},        # optional
-                "batch_reread_bw": B/s},                             # optional
+                "batch_reread_bw": B/s, "batch_reread_cached_bytes": B},  # optional
      "matmul": [{"m","n","k","dtype","seconds","flops_per_s"}, ...],
      "link": {"alpha_s": s, "bw_bytes_per_s": B/s},          # joint fit, all collectives
      "collectives": {kind: {"alpha_s", "bw_bytes_per_s", "rel_rms",
@@ -32,8 +32,11 @@ its measured forward + backward time over the roofline time the planner charges 
 charge none) is how fast a GEMM batched over one shared weight reads that weight again for
 each element past the first, from the ``batched_gemm`` probe kept beside it (its shape and
 its two timings: the batched block into a strided slice, as a ring step runs it, and the
-same rows as one 2-D GEMM). ``python -m stpc calibrate --amend PROFILE`` measures it into
-a profile written before the probe existed, and notes so under ``amended``.
+same rows as one 2-D GEMM), and ``batch_reread_cached_bytes`` (optional, 0 where absent) how
+much of such a weight the cache serves for free, from the same probe at a second, smaller
+weight (``batched_gemm["small"]``). ``python -m stpc calibrate --amend PROFILE`` measures
+both into a profile written before the probe had its present form, and notes so under
+``amended``.
 
 ``overlap`` (written by ``calibrate`` since it measures it; older profiles lack it and get
 the presets' figures): ``slowdown`` is how much of an asynchronous collective's time
@@ -208,7 +211,8 @@ def load_profile(path: str) -> Cluster:
                         gemm_ramps={k: float(v) for k, v in d.get("gemm_ramps", {}).items()},
                         op_slowdown={k: float(v) for k, v in d.get("op_slowdown", {}).items()},
                         # (profiles written before the batched-block probe lack it: no extra cost)
-                        batch_reread_bw=float(d["batch_reread_bw"]) if d.get("batch_reread_bw") else None)
+                        batch_reread_bw=float(d["batch_reread_bw"]) if d.get("batch_reread_bw") else None,
+                        batch_reread_cached_bytes=float(d.get("batch_reread_cached_bytes") or 0.0))
     link = Link(float(p["link"]["alpha_s"]), float(p["link"]["bw_bytes_per_s"]))
     per_kind = {kind: Link(float(c["alpha_s"]), float(c["bw_bytes_per_s"]))
                 for kind, c in p["collectives"].items()}

@@ -67,7 +67,10 @@ def test_calibrate_two_ranks_smoke(tmp_path):
     # the batched-block probe: both parts timed, and its figure on the device
     b = prof["batched_gemm"]
     assert b["batched_s"] > 0 and b["rows_s"] > 0 and b["rounds"] > 0
+    assert b["small"]["batched_s"] > 0 and b["small"]["rows_s"] > 0
     assert cl.device.batch_reread_bw == b["batch_reread_bw"] == prof["device"]["batch_reread_bw"]
+    assert (cl.device.batch_reread_cached_bytes == b["batch_reread_cached_bytes"]
+            == prof["device"]["batch_reread_cached_bytes"])
     # The CostModel uses the profile's band that contains the message size.
     # (an axis of 2 ranks, the pairs' bands)
     from stpc.cost_models.profile import coefficients
@@ -104,7 +107,7 @@ def test_cli_rejects_bad_arguments(capsys):
 def test_amend_measures_the_batched_block_into_an_older_profile(tmp_path, capsys):
     """``--amend``: a profile written before the batched-block probe gets it, measured on its
     own number of ranks, with a note of the amendment; the rest of the profile is kept."""
-    from stpc.cli.calibrate import BATCHED_BLOCK
+    from stpc.cli.calibrate import BATCHED_BLOCK, BATCHED_SMALL, reread_fit
     from stpc.cost_models import save_profile
 
     prof = {"version": 1, "name": "older", "ranks": 2, "backend": "gloo",
@@ -119,15 +122,18 @@ def test_amend_measures_the_batched_block_into_an_older_profile(tmp_path, capsys
     got = json.load(open(path))
     b = got.pop("batched_gemm")
     assert b["shape"] == list(BATCHED_BLOCK) and b["batched_s"] > 0 and b["rows_s"] > 0
-    if b["extra_s"] > 0:   # (the VM decides whether the batched GEMM was slower)
-        assert b["batch_reread_bw"] == pytest.approx((BATCHED_BLOCK[0] - 1) * b["weight_bytes"] / b["extra_s"])
-    else:
-        assert b["batch_reread_bw"] is None
+    assert b["small"]["shape"] == list(BATCHED_SMALL) and b["small"]["batched_s"] > 0
+    # (the VM decides whether the batched GEMMs were slower: the fit of what it measured)
+    assert (b["batch_reread_bw"], b["batch_reread_cached_bytes"]) == reread_fit(
+        BATCHED_BLOCK[0], (b["weight_bytes"], b["extra_s"]), (b["small"]["weight_bytes"], b["small"]["extra_s"]))
     note = got.pop("amended")
     assert [(n["probe"], n["ranks"]) for n in note] == [("batched_gemm", 2)] and note[0]["date"]
-    assert got.pop("device").pop("batch_reread_bw") == b["batch_reread_bw"]
-    assert got == {k: v for k, v in prof.items() if k != "device"}
+    device = got.pop("device")
+    assert device.pop("batch_reread_bw") == b["batch_reread_bw"]
+    assert device.pop("batch_reread_cached_bytes") == b["batch_reread_cached_bytes"]
+    assert got == {k: v for k, v in prof.items() if k != "device"} and device == prof["device"]
     assert get_cluster(path).device.batch_reread_bw == b["batch_reread_bw"]
+    assert get_cluster(path).device.batch_reread_cached_bytes == b["batch_reread_cached_bytes"]
 
 
 @pytest.mark.slow

@@ -371,22 +371,42 @@ def test_fit_overlap_takes_each_term_per_round_then_the_median():
 
 
 def test_fit_batched_reads_the_weight_reread_from_each_rounds_difference():
-    """calibrate's batched-block probe: per round each part the slowest rank's, the weight
-    bandwidth from the median of the rounds' differences (the weight read again batch - 1
-    times); no extra where the batched GEMM measured no slower."""
-    from stpc.cli.calibrate import BATCHED_BLOCK, fit_batched
+    """calibrate's batched-block probe: per round each part the slowest rank's, each block's
+    extra the median of the rounds' differences (its weight read again batch - 1 times), and
+    from the two blocks' extras the bandwidth and the part of a weight the cache serves:
+    the model then gives both blocks' extras back; no extra where the big block measured no
+    slower."""
+    from stpc.cli.calibrate import BATCHED_BLOCK, BATCHED_SMALL, fit_batched
+    from stpc.cost_models import batched_weight_time
 
     batch, _, n, k = BATCHED_BLOCK
-    wbytes, bw = 4.0 * n * k, 5e9
-    extra = (batch - 1) * wbytes / bw
+    wbytes, small_bytes = 4.0 * n * k, 4.0 * BATCHED_SMALL[2] * BATCHED_SMALL[3]
+    assert small_bytes == wbytes / 4 and BATCHED_SMALL[:2] == BATCHED_BLOCK[:2]
+    bw, cached = 5e9, 0.7 * small_bytes
+    extra = (batch - 1) * (wbytes - cached) / bw
+    extra_small = (batch - 1) * (small_bytes - cached) / bw
     loads = [1.0, 1.3, 1.0, 1.6, 1.1]   # the machine's load moves both parts of a round together
-    fast = [(0.020 * f + extra, 0.020 * f) for f in loads]
-    slow = [(b * 1.01, m * 1.01) for b, m in fast]   # the other rank, a little slower: its rounds count
+    fast = [(0.020 * f + extra, 0.020 * f, 0.005 * f + extra_small, 0.005 * f) for f in loads]
+    slow = [tuple(x * 1.01 for x in r) for r in fast]   # the other rank, a little slower: its rounds count
     got = fit_batched([fast, slow])
-    assert got["rounds"] == 5 and got["weight_bytes"] == wbytes
+    assert got["rounds"] == 5 and got["weight_bytes"] == wbytes and got["small"]["weight_bytes"] == small_bytes
+    assert got["shape"] == list(BATCHED_BLOCK) and got["small"]["shape"] == list(BATCHED_SMALL)
     assert got["extra_s"] == pytest.approx(1.01 * extra)
+    assert got["small"]["extra_s"] == pytest.approx(1.01 * extra_small)
     assert got["batch_reread_bw"] == pytest.approx(bw / 1.01)
-    assert fit_batched([[(0.020, 0.021)] * 3])["batch_reread_bw"] is None
+    assert got["batch_reread_cached_bytes"] == pytest.approx(cached)
+    dev = dataclasses.replace(get_device("CPU"), batch_reread_bw=got["batch_reread_bw"],
+                              batch_reread_cached_bytes=got["batch_reread_cached_bytes"])
+    assert batched_weight_time(dev, batch, wbytes) == pytest.approx(got["extra_s"])
+    assert batched_weight_time(dev, batch, small_bytes) == pytest.approx(got["small"]["extra_s"])
+    # the small weight free: all of it cached; as dear a byte as the big one: none of it
+    free = fit_batched([[(0.020 + extra, 0.020, 0.005, 0.0051)] * 3])
+    assert free["batch_reread_cached_bytes"] == small_bytes
+    assert free["batch_reread_bw"] == pytest.approx((batch - 1) * (wbytes - small_bytes) / extra)
+    flat = fit_batched([[(0.020 + extra, 0.020, 0.005 + extra / 2, 0.005)] * 3])
+    assert flat["batch_reread_cached_bytes"] == 0.0
+    assert flat["batch_reread_bw"] == pytest.approx((batch - 1) * wbytes / extra)
+    assert fit_batched([[(0.020, 0.021, 0.005, 0.0051)] * 3])["batch_reread_bw"] is None
 
 
 def test_a_batched_gemm_reads_its_shared_weight_again_per_element(tmp_path):
@@ -403,6 +423,12 @@ def test_a_batched_gemm_reads_its_shared_weight_again_per_element(tmp_path):
     assert CostModel(get_cluster("primepar-v100"), (4,)).batched_gemm_extra(4, 8e6) == 0.0
     with pytest.raises(ValueError, match="batch_reread_bw"):
         dataclasses.replace(dev, batch_reread_bw=0.0)
+    # the part of the weight the cache serves is free
+    cached = dataclasses.replace(dev, batch_reread_cached_bytes=2e6)
+    assert batched_weight_time(cached, 4, 8e6) == pytest.approx(3 * 6e6 / 4e9)
+    assert batched_weight_time(cached, 4, 1e6) == 0.0
+    with pytest.raises(ValueError, match="batch_reread_cached_bytes"):
+        dataclasses.replace(dev, batch_reread_cached_bytes=-1.0)
     prof = {"version": 1, "name": "synthetic", "ranks": 2, "backend": "gloo",
             "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
                        "mem_bw": 1e10, "mem_bytes": 1e10},
@@ -413,6 +439,11 @@ def test_a_batched_gemm_reads_its_shared_weight_again_per_element(tmp_path):
     save_profile({**prof, "device": {**prof["device"], "batch_reread_bw": 6e9}}, path)
     cm = CostModel(get_cluster(path), (2,))
     assert cm.device.batch_reread_bw == 6e9 and cm.batched_gemm_extra(3, 6e6) == pytest.approx(2e-3)
+    assert cm.device.batch_reread_cached_bytes == 0.0   # (a profile from before the second block)
+    save_profile({**prof, "device": {**prof["device"], "batch_reread_bw": 6e9, "batch_reread_cached_bytes": 3e6}},
+                 path)
+    cm = CostModel(get_cluster(path), (2,))
+    assert cm.device.batch_reread_cached_bytes == 3e6 and cm.batched_gemm_extra(3, 6e6) == pytest.approx(1e-3)
 
 
 # ----------------------------------------------------------------------------- memory formulas

@@ -1117,6 +1117,13 @@ def test_a_ring_step_whose_block_does_not_fold_to_rows_reads_its_weight_per_batc
     s = next(s for s in enumerate_strategies(node, (2, 4))[0]
              if s.kind == "ag_ring" and s.axis == 1 and s.ins[0][0] == "S0" and s.ins[1][0] == "R")
     assert reread(s) - plain(s) == pytest.approx(4 * 2 * 1 * w_local / 1e9, rel=1e-6)
+    # the part of the weight the cache serves is not charged
+    node, (plain, reread) = timers((4, 64, 256), (4,))
+    cluster = reread.cm.cluster
+    cached = NodeTimer(node, CostModel(dataclasses.replace(cluster, device=dataclasses.replace(
+        cluster.device, batch_reread_cached_bytes=w_local / 4)), (4,)), [True, True])
+    for kind, s in rings.items():
+        assert cached(s) - plain(s) == pytest.approx(4 * 2 * 3 * 0.75 * w_local / 1e9, rel=1e-6), kind
     # rows that fold: no batch
     node, (plain, reread) = timers((256, 256), (4,))
     assert all(reread(s) == plain(s) for s in enumerate_strategies(node, (4,))[0])

@@ -32,7 +32,12 @@ planner models):
   the difference is the weight read again per batch element past the first. On the
   development VM (MKL, one thread a rank) it fell with the rows per element: 1.6 ms at 128
   rows, 1.0 ms at 256 and nothing at 512 for a 3 MiB weight, so the probe uses the rows the
-  fidelity bench's ring steps have (its GPT at batch 4, seq 512, on 4 ranks);
+  fidelity bench's ring steps have (its GPT at batch 4, seq 512, on 4 ranks). It fell with
+  the weight's size too, where the cache holds the weight between elements: a 1 MiB
+  weight was read again at 16-26 GB/s, a 4 MiB one at 6-8 GB/s (1 MiB of L2 a core), so the
+  probe runs a second, smaller weight (``BATCHED_SMALL``, the fidelity GPT's q/k/v step) and
+  the two fix the bandwidth and how much of a weight the cache serves
+  (``batch_reread_cached_bytes``, :func:`reread_fit`);
 * how compute and communication overlap (``overlap`` in the profile), three ways, each
   as the runtime meets it:
 
@@ -289,39 +294,72 @@ OVERLAP_ROUNDS = 5
 # The batched-block probe: (batch, rows per element, n, k) of one ring step's GEMM whose
 # block does not fold to rows (module docstring).
 BATCHED_BLOCK = (4, 128, 1024, 1024)
+# ... and at a weight a quarter the size (1 MiB), to see how much of a weight the cache serves
+BATCHED_SMALL = (4, 128, 1024, 256)
 # Its rounds: the difference it measures is a tenth of either part (three calibrations of
 # the development VM at 5 rounds gave 5.1, 6.2 and 10.4 GB/s)
 BATCHED_ROUNDS = 15
 
 
-def _batched_block(dev, window_s: float = 0.2) -> list[tuple[float, float]]:
-    """(batched, 2-D) seconds of one ring step's GEMM on a ``BATCHED_BLOCK`` block, every rank
-    at once, in :func:`_rounds`: batched, the block ([batch, rows, n], a slice of seq) into
-    its strided slice of a [batch, seq, k] output, as ``ring_step_matmul`` runs it; 2-D, the
-    same rows as one [batch * rows, n] block into a matrix of its own."""
-    batch, rows, n, k = BATCHED_BLOCK
+def _block_pair(shape: tuple[int, int, int, int], dev) -> list:
+    """(batched, 2-D) closures of one ring step's GEMM on a block of ``shape``: batched, the
+    block ([batch, rows, n], a slice of seq) into its strided slice of a [batch, seq, k]
+    output, as ``ring_step_matmul`` runs it; 2-D, the same rows as one [batch * rows, n]
+    block into a matrix of its own."""
+    batch, rows, n, k = shape
     w = torch.randn(n, k, device=dev)
     block = torch.randn(batch, rows, n, device=dev)
     out = torch.empty(batch, 4 * rows, k, device=dev)
     flat = torch.randn(batch * rows, n, device=dev)
     out2 = torch.empty(batch * rows, k, device=dev)
-    return _rounds([lambda: ring_step_matmul(block, w, out[:, rows:2 * rows], accumulate=False),
-                    lambda: ring_step_matmul(flat, w, out2, accumulate=False)], dev, window_s, BATCHED_ROUNDS)
+    return [lambda: ring_step_matmul(block, w, out[:, rows:2 * rows], accumulate=False),
+            lambda: ring_step_matmul(flat, w, out2, accumulate=False)]
 
 
-def fit_batched(per_rank: list[list[tuple[float, float]]]) -> dict:
+def _batched_block(dev, window_s: float = 0.2) -> list[tuple[float, float, float, float]]:
+    """(batched, 2-D) seconds of ``BATCHED_BLOCK``'s step, then ``BATCHED_SMALL``'s, every rank
+    at once, in :func:`_rounds` (:func:`_block_pair`)."""
+    return _rounds(_block_pair(BATCHED_BLOCK, dev) + _block_pair(BATCHED_SMALL, dev), dev, window_s,
+                   BATCHED_ROUNDS)
+
+
+def reread_fit(batch: int, big: tuple[float, float], small: tuple[float, float]) -> tuple[float | None, float]:
+    """(``batch_reread_bw``, ``batch_reread_cached_bytes``) from the extra seconds of two
+    batched blocks, ``(weight bytes, extra s)`` each: the extra is ``(batch - 1) * max(0,
+    weight - cached) / bw`` (``cost_models.compute.batched_weight_time``), through both
+    points. A small weight that cost nothing extra is all cached (the bandwidth from the
+    rest of the big one); one that cost as much a byte as the big one or more, none of it
+    (the big one alone gives the bandwidth); no extra on the big one, no cost at all."""
+    (w_big, e_big), (w_small, e_small) = big, small
+    if e_big <= 0:
+        return None, 0.0
+    if e_small <= 0:
+        return (batch - 1) * (w_big - w_small) / e_big, w_small
+    if e_small * w_big >= e_big * w_small:
+        return (batch - 1) * w_big / e_big, 0.0
+    bw = (batch - 1) * (w_big - w_small) / (e_big - e_small)
+    return bw, w_small - e_small * bw / (batch - 1)
+
+
+def _block_entry(shape: tuple[int, int, int, int], rounds: list[tuple[float, float]]) -> dict:
+    batched, rows_ = [b for b, _ in rounds], [m for _, m in rounds]
+    return {"shape": list(shape), "batched_s": statistics.median(batched), "rows_s": statistics.median(rows_),
+            "extra_s": statistics.median(b - m for b, m in rounds), "weight_bytes": 4.0 * shape[2] * shape[3]}
+
+
+def fit_batched(per_rank: list[list[tuple[float, float, float, float]]]) -> dict:
     """The profile's ``batched_gemm`` from every rank's :func:`_batched_block` rounds: per
-    round each part the slowest rank's, and ``batch_reread_bw`` from the median over rounds
-    of their difference (the weight's bytes read again ``batch - 1`` times); None where the
-    batched GEMM measured no slower."""
-    batch, rows, n, k = BATCHED_BLOCK
-    rounds = [tuple(max(r[i][j] for r in per_rank) for j in range(2)) for i in range(min(map(len, per_rank)))]
-    extra = statistics.median(b - m for b, m in rounds)
-    weight_bytes = 4.0 * n * k
-    return {"shape": list(BATCHED_BLOCK), "rounds": len(rounds),
-            "batched_s": statistics.median(b for b, _ in rounds), "rows_s": statistics.median(m for _, m in rounds),
-            "extra_s": extra, "weight_bytes": weight_bytes,
-            "batch_reread_bw": (batch - 1) * weight_bytes / extra if extra > 0 else None}
+    round each part the slowest rank's; each block's extra the median over rounds of its
+    two parts' difference (its weight's bytes read again ``batch - 1`` times); from the two
+    extras, ``batch_reread_bw`` (None where the big block measured no slower) and
+    ``batch_reread_cached_bytes`` (:func:`reread_fit`). The big block's entry at the top
+    level, the small one's under ``small``."""
+    rounds = [tuple(max(r[i][j] for r in per_rank) for j in range(4)) for i in range(min(map(len, per_rank)))]
+    big = _block_entry(BATCHED_BLOCK, [r[:2] for r in rounds])
+    small = _block_entry(BATCHED_SMALL, [r[2:] for r in rounds])
+    bw, cached = reread_fit(BATCHED_BLOCK[0], (big["weight_bytes"], big["extra_s"]),
+                            (small["weight_bytes"], small["extra_s"]))
+    return {**big, "rounds": len(rounds), "small": small, "batch_reread_bw": bw, "batch_reread_cached_bytes": cached}
 
 
 def _rounds(fns: list, dev, window_s: float, rounds: int = OVERLAP_ROUNDS) -> list[tuple[float, ...]]:
@@ -549,6 +587,7 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     device["op_slowdown"] = {op: r["slowdown"] for op, r in ops.items()}
     batched = fit_batched([r["batched"] for r in per_rank])
     device["batch_reread_bw"] = batched["batch_reread_bw"]
+    device["batch_reread_cached_bytes"] = batched["batch_reread_cached_bytes"]
 
     collectives = {kind: _fit_kind([s for s in samples if s[0] == kind], world_size) for kind in kinds}
     # the same kinds on each smaller group (every group of consecutive ranks at once)
@@ -568,19 +607,30 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
 
 def amend(path: str, timeout_s: float = 600.0) -> dict:
     """Measure the batched-block probe into the profile at ``path`` (written before the probe
-    existed), on as many ranks as it was measured with, and note the amendment; returns the
-    probe's entry."""
+    had its present form), on as many ranks as it was measured with, and note the amendment;
+    returns the probe's entry."""
     profile = read_profile(path)
     world = int(profile["ranks"])
     task = {"backend": profile.get("backend", "gloo"), "batched_only": True}
     batched = fit_batched(run_spawned(world, task, timeout_s)["batched"])
     profile["batched_gemm"] = batched
     profile["device"]["batch_reread_bw"] = batched["batch_reread_bw"]
+    profile["device"]["batch_reread_cached_bytes"] = batched["batch_reread_cached_bytes"]
     profile.setdefault("amended", []).append(
         {"probe": "batched_gemm", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
          "host": socket.gethostname(), "torch": torch.__version__, "ranks": world})
     save_profile(profile, path)
     return batched
+
+
+def batched_line(b: dict) -> str:
+    """One line of the batched-block probe's profile entry (:func:`fit_batched`)."""
+    parts = [f"{'x'.join(map(str, e['shape']))} {e['batched_s'] * 1e3:.2f} ms against {e['rows_s'] * 1e3:.2f} ms"
+             for e in (b, b["small"])]
+    bw = b["batch_reread_bw"]
+    return (f"batched blocks {' and '.join(parts)} as one 2-D GEMM: "
+            + (f"the weight re-read at {bw / 1e9:.2f} GB/s past the first "
+               f"{b['batch_reread_cached_bytes'] / 2**20:.2f} MiB, which the cache serves" if bw else "no extra cost"))
 
 
 def _parse_size(given: str) -> int:
@@ -607,18 +657,14 @@ def main_calibrate(argv: list[str]) -> int:
                     help="default: nccl when enough GPUs, else gloo")
     ap.add_argument("--amend", metavar="PROFILE", default=None,
                     help="measure only the batched-block probe into PROFILE, a profile written before it "
-                         "existed, on its number of ranks")
+                         "had its present form, on its number of ranks")
     args = ap.parse_args(argv)
     if args.amend:
         if not os.path.exists(args.amend):
             ap.error(f"--amend {args.amend}: no such profile. Fix: give a profile `python -m stpc calibrate` wrote")
         with Status(f"calibrate: measuring the batched-block probe into {args.amend}", not args.quiet):
             got = amend(args.amend, timeout_s=args.timeout)
-        bw = got["batch_reread_bw"]
-        print(args.amend if args.quiet else
-              f"amended {args.amend}: batched block {got['batched_s'] * 1e3:.2f} ms against {got['rows_s'] * 1e3:.2f} ms "
-              f"as one 2-D GEMM ({'x'.join(map(str, got['shape']))}): "
-              + (f"the weight re-read at {bw / 1e9:.2f} GB/s" if bw else "no extra cost"))
+        print(args.amend if args.quiet else f"amended {args.amend}: {batched_line(got)}")
         return 0
     if args.ranks < 2:
         ap.error(f"--ranks {args.ranks}: calibration needs at least 2 ranks to time collectives. Fix: --ranks 2 "
@@ -656,10 +702,7 @@ def main_calibrate(argv: list[str]) -> int:
     print("|---|---|---|---|")
     for op, r in prof["ops"].items():
         print(f"| {op} | {r['measured_s'] * 1e3:.2f} | {r['roofline_s'] * 1e3:.2f} | {r['slowdown']:.2f} |")
-    b = prof["batched_gemm"]
-    print(f"a batched block ({'x'.join(map(str, b['shape']))}): {b['batched_s'] * 1e3:.2f} ms against "
-          f"{b['rows_s'] * 1e3:.2f} ms as one 2-D GEMM: "
-          + (f"its weight re-read at {b['batch_reread_bw'] / 1e9:.2f} GB/s" if b["batch_reread_bw"] else "no extra cost"))
+    print(batched_line(prof["batched_gemm"]))
     ov = prof["overlap"]
     print(f"overlap: compute beside an asynchronous collective slows by {ov['slowdown']:.2f} of the "
           f"collective's time, beside a ring step's transfer by {ov['ring_slowdown']:.2f}; a ring step's overhead "
