@@ -82,7 +82,8 @@ def _is_split(tok: str) -> bool:
     return tok[0] in "SBXW"
 
 
-def reshard_steps(src, dst, mesh, consumer_split=None, needs_grad=True) -> list[tuple[str, int, dict, str]]:
+def reshard_steps(src, dst, mesh, consumer_split=None, needs_grad=True,
+                  joint: bool = False) -> list[tuple[str, int | tuple, dict, str | tuple]]:
     """The per-axis operations that turn placement ``src`` into ``dst``.
 
     Returns ``[(function, axis, kwargs, token after), ...]`` in execution order.
@@ -96,7 +97,32 @@ def reshard_steps(src, dst, mesh, consumer_split=None, needs_grad=True) -> list[
     phase B (outermost first) slices or makes Partial. Backward duals
     (``grad=``) follow ``stpc.planner.costs``: a Replicate result whose consumer splits
     its work on the axis receives a partial gradient.
+
+    ``joint``: the program has a process group over every set of mesh axes
+    (``gm.meta["stpc_joint_groups"]``). Where the axes taken one by one would gather a
+    split whole and cut it again, and every axis that changes (or is gathered for the
+    order of the nesting) holds a plain split before and after, one redistribution over
+    those axes' joint group moves each block's overlaps instead: ``(function, axes,
+    kwargs, tokens after)`` with ``axes`` a tuple (the cost model charges the per-axis
+    exchanges, a named simplification: ``stpc.planner.costs``).
     """
+    steps = _axis_steps(src, dst, mesh, consumer_split, needs_grad)
+    nd = len(mesh)
+    src, dst = tuple(src), tuple(dst)
+    gathered = {a for fn, a, _, _ in steps if fn in ("all_gather", "grid_gather")}
+    changed = sorted(gathered | {a for a in range(nd) if src[a] != dst[a] and mesh[a] > 1})
+    if (joint and gathered and len(changed) > 1
+            and all(src[a][0] == "S" and dst[a][0] == "S" for a in changed)):
+        axes = tuple(changed)
+        after = tuple(dst[a] for a in axes)
+        rest = [st for st in steps if st[0] == "grad_all_reduce"]  # (an R axis's f: unchanged)
+        return [("redistribute", axes, {"src": tuple(src[a] for a in axes), "dst": after,
+                                        "sizes": tuple(mesh[a] for a in axes)}, after)] + rest
+    return steps
+
+
+def _axis_steps(src, dst, mesh, consumer_split, needs_grad) -> list[tuple[str, int, dict, str]]:
+    """:func:`reshard_steps` axis by axis."""
     nd = len(mesh)
     src, dst = tuple(src), tuple(dst)
     consumer_split = tuple(consumer_split) if consumer_split is not None else (False,) * nd
@@ -217,6 +243,9 @@ class _Lowering:
             self.mesh = tuple(gm.meta["stpc_mesh"])
             self.groups = list(gm.meta["stpc_groups"])
             self.device = gm.meta["stpc_device"]
+            # (a group over each set of axes, where the compiler made them: a split re-cut over
+            # several axes is then one redistribution over their joint group)
+            self.joint = dict(gm.meta.get("stpc_joint_groups") or {})
         except KeyError:
             raise RuntimeError("insert_collectives: run passes.shard_params on this graph first") from None
         self.mode = fake_mode_of(gm)
@@ -253,17 +282,20 @@ class _Lowering:
 
     def reshard(self, src: fx.Node, dst, consumer_split, before: fx.Node, needs_grad=None) -> fx.Node:
         needs_grad = (src in self.needs_grad) if needs_grad is None else needs_grad
-        steps = reshard_steps(self.placement(src), tuple(dst), self.mesh, consumer_split, needs_grad)
+        steps = reshard_steps(self.placement(src), tuple(dst), self.mesh, consumer_split, needs_grad,
+                              joint=bool(self.joint))
         x, cur = src, list(self.placement(src))
         for fn, a, kw, tok in steps:
+            group = self.joint[a] if isinstance(a, tuple) else self.groups[a]
             with self.graph.inserting_before(before):
-                x = self.graph.call_function(_FN[fn], (x,), {**kw, "group": self.groups[a]})
-            cur[a] = tok
+                x = self.graph.call_function(_FN[fn], (x,), {**kw, "group": group})
+            for axis, t in (zip(a, tok) if isinstance(a, tuple) else [(a, tok)]):
+                cur[axis] = t
             for a2 in range(len(self.mesh)):  # size-1 axes just take the target's token
                 if self.mesh[a2] == 1:
                     cur[a2] = tuple(dst)[a2]
             set_local(x, cur, self.mesh, self.mode, self.device, global_val=src.meta["global_val"])
-            x.meta["comm"] = {"op": fn, "axis": a, "group": self.groups[a], **kw, "edge": (src.name, before.name)}
+            x.meta["comm"] = {"op": fn, "axis": a, "group": group, **kw, "edge": (src.name, before.name)}
             x.meta["source"] = before.meta.get("source", "")
             if src in self.needs_grad:
                 self.needs_grad.add(x)

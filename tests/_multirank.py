@@ -122,6 +122,10 @@ def run_cases(rank, world, cases):
         worst["case"] = case["id"]
         worst["seconds"] = time.perf_counter() - t0
         worst["strategy_counts"] = plan.strategy_counts()
+        # the collectives over several mesh axes at once (their joint group) the program runs
+        worst["joint_ops"] = sorted({n.meta["comm"]["op"] for prog in dm.stpc.programs.values()
+                                     for n in prog.gm.graph.nodes
+                                     if isinstance(n.meta.get("comm", {}).get("axis"), tuple)})
         if case.get("backend"):
             from torch._dynamo.utils import counters
             worst["graph_breaks"] = sum(counters["graph_break"].values())
@@ -170,6 +174,15 @@ def family_hints(family: str):
         return Hints(force=[(r"^linear", lambda s: s.kind == "spatial" and all(t == "R" for t in s.ins[1])
                              and all(t == "S0" for t in s.ins[0]))],
                      param_force=[(r".", lambda p: all(t[0] == "S" for t in p))], temporal=False, name="zero")
+    if family == "fsdp-tp-outer":  # TorchTitan's FSDP + TP+SP on 2x2, TP on the outer axis (the fidelity
+        # bench's fsdp-tp layout): the logits, vocab split on the outer axis and rows on the inner,
+        # reach a loss that splits rows on both (one redistribution over the joint group)
+        import dataclasses
+
+        from stpc.planner.hints import fsdp_tp
+        hints = fsdp_tp((2, 2), dp_axis=1, tp_axis=0, sequence_parallel=True)
+        return dataclasses.replace(hints, force=list(hints.force) + [
+            (r"^cross_entropy_loss", lambda s: tuple(s.ins[0]) == ("S0", "S0"))])
     raise ValueError(family)
 
 

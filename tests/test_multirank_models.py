@@ -258,6 +258,17 @@ def test_weights_split_over_both_axes_match_through_their_joint_gather():
     assert all(c["graph_breaks"] == 0 for r in results for c in r[1:]), [[c.get("graph_breaks") for c in r] for r in results]
 
 
+def test_a_split_re_cut_over_both_axes_matches_single_device():
+    """FSDP + TP+SP on 2x2 with TP on the outer axis (the fidelity bench's fsdp-tp layout),
+    the loss splitting rows on both axes: the logits (vocab on the outer axis, rows on the
+    inner) reach it in one redistribution over the joint group, and its backward, the reverse
+    exchange, hands the head its gradient: 20 AdamW steps match the single-device model."""
+    cases = [_case("gpt-tiny", "fsdp-tp-outer", "2x2", steps=20)]
+    results = spawn(run_cases, 4, cases, timeout_s=590)
+    _check(results, cases)
+    assert all("redistribute" in r[0]["joint_ops"] for r in results), [r[0]["joint_ops"] for r in results]
+
+
 # --------------------------------------------------------------------------- rank agreement, dumps
 
 

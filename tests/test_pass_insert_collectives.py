@@ -47,6 +47,50 @@ def test_reshard_steps(src, dst, split, expected):
     assert steps[-1][3] == dst[steps[-1][1]] if steps else src == dst
 
 
+@pytest.mark.parametrize("src,dst,split,expected", [
+    # a dim split on both axes whose outer split changes: one redistribution over both axes
+    # instead of gathering the inner axis whole and splitting it again
+    (("S1", "S0"), ("S0", "S0"), (True, True), ("redistribute", (0, 1))),
+    (("S0", "S0"), ("S1", "S0"), (True, True), ("redistribute", (0, 1))),
+    (("S0", "S1"), ("S1", "S0"), (True, True), ("redistribute", (0, 1))),
+    # not for a reshard the axes make directly (the inner axis re-cuts within the outer block) ...
+    (("S0", "S1"), ("S0", "S0"), (True, True), ("all_to_all", 1)),
+    # ... nor where an axis gathers to Replicate or sums a Partial: those keep their collectives
+    (("S0", "S0"), ("R", "S0"), (False, True), ("all_gather", 1)),
+    (("R", "S0"), ("S0", "S0"), (True, True), ("all_gather", 1)),
+    (("P", "S0"), ("S0", "S0"), (True, True), ("all_gather", 1)),
+])
+def test_reshard_steps_over_a_joint_group(src, dst, split, expected):
+    steps = reshard_steps(src, dst, (2, 2), split, needs_grad=True, joint=True)
+    assert steps[0][:2] == expected, steps
+    if expected[0] == "redistribute":
+        (fn, axes, kw, after), = steps
+        assert kw == {"src": src, "dst": dst, "sizes": (2, 2)} and after == dst
+    # without joint groups (a graph lowered before the compiler made them) the axes go one by one
+    assert all(isinstance(a, int) for _, a, _, _ in reshard_steps(src, dst, (2, 2), split, joint=False))
+
+
+def test_the_logits_of_a_tp_outer_plan_reach_a_row_split_loss_in_one_exchange():
+    """gpt-tiny under FSDP + TP with TP on the outer axis of 2x2: the head's logits (vocab split
+    on the outer axis, rows on the inner) go to a loss splitting rows on both axes in one
+    redistribution over the joint group the compiler made, no gather; without the joint
+    groups, axis by axis (gather, all-to-all, slice)."""
+    def lowered(joint):
+        tg, plan = traced_and_plan("gpt-tiny", "2x2", "fsdp-tp-outer")  # (lowering localises the graph)
+        gm = shard_params(tg.gm, plan)
+        if joint:
+            gm.meta["stpc_joint_groups"] = {(0, 1): "joint01"}
+        gm = insert_collectives(gm, plan)
+        return [n.meta["comm"] for n in gm.graph.nodes
+                if n.meta.get("comm", {}).get("edge", ("", ""))[1].startswith("cross_entropy")]
+
+    (c,) = lowered(True)
+    assert (c["op"], c["axis"], c["group"], c["src"], c["dst"]) == (
+        "redistribute", (0, 1), "joint01", ("S1", "S0"), ("S0", "S0"))
+    assert [(c["op"], c["axis"]) for c in lowered(False)] == [("all_gather", 1), ("all_to_all", 0),
+                                                              ("shard_slice", 1)]
+
+
 def test_all_gather_backward_mode_follows_the_consumer():
     (_, _, kw, _), = reshard_steps(("S0",), ("R",), (4,), (False,))
     assert kw["grad"] == "slice"
@@ -124,13 +168,16 @@ _TOKS = ("R", "S0", "S1", "S2", "P")
 _ALL = [((a, b), (c, d)) for a in _TOKS for b in _TOKS for c in _TOKS[:4] for d in _TOKS[:4]]
 
 
+@pytest.mark.parametrize("joint", [False, True], ids=["axes", "joint"])
 @pytest.mark.parametrize("src,dst", _ALL, ids=[f"{s}->{d}" for s, d in _ALL])
-def test_reshard_steps_compute_the_right_pieces(src, dst):
+def test_reshard_steps_compute_the_right_pieces(src, dst, joint):
     """Simulate the steps on every rank of a 2x3 mesh with real tensors: each rank must end
-    with exactly its piece of ``dst`` (nested splits in row-major order)."""
+    with exactly its piece of ``dst`` (nested splits in row-major order). With joint groups, a
+    redistribution over both axes moves each rank's block to where ``runtime.reshard``'s boxes
+    say (the exchange itself runs on real ranks in test_redistribute)."""
     import torch
 
-    from stpc.runtime import shard_tensor
+    from stpc.runtime import reshard, shard_tensor
     mesh = (2, 3)
     full = torch.arange(6 * 6 * 6 * 2, dtype=torch.float64).reshape(6, 6, 12)
     coords = [(i, j) for i in range(2) for j in range(3)]
@@ -139,8 +186,17 @@ def test_reshard_steps_compute_the_right_pieces(src, dst):
         return shard_tensor(full, p, mesh, c)
     local = {c: piece(src, c) for c in coords}
     cur = list(src)
-    for fn, a, kw, tok in reshard_steps(src, dst, mesh, (True, True)):
+    for fn, a, kw, tok in reshard_steps(src, dst, mesh, (True, True), joint=joint):
         new = {}
+        if isinstance(a, tuple):  # over both axes: every block put where its box says, re-cut
+            assert a == (0, 1) and kw["sizes"] == mesh and kw["src"] == tuple(cur)
+            whole = torch.empty_like(full)
+            for k, c in enumerate(coords):
+                box = reshard._layout_box(kw["src"], k, mesh, list(full.shape))
+                whole[tuple(slice(s, s + n) for s, n in box)] = local[c]
+            local = {c: shard_tensor(whole, kw["dst"], mesh, c) for c in coords}
+            cur = list(tok)
+            continue
         for c in coords:
             group = [c[:a] + (k,) + c[a + 1:] for k in range(mesh[a])]
             xs = [local[g] for g in group]

@@ -7,6 +7,11 @@ layout (``shard_tensor``), the gradient exactly its block under the source layou
 rank receives only what it lacks: the per-peer sizes the all-to-all is given are the
 target block less what the rank already holds (never the whole tensor, as gathering then
 slicing moved).
+
+Over a group of two mesh axes (the 2 x 2 world, ranks row-major over the axes, as
+``joint_group`` orders them), every ordered pair of two-axis split layouts, nested outer axis
+first: the block and the gradient land as ``shard_tensor`` lays them out, and a rank whose
+rows are re-cut across both axes receives only its new block's part it lacks.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from stpc.runtime.reshard import redistribute, shard_tensor
 FULL = (8, 12, 16)
 TOKENS = ["S0", "S1", "S2", "B1.2", "X1.2", "W1.2", "B0.2", "X0.1"]
 PAIRS = [(a, b) for a, b in itertools.product(TOKENS, TOKENS) if a != b]
+LAYOUTS = list(itertools.product(["S0", "S1", "S2"], repeat=2))  # (outer axis, inner axis) of a 2 x 2 mesh
+JOINT_PAIRS = [(a, b) for a, b in itertools.product(LAYOUTS, LAYOUTS) if a != b]
 
 
 def _worker(rank, world):
@@ -60,8 +67,25 @@ def _worker(rank, world):
             seen.clear()
             redistribute(shard_tensor(full, (src,), (world,), (rank,)), src, dst, name)
             res["received", src, dst] = sum(k for p, k in enumerate(seen[0]) if p != rank) if seen else None
+        # two axes taken together: the rows split on both, their outer split re-cut (the
+        # logits of a tp-outer 2 x 2 plan going to a row-split loss)
+        seen.clear()
+        redistribute(shard_tensor(full, ("S1", "S0"), (2, 2), divmod(rank, 2)), ("S1", "S0"), ("S0", "S0"),
+                     name, (2, 2))
+        res["joint_received"] = list(seen[0])
     finally:
         reshard._c10d = functional
+    coords = divmod(rank, 2)
+    for src, dst in JOINT_PAIRS:
+        x = shard_tensor(full, src, (2, 2), coords).clone().requires_grad_()
+        y = redistribute(x, src, dst, name, (2, 2))
+        y.backward(shard_tensor(grad, dst, (2, 2), coords))
+        res["joint", src, dst] = (torch.equal(y.detach(), shard_tensor(full, dst, (2, 2), coords)),
+                                  torch.equal(x.grad, shard_tensor(grad, src, (2, 2), coords)))
+    try:
+        redistribute(full, ("S0", "S1"), ("S1", "S0"), name, (4, 2))
+    except ValueError as e:
+        res["bad_sizes"] = str(e)
     return res
 
 
@@ -107,3 +131,25 @@ def test_the_cost_model_charges_what_the_busiest_rank_receives(results):
         assert max(got) / local == pytest.approx(want), (src, dst, got)
         seen.add(round(want, 3))
     assert {0.5, 0.75, 1.0} <= seen
+
+
+@pytest.mark.parametrize("src,dst", JOINT_PAIRS, ids=[f"{'.'.join(a)}-{'.'.join(b)}" for a, b in JOINT_PAIRS])
+def test_redistribute_over_two_axes_lands_every_block_and_its_gradient(results, src, dst):
+    for rank, r in enumerate(results):
+        value_ok, grad_ok = r["joint", src, dst]
+        assert value_ok, f"rank {rank}: {src} -> {dst} over both axes gave the wrong block"
+        assert grad_ok, f"rank {rank}: the gradient of {src} -> {dst} is not the {src} block of the gradient"
+
+
+def test_a_split_re_cut_over_two_axes_moves_only_the_overlaps(results):
+    # (S1, S0) -> (S0, S0) on 2 x 2: rank (t, d) holds rows half d, columns half t; it wants
+    # rows quarter 2t + d, every column (1/4 of the tensor). That lies in the blocks of ranks
+    # (0, t) and (1, t), half of each: 1/8 of the tensor from each, one of them itself where
+    # t == d. (Axis by axis, the inner axis was gathered whole first, its rows half of every
+    # column half, then re-cut by an all-to-all of the gathered block and sliced.)
+    total = math.prod(FULL)
+    for rank, r in enumerate(results):
+        t, d = divmod(rank, 2)
+        sizes = r["joint_received"]
+        assert sizes == [total // 8 if p in (2 * 0 + t, 2 * 1 + t) else 0 for p in range(4)], (rank, sizes)
+        assert ("the group has 4 ranks" in r["bad_sizes"]), r["bad_sizes"]

@@ -606,12 +606,31 @@ def _within(box, origin) -> tuple:
     return tuple(slice(s - o, s - o + length) for (s, length), (o, _) in zip(box, origin))
 
 
-def _redistribute_impl(x: Tensor, src: str, dst: str, group: str) -> Tensor:
+def _layout_box(toks: tuple, k: int, sizes: tuple, full: list[int]) -> list[tuple[int, int]]:
+    """(start, length) per dim of the block group rank ``k`` holds under ``toks``, one split
+    token per axis of a group over several mesh axes of ``sizes`` (its ranks row-major over
+    them, as ``joint_group`` orders them): the splits nest outer axis first (each cuts the
+    block the axes before it left), as the runtime lays out every placement."""
+    box = [(0, s) for s in full]
+    for tok, c, n in zip(toks, mesh_coords(k, sizes), sizes):
+        sub = _held_box(tok, c, n, [length for _, length in box])
+        box = [(s + t, length) for (s, _), (t, length) in zip(box, sub)]
+    return box
+
+
+def _layout_whole_shape(local: torch.Size, toks: tuple, sizes: tuple) -> list[int]:
+    full = list(local)
+    for tok, n in zip(toks, sizes):
+        full = _whole_shape(full, tok, n)
+    return full
+
+
+def _redistribute_impl(x: Tensor, src: tuple, dst: tuple, group: str, sizes: tuple) -> Tensor:
     n, me = _size(group), _rank(group)
-    full = _whole_shape(x.shape, src, n)
-    held, wanted = _held_box(src, me, n, full), _held_box(dst, me, n, full)
-    send_boxes = [_overlap(held, _held_box(dst, peer, n, full)) for peer in range(n)]  # mine, that peer wants
-    recv_boxes = [_overlap(_held_box(src, peer, n, full), wanted) for peer in range(n)]  # that peer's, I want
+    full = _layout_whole_shape(x.shape, src, sizes)
+    held, wanted = _layout_box(src, me, sizes, full), _layout_box(dst, me, sizes, full)
+    send_boxes = [_overlap(held, _layout_box(dst, peer, sizes, full)) for peer in range(n)]  # mine, that peer wants
+    recv_boxes = [_overlap(_layout_box(src, peer, sizes, full), wanted) for peer in range(n)]  # that peer's, I want
     send_sizes, recv_sizes = [_numel(box) for box in send_boxes], [_numel(box) for box in recv_boxes]
     # the pieces are written straight into the send buffer (no per-peer copies beside it),
     # and it is freed once the exchange is done, before the output is allocated: the working
@@ -633,29 +652,43 @@ def _redistribute_impl(x: Tensor, src: str, dst: str, group: str) -> Tensor:
     return y
 
 
-def _redistribute(x: Tensor, src: str, dst: str, group: str) -> Tensor:
-    return _guarded(f"all_to_all (redistribute {src} -> {dst})", _redistribute_impl, group, x, src, dst, group)
+def _redistribute(x: Tensor, src: tuple, dst: tuple, group: str, sizes: tuple) -> Tensor:
+    what = " ".join(src) + " -> " + " ".join(dst)
+    return _guarded(f"all_to_all (redistribute {what})", _redistribute_impl, group, x, src, dst, group, sizes)
 
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, src, dst, group):
-        ctx.args = (src, dst, group)
-        return _redistribute(x, src, dst, group)
+    def forward(ctx, x, src, dst, group, sizes):
+        ctx.args = (src, dst, group, sizes)
+        return _redistribute(x, src, dst, group, sizes)
 
     @staticmethod
     def backward(ctx, g):
-        src, dst, group = ctx.args
-        return _redistribute(g, dst, src, group), None, None, None
+        src, dst, group, sizes = ctx.args
+        return _redistribute(g, dst, src, group, sizes), None, None, None, None
 
 
-def redistribute(x: Tensor, src: str, dst: str, group: str) -> Tensor:
-    """One split layout to another on one axis (``src``/``dst``: S(d) or a PrimePar grid
-    token), by slice overlap: each rank sends every other rank exactly the part of its
-    block that rank holds under ``dst`` (one all-to-all with per-peer sizes, zero where
-    two blocks do not meet), never the whole tensor. Backward is the reverse exchange:
-    each element lives on one rank under either layout, so its gradient does too."""
-    return _Redistribute.apply(x, src, dst, group)
+def redistribute(x: Tensor, src, dst, group: str, sizes: tuple | None = None) -> Tensor:
+    """One split layout to another, by slice overlap: each rank sends every other rank
+    exactly the part of its block that rank holds under ``dst`` (one all-to-all with
+    per-peer sizes, zero where two blocks do not meet), never the whole tensor. Backward
+    is the reverse exchange: each element lives on one rank under either layout, so its
+    gradient does too.
+
+    On one axis ``src``/``dst`` are tokens (S(d) or a PrimePar grid token). Over a group of
+    several mesh axes (``joint_group``; ``sizes``: theirs, in order) they are tuples of split
+    tokens, one per axis, nested outer axis first: a dim split over two axes whose outer
+    split changes (tokens S1, S0 -> S0, S0: the rows re-cut four ways across both axes)
+    moves only each block's overlaps over the joint group, where the axes taken one by one
+    would gather the inner axis whole and split it again (``insert_collectives.reshard_steps``)."""
+    if isinstance(src, str):
+        src, dst, sizes = (src,), (dst,), (_size(group),)
+    src, dst, sizes = tuple(src), tuple(dst), tuple(int(n) for n in sizes)
+    if not (len(src) == len(dst) == len(sizes)) or math.prod(sizes) != _size(group):
+        raise ValueError(f"redistribute {src} -> {dst} over axes of sizes {sizes}: the group has "
+                         f"{_size(group)} ranks and the layouts need one token per axis")
+    return _Redistribute.apply(x, src, dst, group, sizes)
 
 
 def grid_linear(x: Tensor, w: Tensor, group: str, rows: int = -2) -> Tensor:
