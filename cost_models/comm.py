@@ -50,7 +50,7 @@ import math
 from bisect import bisect_left
 
 from .cluster import Cluster, Link
-from .compute import COPY_OP, batched_weight_time, gemm_time, roofline
+from .compute import COPY_OP, batched_weight_time, fresh_alloc_time, gemm_time, roofline
 from .overlap import OVERLAP_COMPUTE_SLOWDOWN, exposed
 
 # The message a data-parallel gradient rides in: the runtime's bucket (``stpc.compile``'s
@@ -180,8 +180,15 @@ class CostModel:
     def copy(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` into a buffer allocated for it (read and write every
         byte), at the measured slowdown of a clone where the device has one (``calibrate``:
-        on a CPU a new buffer's pages fault in as the copy first touches them)."""
-        return roofline(self.device, 0.0, 2.0 * nbytes, "fp32", COPY_OP)
+        on a CPU a new buffer's pages fault in as the copy first touches them), and a buffer
+        the allocator hands fresh memory each time (:meth:`fresh`) first touched."""
+        return roofline(self.device, 0.0, 2.0 * nbytes, "fp32", COPY_OP) + self.fresh(nbytes)
+
+    def fresh(self, nbytes: float) -> float:
+        """Seconds a new tensor of ``nbytes`` costs beyond writing it
+        (``compute.fresh_alloc_time``: 0 but on a device whose allocator maps blocks that
+        size fresh each time)."""
+        return fresh_alloc_time(self.device, nbytes)
 
     def gemm(self, flops: float, bytes_moved: float, dtype="fp32") -> float:
         """Seconds of one GEMM of ``flops`` FLOPs: :meth:`compute` at its size's efficiency

@@ -66,6 +66,16 @@ def batched_weight_time(device: DeviceSpec, batch: int, weight_bytes: float) -> 
     return (batch - 1) * max(0.0, weight_bytes - device.batch_reread_cached_bytes) / device.batch_reread_bw
 
 
+def fresh_alloc_time(device: DeviceSpec, nbytes: float) -> float:
+    """Seconds a new tensor of ``nbytes`` costs beyond writing it, where the allocator hands
+    a block that size fresh memory every time (``DeviceSpec.fresh_alloc_bytes``): its
+    pages first touched at ``DeviceSpec.fresh_page_bw``. 0 below that size, and on a device
+    whose allocator caches every size."""
+    if device.fresh_page_bw is None or device.fresh_alloc_bytes is None or nbytes < device.fresh_alloc_bytes:
+        return 0.0
+    return nbytes / device.fresh_page_bw
+
+
 # Bytes one optimizer step moves per parameter element, by optimizer layout
 # (``cost_models.memory.LAYOUTS``). It does no matmul: memory traffic bounds it. torch's
 # default AdamW (the foreach path of torch/optim/adamw.py: decoupled weight decay, no

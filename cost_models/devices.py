@@ -85,6 +85,17 @@ class DeviceSpec:
                  stays in the cache between elements (``calibrate`` fits it from the probe
                  at two weight sizes: on the development VM, 1 MiB of L2 a core, a 1 MiB
                  weight was read again at 16-26 GB/s, a 4 MiB one at 6-8 GB/s); 0: none
+    fresh_alloc_bytes: the size from which every allocation is memory new from the operating
+                 system, each time, where the allocator does not keep such blocks: on a CPU,
+                 glibc's malloc maps a block of its mmap threshold or more afresh and unmaps it
+                 when freed, and the threshold it raises as blocks are freed stops at
+                 ``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB on 64-bit (glibc's malloc/malloc.c;
+                 ``MALLOC_MMAP_THRESHOLD_`` sets it instead). None: the allocator caches every
+                 size (CUDA's caching allocator; the presets)
+    fresh_page_bw: bytes/s at which such fresh memory is first touched, beyond the write
+                 itself (the kernel faulting in and zeroing each page; ``calibrate``'s
+                 fresh-allocation probe: a clone above the threshold against a copy into a
+                 warm buffer of its size, every rank at once); None: no extra cost
     """
 
     name: str
@@ -97,6 +108,8 @@ class DeviceSpec:
     op_slowdown: dict = field(default_factory=dict, hash=False)
     batch_reread_bw: float | None = None
     batch_reread_cached_bytes: float = 0.0
+    fresh_alloc_bytes: float | None = None
+    fresh_page_bw: float | None = None
 
     def __post_init__(self):
         missing = {"fp32", "tf32", "bf16", "fp16"} - set(self.peak_flops)
@@ -118,6 +131,10 @@ class DeviceSpec:
         if not self.batch_reread_cached_bytes >= 0:
             raise ValueError(f"DeviceSpec {self.name!r}: batch_reread_cached_bytes must be >= 0, got "
                              f"{self.batch_reread_cached_bytes}")
+        for name in ("fresh_alloc_bytes", "fresh_page_bw"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"DeviceSpec {self.name!r}: {name} must be positive or None, got {v}")
 
     def achievable_flops(self, dtype="fp32") -> float:
         """FLOP/s a large matmul reaches in ``dtype`` (peak x efficiency)."""

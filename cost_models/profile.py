@@ -10,7 +10,8 @@ Profile JSON (version 1)::
                 "mem_bytes": B, "efficiency": 1.0, "gemm_ramp_s": s,      # ramps: optional
                 "gemm_ramps": {dtype: s},
                 "op_slowdown": {aten op: measured / roofline},        # optional
-                "batch_reread_bw": B/s, "batch_reread_cached_bytes": B},  # optional
+                "batch_reread_bw": B/s, "batch_reread_cached_bytes": B,   # optional
+                "fresh_alloc_bytes": B, "fresh_page_bw": B/s},             # optional
      "matmul": [{"m","n","k","dtype","seconds","flops_per_s"}, ...],
      "link": {"alpha_s": s, "bw_bytes_per_s": B/s},          # joint fit, all collectives
      "collectives": {kind: {"alpha_s", "bw_bytes_per_s", "rel_rms",
@@ -37,6 +38,12 @@ much of such a weight the cache serves for free, from the same probe at a second
 weight (``batched_gemm["small"]``). ``python -m stpc calibrate --amend PROFILE`` measures
 both into a profile written before the probe had its present form, and notes so under
 ``amended``.
+
+``fresh_alloc_bytes`` and ``fresh_page_bw`` (``DeviceSpec``; optional, older profiles lack
+them and charge none): the size from which the allocator maps every block fresh, and how
+fast such fresh memory is first touched beyond the write, from the ``fresh_alloc`` probe
+kept beside them (a clone that size against a copy into a warm buffer, per round). ``python
+-m stpc calibrate --amend PROFILE --probe fresh_alloc`` measures them into an older profile.
 
 ``overlap`` (written by ``calibrate`` since it measures it; older profiles lack it and get
 the presets' figures): ``slowdown`` is how much of an asynchronous collective's time
@@ -212,7 +219,10 @@ def load_profile(path: str) -> Cluster:
                         op_slowdown={k: float(v) for k, v in d.get("op_slowdown", {}).items()},
                         # (profiles written before the batched-block probe lack it: no extra cost)
                         batch_reread_bw=float(d["batch_reread_bw"]) if d.get("batch_reread_bw") else None,
-                        batch_reread_cached_bytes=float(d.get("batch_reread_cached_bytes") or 0.0))
+                        batch_reread_cached_bytes=float(d.get("batch_reread_cached_bytes") or 0.0),
+                        # (profiles written before the fresh-allocation probe lack both: no extra cost)
+                        fresh_alloc_bytes=float(d["fresh_alloc_bytes"]) if d.get("fresh_alloc_bytes") else None,
+                        fresh_page_bw=float(d["fresh_page_bw"]) if d.get("fresh_page_bw") else None)
     link = Link(float(p["link"]["alpha_s"]), float(p["link"]["bw_bytes_per_s"]))
     per_kind = {kind: Link(float(c["alpha_s"]), float(c["bw_bytes_per_s"]))
                 for kind, c in p["collectives"].items()}

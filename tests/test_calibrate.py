@@ -38,6 +38,10 @@ def test_calibrate_two_ranks_smoke(tmp_path):
     assert ov["long"]["gemm_s"] > 100 * ov["tiny"]["gemm_s"]
     assert (cl.overlap_slowdown, cl.ring_step_overhead_s) == (ov["slowdown"], ov["ring_step_overhead_s"])
     assert cl.ring_overlap_slowdown == ov["ring_slowdown"] >= 0
+    # the fresh allocation, on CPU ranks: the clone above glibc's mmap cap against a warm copy
+    f = prof["fresh_alloc"]
+    assert f["clone_s"] > 0 and f["warm_copy_s"] > 0
+    assert (cl.device.fresh_alloc_bytes, cl.device.fresh_page_bw) == (f["fresh_alloc_bytes"], f["fresh_page_bw"])
     # the asynchronous collective's slowdown and the blocking one's synchronisation come from
     # their own probes (every time measured), not from the ring
     for which in ("async", "blocking"):
@@ -101,6 +105,50 @@ def test_cli_rejects_bad_arguments(capsys):
     assert main_calibrate(["--amend", os.devnull + ".missing.json"]) == 2
     err = capsys.readouterr().err
     assert "no such profile" in err and "Fix:" in err
+    assert main_calibrate(["--probe", "fresh_alloc"]) == 2
+    err = capsys.readouterr().err
+    assert "only with --amend" in err and "Fix:" in err
+    assert main_calibrate(["--amend", os.devnull, "--probe", "nonesuch"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.multirank
+def test_amend_measures_the_fresh_allocation_into_an_older_profile(tmp_path, capsys):
+    """``--amend --probe fresh_alloc``: a CPU profile written before the fresh-allocation probe
+    gets it (the clone above glibc's mmap cap against a warm copy, on the profile's ranks),
+    the device's two figures from it, a note of the amendment; nothing else changes. A profile
+    measured on NCCL ranks is refused (a GPU's caching allocator keeps blocks)."""
+    from stpc.cli.calibrate import FRESH_BYTES, fresh_alloc_threshold
+    from stpc.cost_models import save_profile
+
+    prof = {"version": 1, "name": "older", "ranks": 2, "backend": "gloo",
+            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
+                       "mem_bw": 1e10, "mem_bytes": 1e10},
+            "link": {"alpha_s": 1e-4, "bw_bytes_per_s": 1e9}, "collectives": {}, "overlap": {"slowdown": 0.5}}
+    path = str(tmp_path / "old.json")
+    save_profile(prof, path)
+    assert main_calibrate(["--amend", path, "--probe", "fresh_alloc"]) == 0
+    assert "fresh allocation: 48 MiB cloned" in capsys.readouterr().out
+    got = json.load(open(path))
+    f = got.pop("fresh_alloc")
+    assert f["bytes"] == FRESH_BYTES and f["clone_s"] > 0 and f["warm_copy_s"] > 0 and f["rounds"] > 0
+    # (the VM decides whether the clone was dearer: the fields are the fit of what it measured)
+    if f["extra_s"] > 0 and fresh_alloc_threshold() is not None:
+        assert f["fresh_page_bw"] == pytest.approx(FRESH_BYTES / f["extra_s"])
+        assert f["fresh_alloc_bytes"] == fresh_alloc_threshold()
+    else:
+        assert f["fresh_page_bw"] is None and f["fresh_alloc_bytes"] is None
+    note = got.pop("amended")
+    assert [(n["probe"], n["ranks"]) for n in note] == [("fresh_alloc", 2)] and note[0]["date"]
+    device = got.pop("device")
+    assert (device.pop("fresh_alloc_bytes"), device.pop("fresh_page_bw")) == (f["fresh_alloc_bytes"],
+                                                                             f["fresh_page_bw"])
+    assert got == {k: v for k, v in prof.items() if k != "device"} and device == prof["device"]
+    dev = get_cluster(path).device
+    assert (dev.fresh_alloc_bytes, dev.fresh_page_bw) == (f["fresh_alloc_bytes"], f["fresh_page_bw"])
+    save_profile({**prof, "backend": "nccl"}, path)
+    assert main_calibrate(["--amend", path, "--probe", "fresh_alloc"]) == 1
+    assert "measures CPU ranks" in capsys.readouterr().err
 
 
 @pytest.mark.multirank
@@ -117,7 +165,7 @@ def test_amend_measures_the_batched_block_into_an_older_profile(tmp_path, capsys
     path = str(tmp_path / "old.json")
     save_profile(prof, path)
     assert get_cluster(path).device.batch_reread_bw is None
-    assert main_calibrate(["--amend", path]) == 0
+    assert main_calibrate(["--amend", path, "--probe", "batched_gemm"]) == 0
     assert "amended" in capsys.readouterr().out
     got = json.load(open(path))
     b = got.pop("batched_gemm")

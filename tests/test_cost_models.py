@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from stpc import models
 from stpc.cost_models import (CLUSTERS, OVERLAP_COMPUTE_SLOWDOWN, Cluster, CostModel, DeviceSpec, Link,
                               MemoryModel, exposed, fit_alpha_beta, fit_gemm_curve, gemm_time, get_cluster,
-                              get_device, load_profile, matmul_phase_cost, optimizer_state_bytes, roofline,
+                              fresh_alloc_time, get_device, load_profile, matmul_phase_cost, optimizer_state_bytes, roofline,
                               save_profile)
 from stpc.cost_models.cluster import RING_STEP_OVERHEAD_S, USABLE_MEMORY_FRACTION
 from stpc.cost_models.devices import HOPPER_GEMM_EFFICIENCY, HOPPER_GEMM_RAMP_S
@@ -444,6 +445,78 @@ def test_a_batched_gemm_reads_its_shared_weight_again_per_element(tmp_path):
                  path)
     cm = CostModel(get_cluster(path), (2,))
     assert cm.device.batch_reread_cached_bytes == 3e6 and cm.batched_gemm_extra(3, 6e6) == pytest.approx(1e-3)
+
+
+def test_fit_fresh_reads_the_first_touch_from_each_rounds_difference():
+    """calibrate's fresh-allocation probe: per round each part the slowest rank's, the extra the
+    median of the rounds' clone less warm copy, the rate the probe's bytes over it; nothing to
+    charge where the clone cost no more or the allocator has no such threshold."""
+    from stpc.cli.calibrate import FRESH_BYTES, GLIBC_MMAP_THRESHOLD_MAX, fit_fresh, fresh_line
+
+    loads = [1.0, 1.4, 1.0, 1.2, 1.1]   # the machine's load moves both parts of a round together
+    fast = [(0.030 * f + 0.035, 0.010 * f) for f in loads]
+    slow = [tuple(x * 1.02 for x in r) for r in fast]
+    got = fit_fresh([fast, slow], GLIBC_MMAP_THRESHOLD_MAX)
+    assert got["rounds"] == 5 and got["bytes"] == FRESH_BYTES > GLIBC_MMAP_THRESHOLD_MAX == 32 << 20
+    extra = statistics.median(1.02 * (0.020 * f + 0.035) for f in loads)
+    assert got["extra_s"] == pytest.approx(extra)
+    assert got["fresh_page_bw"] == pytest.approx(FRESH_BYTES / extra)
+    assert got["fresh_alloc_bytes"] == GLIBC_MMAP_THRESHOLD_MAX
+    assert "first touched at" in fresh_line(got)
+    dev = dataclasses.replace(get_device("CPU"), fresh_alloc_bytes=got["fresh_alloc_bytes"],
+                              fresh_page_bw=got["fresh_page_bw"])
+    assert fresh_alloc_time(dev, FRESH_BYTES) == pytest.approx(got["extra_s"])
+    warm = fit_fresh([[(0.010, 0.011)] * 3], GLIBC_MMAP_THRESHOLD_MAX)
+    assert warm["fresh_page_bw"] is None and warm["fresh_alloc_bytes"] is None
+    assert "no extra cost" in fresh_line(warm)
+    assert fit_fresh([fast], None)["fresh_page_bw"] is None   # (off glibc: not measured)
+
+
+def test_fresh_alloc_threshold_follows_glibc(monkeypatch):
+    """glibc maps every block from its dynamic threshold's cap (32 MiB on 64-bit) fresh; a fixed
+    MALLOC_MMAP_THRESHOLD_ (the benches' --allocator keep) is the threshold instead."""
+    import platform
+
+    from stpc.cli.calibrate import GLIBC_MMAP_THRESHOLD_MAX, fresh_alloc_threshold
+
+    monkeypatch.setattr(platform, "libc_ver", lambda: ("glibc", "2.35"))
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert fresh_alloc_threshold() == GLIBC_MMAP_THRESHOLD_MAX
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 << 20))
+    assert fresh_alloc_threshold() == 128 << 20
+    monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))
+    assert fresh_alloc_threshold() is None
+
+
+def test_a_tensor_the_allocator_maps_fresh_pays_its_first_touch(tmp_path):
+    """``DeviceSpec.fresh_alloc_bytes`` / ``fresh_page_bw``: a new tensor of the threshold's size
+    or more costs its bytes at the first-touch rate beyond writing them (a copy into a new
+    buffer too), a smaller one nothing; the presets (a caching allocator) and profiles
+    without the figures charge nothing; a profile's figures reach the device."""
+    dev = dataclasses.replace(get_device("CPU"), fresh_alloc_bytes=32 * 2**20, fresh_page_bw=1.5e9)
+    assert fresh_alloc_time(dev, 48 * 2**20) == pytest.approx(48 * 2**20 / 1.5e9)
+    assert fresh_alloc_time(dev, 32 * 2**20) == pytest.approx(32 * 2**20 / 1.5e9)
+    assert fresh_alloc_time(dev, 32 * 2**20 - 1) == 0.0
+    assert all(c.device.fresh_page_bw is None and c.device.fresh_alloc_bytes is None for c in CLUSTERS.values())
+    assert fresh_alloc_time(get_device("H100"), 1e9) == 0.0
+    for name in ("fresh_alloc_bytes", "fresh_page_bw"):
+        with pytest.raises(ValueError, match=name):
+            dataclasses.replace(dev, **{name: 0.0})
+    cl = dataclasses.replace(get_cluster("cpu-local"), device=dev)
+    cm, plain = CostModel(cl, (2,)), CostModel(get_cluster("cpu-local"), (2,))
+    assert cm.copy(48 * 2**20) - plain.copy(48 * 2**20) == pytest.approx(48 * 2**20 / 1.5e9)
+    assert cm.copy(16 * 2**20) == plain.copy(16 * 2**20)
+    prof = {"version": 1, "name": "synthetic", "ranks": 2, "backend": "gloo",
+            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
+                       "mem_bw": 1e10, "mem_bytes": 1e10},
+            "link": {"alpha_s": 1e-4, "bw_bytes_per_s": 1e9}, "collectives": {}}
+    path = str(tmp_path / "p.json")
+    save_profile(prof, path)
+    got = get_cluster(path).device
+    assert got.fresh_page_bw is None and got.fresh_alloc_bytes is None
+    save_profile({**prof, "device": {**prof["device"], "fresh_alloc_bytes": 2**25, "fresh_page_bw": 1.2e9}}, path)
+    got = get_cluster(path).device
+    assert (got.fresh_alloc_bytes, got.fresh_page_bw) == (2**25, 1.2e9)
 
 
 # ----------------------------------------------------------------------------- memory formulas

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from stpc import models, trace
 from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, Link, bytes_per_param, get_cluster
-from stpc.placement import local_shape
+from stpc.placement import local_shape, shard_factor
 from stpc.planner import Hints, InfeasibleBudget, Plan, lagrangian, mesh_shapes, plan_graph
 from stpc.planner.hints import data_parallel, megatron
 from stpc.planner.analysis import after_last_layer, analyse, layer_of, layer_param_bytes, saved_savers
@@ -1127,6 +1127,45 @@ def test_a_ring_step_whose_block_does_not_fold_to_rows_reads_its_weight_per_batc
     # rows that fold: no batch
     node, (plain, reread) = timers((256, 256), (4,))
     assert all(reread(s) == plain(s) for s in enumerate_strategies(node, (4,))[0])
+
+
+def test_tensors_the_allocator_maps_fresh_pay_their_first_touch():
+    """A device whose allocator maps blocks from ``fresh_alloc_bytes`` fresh each time charges
+    every tensor the node makes of that size or more (its local output under the strategy,
+    and in backward each operand's gradient at the placement it is read in) its bytes over
+    ``fresh_page_bw``; smaller ones, and a device without the figures, nothing. A follower
+    (an elementwise op) pays for its output and its input's gradient alike."""
+    lin = torch.nn.Linear(256, 512, bias=False, device="meta")
+    tg = trace(lin, (torch.empty(64, 256, device="meta", requires_grad=True),))
+    node = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.linear.default)
+    base = get_cluster("cpu-local")
+    x_b, w_b, out_b = 64 * 256 * 4, 512 * 256 * 4, 64 * 512 * 4
+    bw = 1e9
+    fresh = dataclasses.replace(base, device=dataclasses.replace(base.device, fresh_alloc_bytes=out_b // 4,
+                                                                  fresh_page_bw=bw))
+    plain, charged = (NodeTimer(node, CostModel(c, (4,)), [True, True]) for c in (base, fresh))
+    seen = set()
+    for s in enumerate_strategies(node, (4,))[0]:
+        local = [b / shard_factor(p, (4,)) for b, p in ((out_b, s.out), (x_b, s.ins[0]), (w_b, s.ins[1]))]
+        want = sum(b / bw for b in local if b >= out_b // 4)
+        assert charged(s) - plain(s) == pytest.approx(want, rel=1e-9), s
+        made_fwd = local[0] / bw if local[0] >= out_b // 4 else 0.0
+        assert charged.forward(s) - plain.forward(s) == pytest.approx(made_fwd, rel=1e-9, abs=1e-15), s
+        seen.add(round(want * bw))
+    assert len(seen) > 2   # (the strategies' local sizes differ: some cross the threshold, some not)
+    # a follower: gelu of a [64, 2048] activation, split 4 ways on the batch (2 MiB local)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 2048, bias=False), torch.nn.GELU()).to("meta")
+    tg = trace(m, (torch.empty(64, 256, device="meta", requires_grad=True),))
+    local = 64 * 2048 * 4 / 4
+    low = dataclasses.replace(base, device=dataclasses.replace(base.device, fresh_alloc_bytes=local,
+                                                                fresh_page_bw=bw))
+    high = dataclasses.replace(low, device=dataclasses.replace(low.device, fresh_alloc_bytes=2 * local))
+    hints = Hints(force=[(r"^linear", lambda s: s.out == ("S0",))])
+    step = {c.device.fresh_alloc_bytes: search(tg, (4,), cluster=c, hints=hints).modelled_step_time_s
+            for c in (low, high)}
+    # between the thresholds: the linear's output, the gelu's output and the gelu's input's
+    # gradient (the linear's output's), each ``local`` (the weight's gradient is over both)
+    assert step[local] - step[2 * local] == pytest.approx(3 * local / bw, rel=1e-6)
 
 
 def test_a_layers_parameters_share_one_gather_message():

@@ -38,6 +38,12 @@ planner models):
   probe runs a second, smaller weight (``BATCHED_SMALL``, the fidelity GPT's q/k/v step) and
   the two fix the bandwidth and how much of a weight the cache serves
   (``batch_reread_cached_bytes``, :func:`reread_fit`);
+* on CPU ranks, a fresh allocation (``fresh_alloc``, the device's ``fresh_alloc_bytes`` and
+  ``fresh_page_bw``): a clone of ``FRESH_BYTES``, above glibc's mmap cap (every block from
+  ``GLIBC_MMAP_THRESHOLD_MAX``, 32 MiB, is mapped fresh at each allocation and unmapped when
+  freed), against a copy into a warm buffer of its size, every rank at once, in rounds: the
+  difference is the pages' first touches, which the planner charges every tensor that size
+  the program makes (``CostModel.fresh``);
 * how compute and communication overlap (``overlap`` in the profile), three ways, each
   as the runtime meets it:
 
@@ -75,9 +81,10 @@ which and why; nothing hangs.
 
 ``python -m stpc calibrate [--json profile.json] [--ranks 4] [--sizes 64K,1M,16M]``: the
 profile goes to ``--json`` (``--out``, its old name, still works); ``--quiet`` prints only
-the path written. ``--amend PROFILE`` measures only what ``PROFILE`` (written before the
-probe existed) lacks, the batched-block probe, on as many ranks as it was measured with,
-writes it in and notes the amendment (date, host, torch) under the profile's ``amended``.
+the path written. ``--amend PROFILE [--probe NAME ...]`` measures only the probes named
+(``batched_gemm``, ``fresh_alloc``; default: both) into ``PROFILE``, written before they had
+their present form, on as many ranks as it was measured with, writes them in and notes each
+amendment (probe, date, host, torch) under the profile's ``amended``.
 Exit codes: 0 written, 1 the measurement failed, 2 a usage error.
 """
 from __future__ import annotations
@@ -86,6 +93,7 @@ import argparse
 import datetime
 import math
 import os
+import platform
 import socket
 import statistics
 import sys
@@ -362,6 +370,61 @@ def fit_batched(per_rank: list[list[tuple[float, float, float, float]]]) -> dict
     return {**big, "rounds": len(rounds), "small": small, "batch_reread_bw": bw, "batch_reread_cached_bytes": cached}
 
 
+# The fresh-allocation probe (``DeviceSpec.fresh_alloc_bytes``, ``fresh_page_bw``): a tensor
+# above glibc's mmap cap (``FRESH_ALLOC_BYTES``), which malloc maps fresh at every allocation
+# and unmaps when it is freed. On the development VM (4 ranks at once) a clone of 33 MiB
+# took 29 ms where one of 31 MiB took 2.6 ms and a copy into a warm 33 MiB buffer 2.6 ms:
+# the pages' first touches, not the bytes. The fidelity bench's fsdp-tp plan gathers its
+# 32 MiB tied table whole, and its tensors that size are faulted in at every step.
+FRESH_BYTES = 48 << 20
+FRESH_ROUNDS = 9
+# glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit (malloc/malloc.c: 4 * 1024 * 1024 *
+# sizeof(long)): the dynamic mmap threshold, raised to each freed mapped block's size,
+# stops there, so every block from this size on is mapped fresh.
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def fresh_alloc_threshold() -> int | None:
+    """The size from which this process's allocator maps every CPU block fresh: glibc's
+    ``MALLOC_MMAP_THRESHOLD_`` where set (a fixed threshold: the dynamic one is off), else
+    its cap :data:`GLIBC_MMAP_THRESHOLD_MAX`; None off glibc (not measured there)."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    fixed = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    return int(fixed) if fixed else GLIBC_MMAP_THRESHOLD_MAX
+
+
+def _fresh_alloc(dev, window_s: float = 0.2) -> list[tuple[float, float]]:
+    """(clone, copy into a warm buffer) seconds of ``FRESH_BYTES``, every rank at once, in
+    :func:`_rounds`."""
+    x = torch.ones(FRESH_BYTES // 4, device=dev)
+    warm = torch.empty_like(x)
+    return _rounds([lambda: x.clone(), lambda: warm.copy_(x)], dev, window_s, FRESH_ROUNDS)
+
+
+def fit_fresh(per_rank: list[list[tuple[float, float]]], threshold: int | None) -> dict:
+    """The profile's ``fresh_alloc`` from every rank's :func:`_fresh_alloc` rounds: per round
+    each part the slowest rank's; the extra, the median over rounds of the clone less the
+    warm copy; ``fresh_page_bw`` the probe's bytes over it (None where the clone cost no
+    more, or the allocator has no such threshold: nothing to charge)."""
+    rounds = [tuple(max(r[i][j] for r in per_rank) for j in range(2)) for i in range(min(map(len, per_rank)))]
+    extra = statistics.median(c - w for c, w in rounds)
+    bw = FRESH_BYTES / extra if extra > 0 and threshold is not None and FRESH_BYTES >= threshold else None
+    return {"bytes": FRESH_BYTES, "rounds": len(rounds), "clone_s": statistics.median(c for c, _ in rounds),
+            "warm_copy_s": statistics.median(w for _, w in rounds), "extra_s": extra,
+            "fresh_alloc_bytes": threshold if bw else None, "fresh_page_bw": bw}
+
+
+def fresh_line(f: dict) -> str:
+    """One line of the fresh-allocation probe's profile entry (:func:`fit_fresh`)."""
+    head = (f"fresh allocation: {f['bytes'] / 2**20:.0f} MiB cloned in {f['clone_s'] * 1e3:.2f} ms against "
+            f"{f['warm_copy_s'] * 1e3:.2f} ms copied into a warm buffer")
+    if not f["fresh_page_bw"]:
+        return head + ": no extra cost"
+    return (head + f": blocks from {f['fresh_alloc_bytes'] / 2**20:.0f} MiB first touched at "
+            f"{f['fresh_page_bw'] / 1e9:.2f} GB/s")
+
+
 def _rounds(fns: list, dev, window_s: float, rounds: int = OVERLAP_ROUNDS) -> list[tuple[float, ...]]:
     """Seconds per call of each of ``fns`` (every rank joins each call), in ``rounds`` rounds
     of one window of about ``window_s`` per closure, round-robin. The overlap terms are
@@ -461,10 +524,13 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
     the result."""
     dev = torch.device("cuda", rank) if task["backend"] == "nccl" else torch.device("cpu")
     result: dict = {"samples": []}
-    if task.get("batched_only"):  # --amend
-        gathered = [None] * world
-        dist.all_gather_object(gathered, _batched_block(dev))
-        return {"batched": gathered} if rank == 0 else None
+    if task.get("amend"):  # --amend: only the probes named
+        got = {}
+        for probe in task["amend"]:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, AMENDABLE[probe][0](dev))
+            got[probe] = gathered
+        return got if rank == 0 else None
     if task.get("matmul"):
         dist.barrier()
         rates = _matmul_rates(dev)
@@ -478,9 +544,10 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
             ops[COPY_OP] = _fresh_copy(dev)
             ops[OPTIMIZER_OP] = _optimizer_step(dev)
         batched = _batched_block(dev)
+        fresh = _fresh_alloc(dev) if dev.type == "cpu" else None  # (CUDA's caching allocator keeps blocks)
         gathered = [None] * world
         dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw, "overlap": overlap, "ops": ops,
-                                          "batched": batched})
+                                          "batched": batched, "fresh": fresh})
         result["per_rank"] = gathered
     cases = [(kind, nbytes) for kind in task["kinds"] for nbytes in task["sizes"]]
     fns = [_collective_fn(kind, nbytes, rank, world, dev) for kind, nbytes in cases]
@@ -588,6 +655,9 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     batched = fit_batched([r["batched"] for r in per_rank])
     device["batch_reread_bw"] = batched["batch_reread_bw"]
     device["batch_reread_cached_bytes"] = batched["batch_reread_cached_bytes"]
+    fresh = fit_fresh([r["fresh"] for r in per_rank], fresh_alloc_threshold()) if per_rank[0]["fresh"] else None
+    if fresh:
+        device["fresh_alloc_bytes"], device["fresh_page_bw"] = fresh["fresh_alloc_bytes"], fresh["fresh_page_bw"]
 
     collectives = {kind: _fit_kind([s for s in samples if s[0] == kind], world_size) for kind in kinds}
     # the same kinds on each smaller group (every group of consecutive ranks at once)
@@ -598,6 +668,7 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     profile = {"version": 1, "name": f"calibrated-{socket.gethostname()}-{backend}-{world_size}",
                "backend": backend, "ranks": world_size, "torch": torch.__version__,
                "device": device, "matmul": rows, "ops": ops, "batched_gemm": batched,
+               **({"fresh_alloc": fresh} if fresh else {}),
                "link": {"alpha_s": alpha, "bw_bytes_per_s": bw, "rel_rms": err},
                "collectives": collectives, "group_collectives": groups, "overlap": fit_overlap([r["overlap"] for r in per_rank])}
     if out:
@@ -605,22 +676,49 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     return profile
 
 
-def amend(path: str, timeout_s: float = 600.0) -> dict:
-    """Measure the batched-block probe into the profile at ``path`` (written before the probe
-    had its present form), on as many ranks as it was measured with, and note the amendment;
-    returns the probe's entry."""
-    profile = read_profile(path)
-    world = int(profile["ranks"])
-    task = {"backend": profile.get("backend", "gloo"), "batched_only": True}
-    batched = fit_batched(run_spawned(world, task, timeout_s)["batched"])
+def _amend_batched(profile: dict, per_rank: list) -> str:
+    batched = fit_batched(per_rank)
     profile["batched_gemm"] = batched
     profile["device"]["batch_reread_bw"] = batched["batch_reread_bw"]
     profile["device"]["batch_reread_cached_bytes"] = batched["batch_reread_cached_bytes"]
-    profile.setdefault("amended", []).append(
-        {"probe": "batched_gemm", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-         "host": socket.gethostname(), "torch": torch.__version__, "ranks": world})
+    return batched_line(batched)
+
+
+def _amend_fresh(profile: dict, per_rank: list) -> str:
+    fresh = fit_fresh(per_rank, fresh_alloc_threshold())
+    profile["fresh_alloc"] = fresh
+    profile["device"]["fresh_alloc_bytes"] = fresh["fresh_alloc_bytes"]
+    profile["device"]["fresh_page_bw"] = fresh["fresh_page_bw"]
+    return fresh_line(fresh)
+
+
+# The probes ``--amend`` can measure into an older profile: name -> (each rank's measurement,
+# how its ranks' results go into the profile, returning a line saying what was written).
+AMENDABLE = {"batched_gemm": (_batched_block, _amend_batched), "fresh_alloc": (_fresh_alloc, _amend_fresh)}
+
+
+def amend(path: str, probes=tuple(AMENDABLE), timeout_s: float = 600.0) -> list[str]:
+    """Measure ``probes`` (names in :data:`AMENDABLE`) into the profile at ``path``, written
+    before they had their present form, on as many ranks as it was measured with, and note
+    the amendment of each; returns a line per probe saying what it wrote. The fresh
+    allocation probe measures a CPU profile only (a GPU's caching allocator keeps blocks)."""
+    unknown = [p for p in probes if p not in AMENDABLE]
+    if unknown:
+        raise ValueError(f"unknown probe(s) {unknown}: choose from {sorted(AMENDABLE)}")
+    profile = read_profile(path)
+    world = int(profile["ranks"])
+    backend = profile.get("backend", "gloo")
+    if "fresh_alloc" in probes and backend != "gloo":
+        raise ValueError(f"{path} was measured on {backend} ranks: the fresh allocation probe measures CPU ranks")
+    got = run_spawned(world, {"backend": backend, "amend": list(probes)}, timeout_s)
+    lines = []
+    for probe in probes:
+        lines.append(AMENDABLE[probe][1](profile, got[probe]))
+        profile.setdefault("amended", []).append(
+            {"probe": probe, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+             "host": socket.gethostname(), "torch": torch.__version__, "ranks": world})
     save_profile(profile, path)
-    return batched
+    return lines
 
 
 def batched_line(b: dict) -> str:
@@ -656,15 +754,24 @@ def main_calibrate(argv: list[str]) -> int:
     ap.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                     help="default: nccl when enough GPUs, else gloo")
     ap.add_argument("--amend", metavar="PROFILE", default=None,
-                    help="measure only the batched-block probe into PROFILE, a profile written before it "
-                         "had its present form, on its number of ranks")
+                    help="measure only the probes --probe names into PROFILE, a profile written before they "
+                         "had their present form, on its number of ranks")
+    ap.add_argument("--probe", action="append", choices=sorted(AMENDABLE), default=None,
+                    help="with --amend: a probe to measure (repeatable; default: all of them)")
     args = ap.parse_args(argv)
+    if args.probe and not args.amend:
+        ap.error("--probe: only with --amend PROFILE. Fix: add --amend PROFILE, or drop --probe (a full "
+                 "calibration measures every probe)")
     if args.amend:
         if not os.path.exists(args.amend):
             ap.error(f"--amend {args.amend}: no such profile. Fix: give a profile `python -m stpc calibrate` wrote")
-        with Status(f"calibrate: measuring the batched-block probe into {args.amend}", not args.quiet):
-            got = amend(args.amend, timeout_s=args.timeout)
-        print(args.amend if args.quiet else f"amended {args.amend}: {batched_line(got)}")
+        probes = tuple(dict.fromkeys(args.probe or AMENDABLE))
+        with Status(f"calibrate: measuring {', '.join(probes)} into {args.amend}", not args.quiet):
+            try:
+                lines = amend(args.amend, probes, timeout_s=args.timeout)
+            except ValueError as exc:
+                raise Failure(str(exc).rstrip("."), "amend a profile calibrate measured on gloo ranks") from None
+        print(args.amend if args.quiet else "\n".join(f"amended {args.amend}: {line}" for line in lines))
         return 0
     if args.ranks < 2:
         ap.error(f"--ranks {args.ranks}: calibration needs at least 2 ranks to time collectives. Fix: --ranks 2 "

@@ -484,9 +484,12 @@ class Builder:
                 if not view:
                     split = shard_factor(q, self.mesh)
                     moved = (node.meta["bytes_read"] + node.meta["bytes_written"]) / split
+                    # (its output, and in backward its input's gradient, of the output's local size
+                    # (an elementwise op), each a new tensor: ``CostModel.fresh``)
+                    made = self.cm.fresh(val.numel() * val.element_size() / split)
                     cost += self.cm.compute(node.meta["flops"] / split, moved * (3 if rg else 1), dt,
-                                            str(node.target))
-                    fwd = self.cm.compute(node.meta["flops"] / split, moved, dt, str(node.target))
+                                            str(node.target)) + made * (2 if rg else 1)
+                    fwd = self.cm.compute(node.meta["flops"] / split, moved, dt, str(node.target)) + made
                 by_input[p] = (q, cost, via, fwd)
             return ([by_input[p][0] for p in source], np.array([by_input[p][1] for p in source]),
                     [by_input[p][2] for p in source], np.array([by_input[p][3] for p in source]))

@@ -29,6 +29,20 @@ from forward to backward and gathers them again there, as FSDP2 does by default
 (``stpc.runtime.RegatherSaved``). Not on the axes a plan keeps gathered weights over
 (ZeRO-2, ``Hints.keep_gathered``): there the whole copy is memory saved for backward
 (:func:`kept_gathered_bytes`) instead.
+
+A dim split over several axes whose outer split changes (tokens S1, S0 -> S0, S0) is costed as
+the per-axis sum too: the all-to-all of the outer axis, nothing on the inner one. The runtime
+makes it one redistribution over the axes' joint group (``insert_collectives.reshard_steps``),
+each rank receiving the part of its new block it lacks (on 2x2, half its block from each of
+two ranks), not the one axis's exchange the table charges: a named simplification (the
+per-axis edges cannot see the other axes). Before, it gathered the inner axis whole and split
+it again, which the model did not charge at all.
+
+Where the device's allocator maps blocks of ``DeviceSpec.fresh_alloc_bytes`` or more fresh at
+every allocation (glibc on a CPU), every tensor a node makes of that size (its output, its
+operands' gradients) and every copy into a new buffer pays its first touch
+(``CostModel.fresh``). A collective's output is not charged so: ``calibrate`` times the
+collectives with a fresh output each call, so their fitted bands hold it.
 """
 from __future__ import annotations
 
@@ -166,6 +180,7 @@ class NodeTimer:
         self.grad_in = bool(operand_grad and operand_grad[0])
         self.grad_w = len(operand_grad) > 1 and operand_grad[1]
         self.needs_bwd = any(operand_grad)
+        self.operand_grad = list(operand_grad)
         self._phases: dict[int, tuple[float, float, float]] = {}
         self._spatial: dict[tuple, float] = {}   # split flags per axis -> spatial seconds
         self._arg_nbytes: dict[int, int] = {}    # positional tensor argument -> its bytes
@@ -260,7 +275,26 @@ class NodeTimer:
         recomputed layer's ops run forward again in backward, ``passes.recompute``)."""
         return self._time(s, forward_only=True)
 
+    def fresh(self, s: Strategy, forward_only: bool = False) -> float:
+        """Seconds the tensors this node makes under ``s`` cost beyond writing them where the
+        device's allocator maps blocks their size fresh each time (``CostModel.fresh``): its
+        local output, and in backward each operand's gradient at the placement it is read in
+        (0 on a device whose allocator caches every size: the presets)."""
+        cm = self.cm
+        if cm.device.fresh_page_bw is None:
+            return 0.0
+        t = cm.fresh(self.out_bytes / shard_factor(s.out, self.mesh))
+        if not forward_only:
+            for o, g, p in zip(tensor_operands(self.node), self.operand_grad, s.ins):
+                if g:
+                    v = o.meta["val"]
+                    t += cm.fresh(v.numel() * v.element_size() / shard_factor(p, self.mesh))
+        return t
+
     def _time(self, s: Strategy, forward_only: bool) -> float:
+        return self._compute_time(s, forward_only) + self.fresh(s, forward_only)
+
+    def _compute_time(self, s: Strategy, forward_only: bool) -> float:
         mesh, cm = self.mesh, self.cm
         if forward_only and (s.kind == "spatial" or s.kind == "replicate-fallback"):
             return self.phases(_work_split(s, mesh))[0] + self.grid_statistics(s, forward_only=True)
