@@ -50,7 +50,7 @@ import math
 from bisect import bisect_left
 
 from .cluster import Cluster, Link
-from .compute import COPY_OP, batched_weight_time, fresh_alloc_time, gemm_time, roofline
+from .compute import COPY_OP, batched_weight_time, collective_output_bytes, fresh_alloc_time, gemm_time, roofline
 from .overlap import OVERLAP_COMPUTE_SLOWDOWN, exposed
 
 # The message a data-parallel gradient rides in: the runtime's bucket (``stpc.compile``'s
@@ -201,13 +201,20 @@ class CostModel:
         return batched_weight_time(self.device, batch, weight_bytes)
 
     # ------------------------------------------------------------------ collectives
+    def _made(self, kind: str, nbytes: float, n: int) -> float:
+        """A collective's output's first touch where the device's allocator maps a block that
+        size fresh (:meth:`fresh`; ``compute.collective_output_bytes``): the functional
+        collectives allocate it every call. A calibration profile's lines are fitted to its
+        samples less that part (``calibrate``), so it is charged here once."""
+        return self.fresh(collective_output_bytes(kind, nbytes, n))
+
     def all_gather(self, nbytes: float, axis: int) -> float:
         """Seconds to all-gather along ``axis`` into a full tensor of ``nbytes`` bytes."""
         n = self._axis(axis)[0]
         if n == 1:
             return 0.0
         a, b = self._ab(axis, "all_gather", nbytes)
-        return (n - 1) * a + (n - 1) / n * nbytes * b
+        return (n - 1) * a + (n - 1) / n * nbytes * b + self._made("all_gather", nbytes, n)
 
     def reduce_scatter(self, nbytes: float, axis: int) -> float:
         """Seconds to reduce-scatter a full tensor of ``nbytes`` bytes along ``axis``."""
@@ -215,7 +222,7 @@ class CostModel:
         if n == 1:
             return 0.0
         a, b = self._ab(axis, "reduce_scatter", nbytes)
-        return (n - 1) * a + (n - 1) / n * nbytes * b
+        return (n - 1) * a + (n - 1) / n * nbytes * b + self._made("reduce_scatter", nbytes, n)
 
     def all_reduce(self, nbytes: float, axis: int) -> float:
         """Seconds to all-reduce a tensor of ``nbytes`` bytes along ``axis``."""
@@ -223,7 +230,7 @@ class CostModel:
         if n == 1:
             return 0.0
         a, b = self._ab(axis, "all_reduce", nbytes)
-        return 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes * b
+        return 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes * b + self._made("all_reduce", nbytes, n)
 
     def coalesced(self, kind: str, nbytes: float, axis: int, message_bytes: float) -> float:
         """Seconds of ``nbytes``' part of one collective of ``kind`` ("all_gather",
@@ -245,15 +252,16 @@ class CostModel:
         if n == 1:
             return 0.0
         shard = nbytes / n if received is None else nbytes / n * received * n / (n - 1)
+        made = self._made("all_to_all", nbytes, n)  # (its output: the rank's new piece)
         if not crosses:
             a, b = self._ab(axis, "all_to_all", nbytes)
-            return (n - 1) * a + (n - 1) / n * shard * b
+            return (n - 1) * a + (n - 1) / n * shard * b + made
         li = self._intra("all_to_all")
         t_intra = (n - 1) * li.alpha_s + (n - 1) / n * shard / li.bw_bytes_per_s
         lo = self.cluster.inter
         t = ((n_in - 1) * li.alpha_s + (n - n_in) * lo.alpha_s
              + shard * ((n_in - 1) / n / li.bw_bytes_per_s + (n - n_in) / n / lo.bw_bytes_per_s))
-        return max(t, t_intra)
+        return max(t, t_intra) + made
 
     def p2p(self, nbytes: float, axis: int) -> float:
         """Seconds for every rank to send ``nbytes`` to its ring neighbour along ``axis``."""

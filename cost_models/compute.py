@@ -76,6 +76,18 @@ def fresh_alloc_time(device: DeviceSpec, nbytes: float) -> float:
     return nbytes / device.fresh_page_bw
 
 
+def collective_output_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes of the output a functional collective of ``kind`` allocates on each of its ``n``
+    ranks, its full tensor ``nbytes`` as in ``CostModel``: an all-gather's and an all-reduce's
+    whole tensor, a reduce-scatter's and an all-to-all's one piece; a P2P receives into a
+    buffer of its own (none)."""
+    if kind in ("all_gather", "all_reduce"):
+        return float(nbytes)
+    if kind in ("reduce_scatter", "all_to_all"):
+        return nbytes / n
+    return 0.0
+
+
 # Bytes one optimizer step moves per parameter element, by optimizer layout
 # (``cost_models.memory.LAYOUTS``). It does no matmul: memory traffic bounds it. torch's
 # default AdamW (the foreach path of torch/optim/adamw.py: decoupled weight decay, no

@@ -519,6 +519,58 @@ def test_a_tensor_the_allocator_maps_fresh_pays_its_first_touch(tmp_path):
     assert (got.fresh_alloc_bytes, got.fresh_page_bw) == (2**25, 1.2e9)
 
 
+def test_a_collective_pays_its_fresh_outputs_first_touch_and_the_lines_fit_the_rest(tmp_path):
+    """Each collective's output (an all-gather's and an all-reduce's whole tensor, a
+    reduce-scatter's and an all-to-all's piece) pays its first touch where the allocator maps
+    a block that size fresh, on top of the line; calibrate fits the lines to the samples less
+    that part, so a profile's samples are given back; a sample the part would leave at nothing
+    is kept whole; a refit profile's every entry is the fit of its samples so."""
+    from stpc.cli.calibrate import refit_collectives, transfer_samples
+    from stpc.cost_models import collective_output_bytes
+
+    mib = 2**20
+    assert [collective_output_bytes(k, 64 * mib, 4) for k in ("all_gather", "all_reduce", "reduce_scatter",
+                                                              "all_to_all", "p2p")] == [64 * mib, 64 * mib,
+                                                                                        16 * mib, 16 * mib, 0.0]
+    base = get_cluster("cpu-local")
+    dev = dataclasses.replace(base.device, fresh_alloc_bytes=32 * mib, fresh_page_bw=1e9)
+    cm, plain = CostModel(dataclasses.replace(base, device=dev), (4,)), CostModel(base, (4,))
+    assert cm.all_gather(64 * mib, 0) - plain.all_gather(64 * mib, 0) == pytest.approx(64 * mib / 1e9)
+    assert cm.all_reduce(48 * mib, 0) - plain.all_reduce(48 * mib, 0) == pytest.approx(48 * mib / 1e9)
+    assert cm.reduce_scatter(64 * mib, 0) == plain.reduce_scatter(64 * mib, 0)         # (a 16 MiB piece)
+    assert cm.reduce_scatter(256 * mib, 0) - plain.reduce_scatter(256 * mib, 0) == pytest.approx(64 * mib / 1e9)
+    assert cm.all_to_all(256 * mib, 0) - plain.all_to_all(256 * mib, 0) == pytest.approx(64 * mib / 1e9)
+    assert cm.p2p(64 * mib, 0) == plain.p2p(64 * mib, 0) and cm.all_gather(16 * mib, 0) == plain.all_gather(16 * mib, 0)
+    ks = [("all_gather", 16 * mib, 0.020), ("all_gather", 64 * mib, 0.200), ("all_gather", 40 * mib, 0.030)]
+    got = transfer_samples(ks, 4, dev)
+    assert got[0] == ks[0] and got[1] == ("all_gather", 64 * mib, pytest.approx(0.200 - 64 * mib / 1e9))
+    assert got[2] == ks[2]   # (its fresh part, 42 ms, above the whole sample: kept as measured)
+    assert transfer_samples(ks, 4, None) == ks
+    # a profile refit: every entry (the node's, a group size's, the joint link) fits its samples less it;
+    # samples on a line but for the 64 MiB one's fresh output: its line and the output give it back
+    line = [[nb * mib, 3e-3 + 0.75 * nb * mib / 1e9 + (nb * mib / 1e9 if nb >= 32 else 0.0)] for nb in (16, 64, 4)]
+    prof = {"version": 1, "name": "synthetic", "ranks": 4, "backend": "gloo",
+            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
+                       "mem_bw": 1e10, "mem_bytes": 1e10, "fresh_alloc_bytes": 32 * mib, "fresh_page_bw": 1e9},
+            "link": {}, "collectives": {"all_gather": {"samples": line}},
+            "group_collectives": {"2": {"all_reduce": {"samples": [[4 * mib, 0.01], [64 * mib, 0.3]]}}}}
+    refit_collectives(prof)
+    ag = prof["collectives"]["all_gather"]
+    ag_ks = [("all_gather", float(nb), t) for nb, t in ag["samples"]]
+    assert ag["bands"] == fit_bands(transfer_samples(ag_ks, 4, dev), 4)
+    assert ag["samples"] == line   # (as measured)
+    assert ag["bw_bytes_per_s"] == pytest.approx(1e9) and ag["alpha_s"] == pytest.approx(1e-3)
+    ar = prof["group_collectives"]["2"]["all_reduce"]
+    assert ar["bands"] == fit_bands(transfer_samples([("all_reduce", 4.0 * mib, 0.01), ("all_reduce", 64.0 * mib, 0.3)],
+                                                     2, dev), 2)
+    assert prof["link"]["alpha_s"] == fit_alpha_beta(transfer_samples(ag_ks, 4, dev), 4)[0]
+    path = str(tmp_path / "refit.json")
+    save_profile(prof, path)
+    refit_cm = CostModel(get_cluster(path), (4,))
+    for nb, t in line:
+        assert refit_cm.all_gather(nb, 0) == pytest.approx(t, rel=1e-6), nb
+
+
 # ----------------------------------------------------------------------------- memory formulas
 
 
