@@ -41,8 +41,8 @@ it again, which the model did not charge at all.
 Where the device's allocator maps blocks of ``DeviceSpec.fresh_alloc_bytes`` or more fresh at
 every allocation (glibc on a CPU), every tensor a node makes of that size (its output, its
 operands' gradients) and every copy into a new buffer pays its first touch
-(``CostModel.fresh``). A collective's output is not charged so: ``calibrate`` times the
-collectives with a fresh output each call, so their fitted bands hold it.
+(``CostModel.fresh``); so does every collective's output (``CostModel._made``: the lines of
+a calibration profile are fitted to its samples less that part).
 """
 from __future__ import annotations
 
