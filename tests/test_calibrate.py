@@ -121,10 +121,7 @@ def test_amend_measures_the_fresh_allocation_into_an_older_profile(tmp_path, cap
     from stpc.cli.calibrate import FRESH_BYTES, fresh_alloc_threshold
     from stpc.cost_models import save_profile
 
-    prof = {"version": 1, "name": "older", "ranks": 2, "backend": "gloo",
-            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
-                       "mem_bw": 1e10, "mem_bytes": 1e10},
-            "link": {"alpha_s": 1e-4, "bw_bytes_per_s": 1e9}, "collectives": {}, "overlap": {"slowdown": 0.5}}
+    prof = _older_profile()
     path = str(tmp_path / "old.json")
     save_profile(prof, path)
     assert main_calibrate(["--amend", path, "--probe", "fresh_alloc"]) == 0
@@ -151,6 +148,14 @@ def test_amend_measures_the_fresh_allocation_into_an_older_profile(tmp_path, cap
     assert "measures CPU ranks" in capsys.readouterr().err
 
 
+def _older_profile() -> dict:
+    """A profile on 2 gloo ranks written before the amendable probes: no figure of theirs."""
+    return {"version": 1, "name": "older", "ranks": 2, "backend": "gloo",
+            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
+                       "mem_bw": 1e10, "mem_bytes": 1e10},
+            "link": {"alpha_s": 1e-4, "bw_bytes_per_s": 1e9}, "collectives": {}, "overlap": {"slowdown": 0.5}}
+
+
 @pytest.mark.multirank
 def test_amend_measures_the_batched_block_into_an_older_profile(tmp_path, capsys):
     """``--amend``: a profile written before the batched-block probe gets it, measured on its
@@ -158,10 +163,7 @@ def test_amend_measures_the_batched_block_into_an_older_profile(tmp_path, capsys
     from stpc.cli.calibrate import BATCHED_BLOCK, BATCHED_SMALL, reread_fit
     from stpc.cost_models import save_profile
 
-    prof = {"version": 1, "name": "older", "ranks": 2, "backend": "gloo",
-            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
-                       "mem_bw": 1e10, "mem_bytes": 1e10},
-            "link": {"alpha_s": 1e-4, "bw_bytes_per_s": 1e9}, "collectives": {}, "overlap": {"slowdown": 0.5}}
+    prof = _older_profile()
     path = str(tmp_path / "old.json")
     save_profile(prof, path)
     assert get_cluster(path).device.batch_reread_bw is None

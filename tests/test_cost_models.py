@@ -371,6 +371,14 @@ def test_fit_overlap_takes_each_term_per_round_then_the_median():
     assert both - g - c == pytest.approx(0.001)
 
 
+def _synthetic_profile(ranks: int = 2, **device) -> dict:
+    """A minimal calibration profile of ``ranks`` gloo ranks, its device given ``device``'s figures."""
+    return {"version": 1, "name": "synthetic", "ranks": ranks, "backend": "gloo",
+            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
+                       "mem_bw": 1e10, "mem_bytes": 1e10, **device},
+            "link": {"alpha_s": 1e-4, "bw_bytes_per_s": 1e9}, "collectives": {}}
+
+
 def test_fit_batched_reads_the_weight_reread_from_each_rounds_difference():
     """calibrate's batched-block probe: per round each part the slowest rank's, each block's
     extra the median of the rounds' differences (its weight read again batch - 1 times), and
@@ -430,10 +438,7 @@ def test_a_batched_gemm_reads_its_shared_weight_again_per_element(tmp_path):
     assert batched_weight_time(cached, 4, 1e6) == 0.0
     with pytest.raises(ValueError, match="batch_reread_cached_bytes"):
         dataclasses.replace(dev, batch_reread_cached_bytes=-1.0)
-    prof = {"version": 1, "name": "synthetic", "ranks": 2, "backend": "gloo",
-            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
-                       "mem_bw": 1e10, "mem_bytes": 1e10},
-            "link": {"alpha_s": 1e-4, "bw_bytes_per_s": 1e9}, "collectives": {}}
+    prof = _synthetic_profile()
     path = str(tmp_path / "p.json")
     save_profile(prof, path)
     assert get_cluster(path).device.batch_reread_bw is None
@@ -506,10 +511,7 @@ def test_a_tensor_the_allocator_maps_fresh_pays_its_first_touch(tmp_path):
     cm, plain = CostModel(cl, (2,)), CostModel(get_cluster("cpu-local"), (2,))
     assert cm.copy(48 * 2**20) - plain.copy(48 * 2**20) == pytest.approx(48 * 2**20 / 1.5e9)
     assert cm.copy(16 * 2**20) == plain.copy(16 * 2**20)
-    prof = {"version": 1, "name": "synthetic", "ranks": 2, "backend": "gloo",
-            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
-                       "mem_bw": 1e10, "mem_bytes": 1e10},
-            "link": {"alpha_s": 1e-4, "bw_bytes_per_s": 1e9}, "collectives": {}}
+    prof = _synthetic_profile()
     path = str(tmp_path / "p.json")
     save_profile(prof, path)
     got = get_cluster(path).device
@@ -549,11 +551,9 @@ def test_a_collective_pays_its_fresh_outputs_first_touch_and_the_lines_fit_the_r
     # a profile refit: every entry (the node's, a group size's, the joint link) fits its samples less it;
     # samples on a line but for the 64 MiB one's fresh output: its line and the output give it back
     line = [[nb * mib, 3e-3 + 0.75 * nb * mib / 1e9 + (nb * mib / 1e9 if nb >= 32 else 0.0)] for nb in (16, 64, 4)]
-    prof = {"version": 1, "name": "synthetic", "ranks": 4, "backend": "gloo",
-            "device": {"name": "cpu-x", "peak_flops": {d: 1e11 for d in ("fp32", "tf32", "bf16", "fp16")},
-                       "mem_bw": 1e10, "mem_bytes": 1e10, "fresh_alloc_bytes": 32 * mib, "fresh_page_bw": 1e9},
-            "link": {}, "collectives": {"all_gather": {"samples": line}},
-            "group_collectives": {"2": {"all_reduce": {"samples": [[4 * mib, 0.01], [64 * mib, 0.3]]}}}}
+    prof = _synthetic_profile(ranks=4, fresh_alloc_bytes=32 * mib, fresh_page_bw=1e9)
+    prof.update(collectives={"all_gather": {"samples": line}},
+                group_collectives={"2": {"all_reduce": {"samples": [[4 * mib, 0.01], [64 * mib, 0.3]]}}})
     refit_collectives(prof)
     ag = prof["collectives"]["all_gather"]
     ag_ks = [("all_gather", float(nb), t) for nb, t in ag["samples"]]
