@@ -118,7 +118,7 @@ def test_amend_measures_the_fresh_allocation_into_an_older_profile(tmp_path, cap
     gets it (the clone above glibc's mmap cap against a warm copy, on the profile's ranks),
     the device's two figures from it, a note of the amendment; nothing else changes. A profile
     measured on NCCL ranks is refused (a GPU's caching allocator keeps blocks)."""
-    from stpc.cli.calibrate import FRESH_BYTES, fresh_alloc_threshold
+    from stpc.cli.calibrate import FRESH_BYTES, amendable_probes, fresh_alloc_threshold
     from stpc.cost_models import save_profile
 
     prof = _older_profile()
@@ -146,6 +146,9 @@ def test_amend_measures_the_fresh_allocation_into_an_older_profile(tmp_path, cap
     save_profile({**prof, "backend": "nccl"}, path)
     assert main_calibrate(["--amend", path, "--probe", "fresh_alloc"]) == 1
     assert "measures CPU ranks" in capsys.readouterr().err
+    # without --probe: every probe on CPU ranks, all but the fresh allocation's on GPU ranks
+    assert amendable_probes("gloo") == ("batched_gemm", "fresh_alloc")
+    assert amendable_probes("nccl") == ("batched_gemm",)
 
 
 def _older_profile() -> dict:

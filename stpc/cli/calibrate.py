@@ -82,7 +82,8 @@ which and why; nothing hangs.
 ``python -m stpc calibrate [--json profile.json] [--ranks 4] [--sizes 64K,1M,16M]``: the
 profile goes to ``--json`` (``--out``, its old name, still works); ``--quiet`` prints only
 the path written. ``--amend PROFILE [--probe NAME ...]`` measures only the probes named
-(``batched_gemm``, ``fresh_alloc``; default: both) into ``PROFILE``, written before they had
+(``batched_gemm``, ``fresh_alloc``; default: both, on a profile of NCCL ranks the first)
+into ``PROFILE``, written before they had
 their present form, on as many ranks as it was measured with, writes them in and notes each
 amendment (probe, date, host, torch) under the profile's ``amended``.
 Exit codes: 0 written, 1 the measurement failed, 2 a usage error.
@@ -740,17 +741,26 @@ def _amend_fresh(profile: dict, per_rank: list) -> str:
 AMENDABLE = {"batched_gemm": (_batched_block, _amend_batched), "fresh_alloc": (_fresh_alloc, _amend_fresh)}
 
 
-def amend(path: str, probes=tuple(AMENDABLE), timeout_s: float = 600.0) -> list[str]:
-    """Measure ``probes`` (names in :data:`AMENDABLE`) into the profile at ``path``, written
-    before they had their present form, on as many ranks as it was measured with, and note
-    the amendment of each; returns a line per probe saying what it wrote. The fresh
-    allocation probe measures a CPU profile only (a GPU's caching allocator keeps blocks)."""
-    unknown = [p for p in probes if p not in AMENDABLE]
-    if unknown:
-        raise ValueError(f"unknown probe(s) {unknown}: choose from {sorted(AMENDABLE)}")
+def amendable_probes(backend: str) -> tuple[str, ...]:
+    """The probes ``--amend`` measures into a profile of ``backend``'s ranks unless told which:
+    all of them on CPU (gloo) ranks; on GPU (NCCL) ranks all but the fresh allocation's (a
+    GPU's caching allocator keeps blocks)."""
+    return tuple(p for p in AMENDABLE if backend == "gloo" or p != "fresh_alloc")
+
+
+def amend(path: str, probes=None, timeout_s: float = 600.0) -> list[str]:
+    """Measure ``probes`` (names in :data:`AMENDABLE`; None: :func:`amendable_probes` of the
+    profile's backend) into the profile at ``path``, written before they had their present
+    form, on as many ranks as it was measured with, and note the amendment of each; returns
+    a line per probe saying what it wrote. The fresh allocation probe measures a CPU profile
+    only."""
     profile = read_profile(path)
     world = int(profile["ranks"])
     backend = profile.get("backend", "gloo")
+    probes = amendable_probes(backend) if probes is None else tuple(probes)
+    unknown = [p for p in probes if p not in AMENDABLE]
+    if unknown:
+        raise ValueError(f"unknown probe(s) {unknown}: choose from {sorted(AMENDABLE)}")
     if "fresh_alloc" in probes and backend != "gloo":
         raise ValueError(f"{path} was measured on {backend} ranks: the fresh allocation probe measures CPU ranks")
     got = run_spawned(world, {"backend": backend, "amend": list(probes)}, timeout_s)
@@ -800,7 +810,8 @@ def main_calibrate(argv: list[str]) -> int:
                     help="measure only the probes --probe names into PROFILE, a profile written before they "
                          "had their present form, on its number of ranks")
     ap.add_argument("--probe", action="append", choices=sorted(AMENDABLE), default=None,
-                    help="with --amend: a probe to measure (repeatable; default: all of them)")
+                    help="with --amend: a probe to measure (repeatable; default: all of them, on an NCCL "
+                         "profile all but fresh_alloc)")
     args = ap.parse_args(argv)
     if args.probe and not args.amend:
         ap.error("--probe: only with --amend PROFILE. Fix: add --amend PROFILE, or drop --probe (a full "
@@ -808,8 +819,9 @@ def main_calibrate(argv: list[str]) -> int:
     if args.amend:
         if not os.path.exists(args.amend):
             ap.error(f"--amend {args.amend}: no such profile. Fix: give a profile `python -m stpc calibrate` wrote")
-        probes = tuple(dict.fromkeys(args.probe or AMENDABLE))
-        with Status(f"calibrate: measuring {', '.join(probes)} into {args.amend}", not args.quiet):
+        probes = tuple(dict.fromkeys(args.probe)) if args.probe else None
+        with Status(f"calibrate: measuring {', '.join(probes or ['the amendable probes'])} into {args.amend}",
+                    not args.quiet):
             try:
                 lines = amend(args.amend, probes, timeout_s=args.timeout)
             except ValueError as exc:
