@@ -206,23 +206,28 @@ def read_profile(path: str) -> dict:
     return p
 
 
+def device_spec(d: dict) -> DeviceSpec:
+    """A profile's ``device`` entry as a :class:`DeviceSpec` (the figures it lacks take their
+    defaults: a profile written before a probe charges nothing for it)."""
+    return DeviceSpec(d["name"], dict(d["peak_flops"]), mem_bw=float(d["mem_bw"]),
+                      mem_bytes=float(d["mem_bytes"]), efficiency=float(d.get("efficiency", 1.0)),
+                      gemm_ramp_s=float(d.get("gemm_ramp_s", 0.0)),
+                      gemm_ramps={k: float(v) for k, v in d.get("gemm_ramps", {}).items()},
+                      op_slowdown={k: float(v) for k, v in d.get("op_slowdown", {}).items()},
+                      # (profiles written before the batched-block probe lack it: no extra cost)
+                      batch_reread_bw=float(d["batch_reread_bw"]) if d.get("batch_reread_bw") else None,
+                      batch_reread_cached_bytes=float(d.get("batch_reread_cached_bytes") or 0.0),
+                      # (profiles written before the fresh-allocation probe lack both: no extra cost)
+                      fresh_alloc_bytes=float(d["fresh_alloc_bytes"]) if d.get("fresh_alloc_bytes") else None,
+                      fresh_page_bw=float(d["fresh_page_bw"]) if d.get("fresh_page_bw") else None)
+
+
 def load_profile(path: str) -> Cluster:
     """A calibration profile as a :class:`Cluster`: one node of ``ranks`` devices, the
     measured device throughput (``efficiency=1``), the jointly fitted link as both intra
     and inter link, and per-collective fits in ``collective_links``."""
     p = read_profile(path)
-    d = p["device"]
-    device = DeviceSpec(d["name"], dict(d["peak_flops"]), mem_bw=float(d["mem_bw"]),
-                        mem_bytes=float(d["mem_bytes"]), efficiency=float(d.get("efficiency", 1.0)),
-                        gemm_ramp_s=float(d.get("gemm_ramp_s", 0.0)),
-                        gemm_ramps={k: float(v) for k, v in d.get("gemm_ramps", {}).items()},
-                        op_slowdown={k: float(v) for k, v in d.get("op_slowdown", {}).items()},
-                        # (profiles written before the batched-block probe lack it: no extra cost)
-                        batch_reread_bw=float(d["batch_reread_bw"]) if d.get("batch_reread_bw") else None,
-                        batch_reread_cached_bytes=float(d.get("batch_reread_cached_bytes") or 0.0),
-                        # (profiles written before the fresh-allocation probe lack both: no extra cost)
-                        fresh_alloc_bytes=float(d["fresh_alloc_bytes"]) if d.get("fresh_alloc_bytes") else None,
-                        fresh_page_bw=float(d["fresh_page_bw"]) if d.get("fresh_page_bw") else None)
+    device = device_spec(p["device"])
     link = Link(float(p["link"]["alpha_s"]), float(p["link"]["bw_bytes_per_s"]))
     per_kind = {kind: Link(float(c["alpha_s"]), float(c["bw_bytes_per_s"]))
                 for kind, c in p["collectives"].items()}

@@ -109,7 +109,8 @@ from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_s
 from stpc.cost_models import DeviceSpec, get_device
 from stpc.cost_models.compute import (COPY_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES, collective_output_bytes,
                                       fresh_alloc_time)
-from stpc.cost_models.profile import KINDS, fit_alpha_beta, fit_bands, fit_gemm_curve, read_profile, save_profile
+from stpc.cost_models.profile import (KINDS, device_spec, fit_alpha_beta, fit_bands, fit_gemm_curve, read_profile,
+                                      save_profile)
 from stpc.runtime.launch import SpawnTimeout, spawn
 from stpc.runtime.ops import ring_allgather_matmul
 from stpc.runtime.ops.kernels import ring_step_matmul
@@ -364,7 +365,7 @@ def fit_batched(per_rank: list[list[tuple[float, float, float, float]]]) -> dict
     extras, ``batch_reread_bw`` (None where the big block measured no slower) and
     ``batch_reread_cached_bytes`` (:func:`reread_fit`). The big block's entry at the top
     level, the small one's under ``small``."""
-    rounds = [tuple(max(r[i][j] for r in per_rank) for j in range(4)) for i in range(min(map(len, per_rank)))]
+    rounds = slowest_rounds(per_rank)
     big = _block_entry(BATCHED_BLOCK, [r[:2] for r in rounds])
     small = _block_entry(BATCHED_SMALL, [r[2:] for r in rounds])
     bw, cached = reread_fit(BATCHED_BLOCK[0], (big["weight_bytes"], big["extra_s"]),
@@ -373,11 +374,11 @@ def fit_batched(per_rank: list[list[tuple[float, float, float, float]]]) -> dict
 
 
 # The fresh-allocation probe (``DeviceSpec.fresh_alloc_bytes``, ``fresh_page_bw``): a tensor
-# above glibc's mmap cap (``FRESH_ALLOC_BYTES``), which malloc maps fresh at every allocation
-# and unmaps when it is freed. On the development VM (4 ranks at once) a clone of 33 MiB
-# took 29 ms where one of 31 MiB took 2.6 ms and a copy into a warm 33 MiB buffer 2.6 ms:
-# the pages' first touches, not the bytes. The fidelity bench's fsdp-tp plan gathers its
-# 32 MiB tied table whole, and its tensors that size are faulted in at every step.
+# above glibc's mmap cap (``GLIBC_MMAP_THRESHOLD_MAX``), which malloc maps fresh at every
+# allocation and unmaps when it is freed. On the development VM (4 ranks at once) a clone of
+# 33 MiB took 29 ms where one of 31 MiB took 2.6 ms and a copy into a warm 33 MiB buffer
+# 2.6 ms: the pages' first touches, not the bytes. (The fidelity bench's fsdp-tp plan once
+# gathered its logits' rows, 32 MiB, at every step: 53506 page faults a step per rank.)
 FRESH_BYTES = 48 << 20
 FRESH_ROUNDS = 9
 # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit (malloc/malloc.c: 4 * 1024 * 1024 *
@@ -409,7 +410,7 @@ def fit_fresh(per_rank: list[list[tuple[float, float]]], threshold: int | None) 
     each part the slowest rank's; the extra, the median over rounds of the clone less the
     warm copy; ``fresh_page_bw`` the probe's bytes over it (None where the clone cost no
     more, or the allocator has no such threshold: nothing to charge)."""
-    rounds = [tuple(max(r[i][j] for r in per_rank) for j in range(2)) for i in range(min(map(len, per_rank)))]
+    rounds = slowest_rounds(per_rank)
     extra = statistics.median(c - w for c, w in rounds)
     bw = FRESH_BYTES / extra if extra > 0 and threshold is not None and FRESH_BYTES >= threshold else None
     return {"bytes": FRESH_BYTES, "rounds": len(rounds), "clone_s": statistics.median(c for c, _ in rounds),
@@ -425,6 +426,14 @@ def fresh_line(f: dict) -> str:
         return head + ": no extra cost"
     return (head + f": blocks from {f['fresh_alloc_bytes'] / 2**20:.0f} MiB first touched at "
             f"{f['fresh_page_bw'] / 1e9:.2f} GB/s")
+
+
+def slowest_rounds(per_rank: list[list[tuple[float, ...]]]) -> list[tuple[float, ...]]:
+    """Every rank's :func:`_rounds` as one: per round, each part the slowest rank's (every
+    rank joined each call, so a part lasted as long as its slowest rank), over the rounds
+    every rank has."""
+    return [tuple(max(parts) for parts in zip(*(r[i] for r in per_rank)))
+            for i in range(min(map(len, per_rank)))]
 
 
 def _rounds(fns: list, dev, window_s: float, rounds: int = OVERLAP_ROUNDS) -> list[tuple[float, ...]]:
@@ -492,8 +501,7 @@ def fit_overlap(per_rank: list[dict]) -> dict:
     part given as one ``(a, b, c)`` is one round."""
     def slowest(which, where=None) -> list[tuple[float, float, float]]:
         rows = [r[where][which] if where else r[which] for r in per_rank]
-        rows = [[row] if isinstance(row[0], (int, float)) else row for row in rows]
-        return [tuple(max(r[k][i] for r in rows) for i in range(3)) for k in range(min(map(len, rows)))]
+        return slowest_rounds([[row] if isinstance(row[0], (int, float)) else row for row in rows])
 
     def med(rounds, i):
         return statistics.median(r[i] for r in rounds)
@@ -619,9 +627,7 @@ def refit_collectives(profile: dict) -> None:
     """Fit every collective entry of ``profile`` (the node's, each group size's, the joint
     link) again from its stored samples, less the fresh outputs' first touch its device has
     (after an amendment gave it the figures)."""
-    d = profile["device"]
-    device = DeviceSpec(d["name"], dict(d["peak_flops"]), float(d["mem_bw"]), float(d["mem_bytes"]),
-                        fresh_alloc_bytes=d.get("fresh_alloc_bytes"), fresh_page_bw=d.get("fresh_page_bw"))
+    device = device_spec(profile["device"])
     world = int(profile["ranks"])
     samples = []
     for kind, entry in profile["collectives"].items():
@@ -699,8 +705,7 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     fresh = fit_fresh([r["fresh"] for r in per_rank], fresh_alloc_threshold()) if per_rank[0]["fresh"] else None
     if fresh:
         device["fresh_alloc_bytes"], device["fresh_page_bw"] = fresh["fresh_alloc_bytes"], fresh["fresh_page_bw"]
-    spec = DeviceSpec(device["name"], peak, device["mem_bw"], mem_bytes, fresh_alloc_bytes=device.get(
-        "fresh_alloc_bytes"), fresh_page_bw=device.get("fresh_page_bw"))  # (the collectives' fresh outputs)
+    spec = device_spec(device)  # (the collectives' fresh outputs)
 
     collectives = {kind: _fit_kind([s for s in samples if s[0] == kind], world_size, spec) for kind in kinds}
     # the same kinds on each smaller group (every group of consecutive ranks at once)
