@@ -147,8 +147,8 @@ def test_amend_measures_the_fresh_allocation_into_an_older_profile(tmp_path, cap
     assert main_calibrate(["--amend", path, "--probe", "fresh_alloc"]) == 1
     assert "measures CPU ranks" in capsys.readouterr().err
     # without --probe: every probe on CPU ranks, all but the fresh allocation's on GPU ranks
-    assert amendable_probes("gloo") == ("batched_gemm", "fresh_alloc")
-    assert amendable_probes("nccl") == ("batched_gemm",)
+    assert amendable_probes("gloo") == ("batched_gemm", "fresh_alloc", "collectives")
+    assert amendable_probes("nccl") == ("batched_gemm", "collectives")
 
 
 def _older_profile() -> dict:
@@ -189,10 +189,87 @@ def test_amend_measures_the_batched_block_into_an_older_profile(tmp_path, capsys
     assert get_cluster(path).device.batch_reread_cached_bytes == b["batch_reread_cached_bytes"]
 
 
+def _sampled_profile(sizes, kinds=("all_gather", "p2p"), groups=()) -> dict:
+    """``_older_profile`` with collective entries sampled at ``sizes`` on a line (100 us + 1 GB/s),
+    on its 2 ranks and on each of ``groups``' sizes (P2P aside), fitted as calibrate fits them."""
+    from stpc.cli.calibrate import refit_collectives
+
+    def entry(kind):
+        return {"samples": [[float(n), 1e-4 + n / 1e9] for n in sizes]}
+
+    prof = {**_older_profile(), "collectives": {k: entry(k) for k in kinds},
+            "group_collectives": {str(g): {k: entry(k) for k in kinds if k != "p2p"} for g in groups}}
+    refit_collectives(prof)
+    return prof
+
+
+def test_merge_samples_adds_the_missing_grid_sizes_and_fits_again():
+    """A profile sampled at the powers of 4 lacks the default grid's 24 and 40 MiB; samples
+    measured there join every entry of their kind and group in size order (one at a size
+    the entry has replaces it), and the lines and bands are fitted again from all of them."""
+    from stpc.cli.calibrate import DEFAULT_SIZES, merge_samples, missing_sizes, transfer_samples
+    from stpc.cost_models.profile import fit_bands
+
+    mib = 2**20
+    powers = [n for n in DEFAULT_SIZES if n not in (24 * mib, 40 * mib)]
+    prof = _sampled_profile(powers, groups=(2,))
+    assert missing_sizes(prof) == [24 * mib, 40 * mib]
+    assert missing_sizes(_sampled_profile(DEFAULT_SIZES)) == []
+    before = json.loads(json.dumps(prof))
+    got = {"samples": [["all_gather", 24 * mib, 0.09], ["all_gather", 40 * mib, 0.12],
+                       ["all_gather", 64 * mib, 0.2], ["p2p", 24 * mib, 0.03]],
+           "group_samples": {"2": [["all_gather", 24 * mib, 0.05]]}}
+    merge_samples(prof, got)
+    ag = prof["collectives"]["all_gather"]
+    sizes = [nb for nb, _ in ag["samples"]]
+    assert sizes == sorted(DEFAULT_SIZES) and dict(ag["samples"])[64 * mib] == 0.2  # (replaced)
+    assert dict(ag["samples"])[40 * mib] == 0.12 and len(ag["bands"]) == len(DEFAULT_SIZES) - 1
+    assert ag["bands"] != before["collectives"]["all_gather"]["bands"]
+    p2p = prof["collectives"]["p2p"]
+    assert [nb for nb, _ in p2p["samples"]] == sorted(powers + [24 * mib])
+    pair = prof["group_collectives"]["2"]["all_gather"]
+    assert [nb for nb, _ in pair["samples"]] == sorted(powers + [24 * mib])
+    # (fitted as calibrate fits them: the samples less their fresh output's first touch, none here)
+    ks = [("all_gather", float(nb), t) for nb, t in ag["samples"]]
+    assert ag["bands"] == fit_bands(transfer_samples(ks, 2, None), 2)
+
+
+@pytest.mark.multirank
+def test_amend_times_the_collectives_again_where_the_grid_lacks_a_size(tmp_path, capsys):
+    """``--amend --probe collectives``: a profile lacking sizes of the default grid (here the
+    two smallest) has every kind it has timed again on its ranks over the whole grid (no
+    old sample kept beside new ones), fitted again, the amendment noted with its sizes; a
+    profile with the whole grid is left as it is."""
+    from stpc.cli.calibrate import DEFAULT_SIZES, amend_sizes
+    from stpc.cost_models import save_profile
+
+    prof = _sampled_profile(DEFAULT_SIZES[2:])
+    assert amend_sizes(prof) == DEFAULT_SIZES and amend_sizes(_sampled_profile(DEFAULT_SIZES)) == []
+    assert amend_sizes(_older_profile()) == []  # (no collective entry)
+    path = str(tmp_path / "old.json")
+    save_profile(prof, path)
+    assert main_calibrate(["--amend", path, "--probe", "collectives"]) == 0
+    assert "collectives timed again at 8 sizes, 64 KiB .. 64 MiB (new: 64 KiB, 256 KiB), on 2 ranks" in \
+        capsys.readouterr().out
+    got = json.load(open(path))
+    for kind in ("all_gather", "p2p"):
+        samples = dict((int(nb), t) for nb, t in got["collectives"][kind]["samples"])
+        assert sorted(samples) == DEFAULT_SIZES and all(t > 0 for t in samples.values())
+        assert not any(samples[n] == 1e-4 + n / 1e9 for n in DEFAULT_SIZES)  # (all measured again)
+        assert len(got["collectives"][kind]["bands"]) == len(DEFAULT_SIZES) - 1
+    note = got.pop("amended")
+    assert [(n["probe"], n["ranks"], n["sizes"]) for n in note] == [("collectives", 2, DEFAULT_SIZES)]
+    assert get_cluster(path).collective_bands["all_gather"][0][0] == DEFAULT_SIZES[1]
+    # the grid complete: nothing timed, nothing noted
+    assert main_calibrate(["--amend", path, "--probe", "collectives"]) == 0
+    assert "nothing measured" in capsys.readouterr().out
+    assert [n["probe"] for n in json.load(open(path))["amended"]] == ["collectives"]
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_predictions_within_30_percent_of_fresh_measurements(tmp_path):
-    """After calibrating 4 gloo ranks (64 KiB .. 64 MiB grid), all-gather, reduce-scatter
+    """After calibrating 4 gloo ranks (the default grid, 64 KiB .. 64 MiB), all-gather, reduce-scatter
     and P2P at three sizes *between* grid points are predicted within 30%. Timing on a
     shared 2-core machine is at the neighbours' mercy: the failure message prints the
     load average."""

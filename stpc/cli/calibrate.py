@@ -10,13 +10,13 @@ planner models):
   large-GEMM rate and its ramp, the device's GEMM efficiency curve
   (``DeviceSpec.gemm_ramps``, ``cost_models.profile.fit_gemm_curve``);
 * all-gather, reduce-scatter, all-reduce, all-to-all and ring P2P (every rank sends to
-  its right neighbour) over a range of message sizes, on gloo over 127.0.0.1 on CPU or
-  NCCL on GPUs, issued as the runtime issues them (functional collectives, a fresh output
-  each call). A sample's time is the slowest rank's, the median of several timed windows.
-  The collectives are timed again on every smaller group size a mesh axis can have
-  (``sub_group_sizes``: 2 of 4 ranks), all groups at once: a pair's gather is not the
-  world's ring formula at n=2 (on the development VM's loopback, 1.1x it at 4-16 MiB and
-  1.9x at 64 MiB);
+  its right neighbour) over a range of message sizes (``DEFAULT_SIZES``), on gloo over
+  127.0.0.1 on CPU or NCCL on GPUs, issued as the runtime issues them (functional
+  collectives, a fresh output each call). A sample's time is the slowest rank's, the
+  median of several timed windows. The collectives are timed again on every smaller
+  group size a mesh axis can have (``sub_group_sizes``: 2 of 4 ranks), all groups at
+  once: a pair's gather is not the world's ring formula at n=2 (on the development VM's
+  loopback, 1.1x it at 4-16 MiB and 1.9x at 64 MiB);
 * on CPU ranks, forward + backward of each op the built-in models use that is not a GEMM
   (layer norm, gelu, attention, the loss, ...), every rank at once, against the roofline
   time the planner charges it (``stpc.cli.calibrate_ops``): the device's ``op_slowdown``;
@@ -82,10 +82,11 @@ which and why; nothing hangs.
 ``python -m stpc calibrate [--json profile.json] [--ranks 4] [--sizes 64K,1M,16M]``: the
 profile goes to ``--json`` (``--out``, its old name, still works); ``--quiet`` prints only
 the path written. ``--amend PROFILE [--probe NAME ...]`` measures only the probes named
-(``batched_gemm``, ``fresh_alloc``; default: both, on a profile of NCCL ranks the first)
-into ``PROFILE``, written before they had
-their present form, on as many ranks as it was measured with, writes them in and notes each
-amendment (probe, date, host, torch) under the profile's ``amended``.
+(``batched_gemm``, ``fresh_alloc``, ``collectives``: the default grid's message sizes,
+where the profile lacks one; default: all, on a profile of NCCL ranks all but ``fresh_alloc``) into
+``PROFILE``, written before they had their present form, on as many ranks as it was
+measured with, writes them in and notes each amendment (probe, date, host, torch; the
+collectives' sizes) under the profile's ``amended``.
 Exit codes: 0 written, 1 the measurement failed, 2 a usage error.
 """
 from __future__ import annotations
@@ -116,7 +117,13 @@ from stpc.runtime.ops import ring_allgather_matmul
 from stpc.runtime.ops.kernels import ring_step_matmul
 from stpc.runtime.reshard import _c10d
 
-DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+# The message sizes: powers of 4 from 64 KiB, and two more between 16 and 64 MiB, where a
+# layer's gathers and gradient buckets fall and the transport's cost per byte still bends;
+# one sample at 16 MiB had set that whole band (the development VM's: 16-28 MiB all-gathers
+# predicted 33-54% high, 40-64 MiB within 6%). Neither at 32 MiB, glibc's mmap cap
+# (GLIBC_MMAP_THRESHOLD_MAX), where the output's first touch jumps (``transfer_samples``).
+DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 24 << 20, 40 << 20, 64 << 20]
+COLLECTIVE_ITERS = 5  # timed windows per collective and size (``_time_ops``)
 MATMUL_SHAPES = [(128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024)]
 MATMUL_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -537,6 +544,9 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
     if task.get("amend"):  # --amend: only the probes named
         got = {}
         for probe in task["amend"]:
+            if probe == "collectives":  # (timed on every rank; rank 0's samples are the slowest rank's)
+                got[probe] = _time_collectives(task, rank, world, dev)
+                continue
             gathered = [None] * world
             dist.all_gather_object(gathered, AMENDABLE[probe][0](dev))
             got[probe] = gathered
@@ -559,11 +569,17 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
         dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw, "overlap": overlap, "ops": ops,
                                           "batched": batched, "fresh": fresh})
         result["per_rank"] = gathered
+    result.update(_time_collectives(task, rank, world, dev))
+    return result if rank == 0 else None
+
+
+def _time_collectives(task: dict, rank: int, world: int, dev) -> dict:
+    """``samples``: (kind, nbytes, seconds) of every kind and size of ``task`` on all ranks;
+    ``group_samples``: the same on each of ``task["group_sizes"]`` (P2P aside)."""
     cases = [(kind, nbytes) for kind in task["kinds"] for nbytes in task["sizes"]]
     fns = [_collective_fn(kind, nbytes, rank, world, dev) for kind, nbytes in cases]
     secs = _time_ops(fns, task["iters"], dev)
-    result["samples"] = [[kind, nbytes, t] for (kind, nbytes), t in zip(cases, secs)]
-    result["group_samples"] = {}
+    out = {"samples": [[kind, nbytes, t] for (kind, nbytes), t in zip(cases, secs)], "group_samples": {}}
     for n in task.get("group_sizes", []):
         # every rank joins every new_group call, in the same order; each times its own group
         groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
@@ -571,8 +587,8 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
         sub = [(kind, nbytes) for kind, nbytes in cases if kind != "p2p"]  # (a P2P is a pair already)
         secs = _time_ops([_collective_fn(kind, nbytes, rank, world, dev, mine) for kind, nbytes in sub],
                          task["iters"], dev)
-        result["group_samples"][str(n)] = [[kind, nbytes, t] for (kind, nbytes), t in zip(sub, secs)]
-    return result if rank == 0 else None
+        out["group_samples"][str(n)] = [[kind, nbytes, t] for (kind, nbytes), t in zip(sub, secs)]
+    return out
 
 
 def run_spawned(world_size: int, task: dict, timeout_s: float) -> dict:
@@ -589,7 +605,7 @@ def run_spawned(world_size: int, task: dict, timeout_s: float) -> dict:
                            f"--timeout") from None
 
 
-def measure_collectives(world_size: int = 4, sizes=DEFAULT_SIZES, kinds=KINDS, iters: int = 5,
+def measure_collectives(world_size: int = 4, sizes=DEFAULT_SIZES, kinds=KINDS, iters: int = COLLECTIVE_ITERS,
                         backend: str | None = None, timeout_s: float = 300.0) -> list[tuple[str, int, float]]:
     """Fresh (kind, nbytes, seconds) samples, measured like ``calibrate`` does."""
     task = {"backend": backend or _default_backend(world_size), "kinds": list(kinds),
@@ -652,7 +668,7 @@ def _default_backend(world_size: int) -> str:
 
 
 def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAULT_SIZES,
-              kinds=KINDS, iters: int = 5, backend: str | None = None,
+              kinds=KINDS, iters: int = COLLECTIVE_ITERS, backend: str | None = None,
               timeout_s: float = 600.0) -> dict:
     """Measure, fit and (if ``out``) write a calibration profile; returns the profile dict."""
     if world_size < 2:
@@ -741,9 +757,68 @@ def _amend_fresh(profile: dict, per_rank: list) -> str:
     return fresh_line(fresh) + "; the collectives' lines fitted again to their samples less it"
 
 
+def missing_sizes(profile: dict) -> list[int]:
+    """The sizes of :data:`DEFAULT_SIZES` at which ``profile``'s collectives have no sample."""
+    have = {int(nb) for entry in profile["collectives"].values() for nb, _ in entry["samples"]}
+    return [n for n in DEFAULT_SIZES if n not in have]
+
+
+def amend_sizes(profile: dict) -> list[int]:
+    """The sizes the collectives probe times into ``profile``: none where it has every size of
+    the default grid (or no collective entry); else the grid and the profile's own sizes, all
+    timed again. (Sizes timed alone are not the calibration's: on the development VM 40 MiB
+    all-gathers timed with the 24 MiB ones alone took 131-148 ms, 92-97 ms among the whole
+    grid, in full calibrations, ``measure_collectives`` and this probe alike; so no old
+    sample is kept beside new ones.)"""
+    if not profile["collectives"] or not missing_sizes(profile):
+        return []
+    have = {int(nb) for entry in profile["collectives"].values() for nb, _ in entry["samples"]}
+    return sorted(have | set(DEFAULT_SIZES))
+
+
+def merge_samples(profile: dict, got: dict) -> None:
+    """Write ``got``'s (kind, nbytes, seconds) samples (:func:`_time_collectives`: the world's
+    and each group size's) into ``profile``'s entries of the same kind and group, in size
+    order, a sample at a size the entry has replacing it; then fit every line again."""
+    def add(entry: dict, rows) -> None:
+        by_size = {int(nb): t for nb, t in entry["samples"]}
+        by_size.update({int(nb): t for _, nb, t in rows})
+        entry["samples"] = [[nb, by_size[nb]] for nb in sorted(by_size)]
+
+    for kind, entry in profile["collectives"].items():
+        add(entry, [r for r in got["samples"] if r[0] == kind])
+    for n, rows in got["group_samples"].items():
+        for kind, entry in profile.get("group_collectives", {}).get(n, {}).items():
+            add(entry, [r for r in rows if r[0] == kind])
+    refit_collectives(profile)
+
+
+def _amend_collectives(profile: dict, got: dict) -> str:
+    sizes = sorted({int(nb) for _, nb, _ in got["samples"]})
+    if not sizes:
+        return "collectives: the profile has every size of the default grid already; nothing measured"
+    new = missing_sizes(profile)
+    merge_samples(profile, got)
+    at = {kind: t for kind, nb, t in got["samples"] if nb == sizes[-1]}
+    groups = ", ".join(f"groups of {n}" for n in got["group_samples"])
+    return (f"collectives timed again at {len(sizes)} sizes, {_size_text(sizes[0])} .. {_size_text(sizes[-1])} "
+            f"(new: {', '.join(_size_text(n) for n in new)}), on {profile['ranks']} ranks"
+            f"{' and ' + groups if groups else ''} ({_size_text(sizes[-1])}: "
+            + ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in at.items())
+            + "); every line and band fitted again")
+
+
+def _size_text(n: int) -> str:
+    return f"{n / 2**20:g} MiB" if n >= 1 << 20 else f"{n / 2**10:g} KiB"
+
+
 # The probes ``--amend`` can measure into an older profile: name -> (each rank's measurement,
-# how its ranks' results go into the profile, returning a line saying what was written).
-AMENDABLE = {"batched_gemm": (_batched_block, _amend_batched), "fresh_alloc": (_fresh_alloc, _amend_fresh)}
+# how its ranks' results go into the profile, returning a line saying what was written). The
+# collectives' (None: every rank times them together, :func:`_time_collectives`): where the
+# profile lacks a size of the default grid, the whole grid (:func:`amend_sizes`) at every kind
+# and group size it has.
+AMENDABLE = {"batched_gemm": (_batched_block, _amend_batched), "fresh_alloc": (_fresh_alloc, _amend_fresh),
+             "collectives": (None, _amend_collectives)}
 
 
 def amendable_probes(backend: str) -> tuple[str, ...]:
@@ -758,7 +833,9 @@ def amend(path: str, probes=None, timeout_s: float = 600.0) -> list[str]:
     profile's backend) into the profile at ``path``, written before they had their present
     form, on as many ranks as it was measured with, and note the amendment of each; returns
     a line per probe saying what it wrote. The fresh allocation probe measures a CPU profile
-    only."""
+    only; the collectives probe, where the profile lacks a size of the default grid, times
+    the whole grid again (:func:`amend_sizes`) on every kind and group size it has and fits
+    its lines again (:func:`merge_samples`)."""
     profile = read_profile(path)
     world = int(profile["ranks"])
     backend = profile.get("backend", "gloo")
@@ -768,13 +845,22 @@ def amend(path: str, probes=None, timeout_s: float = 600.0) -> list[str]:
         raise ValueError(f"unknown probe(s) {unknown}: choose from {sorted(AMENDABLE)}")
     if "fresh_alloc" in probes and backend != "gloo":
         raise ValueError(f"{path} was measured on {backend} ranks: the fresh allocation probe measures CPU ranks")
-    got = run_spawned(world, {"backend": backend, "amend": list(probes)}, timeout_s)
+    sizes = amend_sizes(profile) if "collectives" in probes else []
+    kinds = list(profile["collectives"])
+    measured = [p for p in probes if p != "collectives" or sizes]  # (the grid complete: nothing to time)
+    task = {"backend": backend, "amend": measured, "kinds": kinds, "sizes": sizes, "iters": COLLECTIVE_ITERS,
+            "group_sizes": [int(n) for n in profile.get("group_collectives", {})]}
+    got = run_spawned(world, task, timeout_s) if measured else {}
+    got.setdefault("collectives", {"samples": [], "group_samples": {}})
     lines = []
     for probe in probes:
         lines.append(AMENDABLE[probe][1](profile, got[probe]))
+        if probe not in measured:
+            continue
         profile.setdefault("amended", []).append(
             {"probe": probe, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-             "host": socket.gethostname(), "torch": torch.__version__, "ranks": world})
+             "host": socket.gethostname(), "torch": torch.__version__, "ranks": world,
+             **({"sizes": sizes} if probe == "collectives" else {})})
     save_profile(profile, path)
     return lines
 
@@ -807,8 +893,10 @@ def main_calibrate(argv: list[str]) -> int:
     add_flags(ap, {"ranks": {"default": 4, "note": "at least 2"}, "timeout": {"default": 600.0, "shown": "600"},
                    "json": {"default": "profile.json", "note": "the profile", "aliases": ["--out"]}})
     ap.add_argument("--sizes", default=None,
-                    help="comma-separated message sizes, e.g. 64K,1M,16M (default: 64 KiB..64 MiB)")
-    ap.add_argument("--iters", type=int, default=5, help="timed windows per size (default: 5)")
+                    help="comma-separated message sizes, e.g. 64K,1M,16M (default: 64 KiB..64 MiB, powers "
+                         "of 4 and 24M, 40M)")
+    ap.add_argument("--iters", type=int, default=COLLECTIVE_ITERS,
+                    help=f"timed windows per size (default: {COLLECTIVE_ITERS})")
     ap.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                     help="default: nccl when enough GPUs, else gloo")
     ap.add_argument("--amend", metavar="PROFILE", default=None,
