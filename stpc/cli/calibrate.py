@@ -83,10 +83,10 @@ which and why; nothing hangs.
 profile goes to ``--json`` (``--out``, its old name, still works); ``--quiet`` prints only
 the path written. ``--amend PROFILE [--probe NAME ...]`` measures only the probes named
 (``batched_gemm``, ``fresh_alloc``, ``collectives``: the default grid's message sizes,
-where the profile lacks one; default: all, on a profile of NCCL ranks all but ``fresh_alloc``) into
-``PROFILE``, written before they had their present form, on as many ranks as it was
-measured with, writes them in and notes each amendment (probe, date, host, torch; the
-collectives' sizes) under the profile's ``amended``.
+where the profile lacks one; default: all, on a profile of NCCL ranks all but
+``fresh_alloc``) into ``PROFILE``, written before they had their present form, on as many
+ranks as it was measured with, writes them in and notes each amendment (probe, date, host,
+torch; the collectives' sizes) under the profile's ``amended``.
 Exit codes: 0 written, 1 the measurement failed, 2 a usage error.
 """
 from __future__ import annotations
@@ -796,7 +796,8 @@ def merge_samples(profile: dict, got: dict) -> None:
 def _amend_collectives(profile: dict, got: dict) -> str:
     sizes = sorted({int(nb) for _, nb, _ in got["samples"]})
     if not sizes:
-        return "collectives: the profile has every size of the default grid already; nothing measured"
+        return ("collectives: nothing measured (the profile has every size of the default grid, or no "
+                "collective entry)")
     new = missing_sizes(profile)
     merge_samples(profile, got)
     at = {kind: t for kind, nb, t in got["samples"] if nb == sizes[-1]}
