@@ -1228,3 +1228,29 @@ def test_edges_and_shares_charge_no_negative_time(model):
                 choice = [rng.randrange(len(row)) for row in p.cost]
                 assert p.evaluate(choice)[0] >= least
                 assert all(s.value(choice) >= 0 for s in p.shares)
+
+
+def test_problems_on_one_cost_model_equal_those_on_fresh_ones():
+    """A search builds every problem on a mesh shape with one cost model, whose memo keeps
+    reshard costs and node timers between them (``CostModel.memo``): each problem, built
+    after the others on the shared model, is the one a fresh model gives (costs, memory,
+    edges), and the memo did answer (the second build of a family asks it, adding nothing)."""
+    from stpc.planner.builder import build_problem
+    from stpc.planner.hints import fsdp_tp
+    with torch.device("meta"):
+        m = models.build("llama-tiny")
+    tg = trace(m, models.example_inputs("llama-tiny", 8, 64))
+    cl = get_cluster("primepar-v100")
+    for shape in [(4,), (2, 2)]:
+        shared = CostModel(cl, shape)
+        hints = [Hints(), Hints(temporal=False), Hints(recompute="full", recompute_layers=1), megatron(shape),
+                 fsdp_tp(shape, 0, 1 if len(shape) > 1 else None)]
+        for h in hints:
+            _, got = build_problem(tg, shared, None, h)
+            _, want = build_problem(tg, CostModel(cl, shape), None, h)
+            assert (got.cost, got.mem, got.transient) == (want.cost, want.mem, want.transient), (shape, h)
+            assert [e.table for e in got.edges] == [e.table for e in want.edges], (shape, h)
+        assert any(k[0] == "reshard_cost" for k in shared.memo) and any(k[0] == "node_timer" for k in shared.memo)
+        size = len(shared.memo)
+        build_problem(tg, shared, None, hints[0])
+        assert len(shared.memo) == size

@@ -337,13 +337,22 @@ class Builder:
             got = self._shared[key] = compute()
         return got
 
+    def _node_timer(self, it: Item, grads: list[bool]) -> NodeTimer:
+        """The timer of ``it``'s node, one per signature on this cost model (``CostModel.memo``):
+        every problem a search builds on one mesh shape times its nodes alike."""
+        key = ("node_timer", it.signature, tuple(grads))
+        timer = self.cm.memo.get(key)
+        if timer is None:
+            timer = self.cm.memo[key] = NodeTimer(it.node, self.cm, grads)
+        return timer
+
     def _decision(self, it: Item):
         node = it.node
 
         def compute():
             strategies, fb = enumerate_strategies(node, self.mesh, self.hints.temporal, self._enum_cache)
             grads = [o in self.rg for o in tensor_operands(node)]
-            timer = NodeTimer(node, self.cm, grads)
+            timer = self._node_timer(it, grads)
             place = self._shared_result(("place", id(strategies)), lambda: [s.out for s in strategies])
             return (strategies, fb, [timer(s) for s in strategies],
                     transient_bytes(node, strategies, self.mesh, self.memory), place, timer,
@@ -435,7 +444,7 @@ class Builder:
 
         def compute():
             ops = tensor_operands(node)
-            timer = NodeTimer(node, self.cm, [o in self.rg for o in ops])
+            timer = self._node_timer(it, [o in self.rg for o in ops])
             rep_p = tuple(REPLICATE for _ in self.mesh)
             strategies, extra, replay = [], [], []
             # the answer for a key depends on the node's signature alone: items of one

@@ -136,9 +136,21 @@ def axis_reshard(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consum
 
 def reshard_cost(cm: CostModel, src: tuple[str, ...], dst: tuple[str, ...], full_bytes: float,
                  consumer_split: tuple[bool, ...], needs_grad: bool) -> float:
-    """Seconds to reshard a tensor of ``full_bytes`` from ``src`` to ``dst`` (sum over axes)."""
+    """Seconds to reshard a tensor of ``full_bytes`` from ``src`` to ``dst`` (sum over axes),
+    kept in ``cm.memo`` (a search asks one model the same reshards for every problem it
+    builds on that mesh shape: bloom-7b1's on 8 devices, 128 thousand calls, 3.6 thousand
+    distinct)."""
     if src == dst and not any(consumer_split):
         return 0.0
+    key = ("reshard_cost", src, dst, full_bytes, consumer_split, needs_grad)
+    got = cm.memo.get(key)
+    if got is None:
+        got = cm.memo[key] = _reshard_cost(cm, src, dst, full_bytes, consumer_split, needs_grad)
+    return got
+
+
+def _reshard_cost(cm: CostModel, src: tuple[str, ...], dst: tuple[str, ...], full_bytes: float,
+                  consumer_split: tuple[bool, ...], needs_grad: bool) -> float:
     mesh = cm.mesh_shape
     total = 0.0
     for a in range(len(mesh)):
@@ -184,6 +196,7 @@ class NodeTimer:
         self._phases: dict[int, tuple[float, float, float]] = {}
         self._spatial: dict[tuple, float] = {}   # split flags per axis -> spatial seconds
         self._arg_nbytes: dict[int, int] = {}    # positional tensor argument -> its bytes
+        self._times: dict[tuple, float] = {}     # (strategy, forward only) -> seconds
         self.out_bytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
     def _arg_bytes(self, i: int) -> int:
@@ -292,7 +305,11 @@ class NodeTimer:
         return t
 
     def _time(self, s: Strategy, forward_only: bool) -> float:
-        return self._compute_time(s, forward_only) + self.fresh(s, forward_only)
+        key = (s, forward_only)
+        got = self._times.get(key)
+        if got is None:
+            got = self._times[key] = self._compute_time(s, forward_only) + self.fresh(s, forward_only)
+        return got
 
     def _compute_time(self, s: Strategy, forward_only: bool) -> float:
         mesh, cm = self.mesh, self.cm

@@ -310,6 +310,20 @@ def _least_budget(over: list, least: float, rebuild: Callable) -> int:
     return int(least)
 
 
+def _cost_models(cl) -> Callable:
+    """``cost_model(shape)`` for one search: one :class:`CostModel` per mesh shape, so every
+    problem built on a shape (each family, hint and recomputation rung) shares its memo
+    (``CostModel.memo``)."""
+    made: dict = {}
+
+    def cost_model(s: tuple[int, ...]) -> CostModel:
+        cm = made.get(s)
+        if cm is None:
+            cm = made[s] = CostModel(cl, s)
+        return cm
+    return cost_model
+
+
 def _points(points, facts, temporal: bool, recompute, recompute_layers):
     """``(index, mesh shape, hints, layout)`` of each point as the search builds it: temporal
     families off where asked, a recomputation level given to every point."""
@@ -354,6 +368,7 @@ def fits_budget(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float 
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
     shape, n = parse_mesh(mesh)
     facts = analyse(tg)
+    cost_model = _cost_models(cl)
     bound = []   # (cheap memory bound, order, problem): the points whose memory-blind optimum is over
     with _no_gc():
         for _, s, h, layout in _points(_candidates(hints, shape, n, cl), facts, temporal, recompute,
@@ -361,7 +376,7 @@ def fits_budget(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float 
             tries = [h] + ([hr for hr, _ in _rungs(h, layout, facts)] if h.recompute is None else [])
             for k, hk in enumerate(tries):
                 try:
-                    b, problem = build_problem(tg, CostModel(cl, s), budget_bytes, hk, optimizer_layout, facts,
+                    b, problem = build_problem(tg, cost_model(s), budget_bytes, hk, optimizer_layout, facts,
                                                edges=False)
                 except HintUnsatisfiable:
                     if k == 0:
@@ -387,6 +402,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
     shape, n = parse_mesh(mesh)
     facts = analyse(tg)  # (done by ``stpc.trace``: mesh-independent)
+    cost_model = _cost_models(cl)
     tried, infeasible, candidates, unresolved = [], [], [], []
     over = []  # (memory bound, index, shape, hints, its tried entry): points no assignment of fits
     points = _candidates(hints, shape, n, cl)
@@ -402,7 +418,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         t_shape = time.perf_counter()
         entry = {"mesh": list(s), "layout": layout}
         try:  # groups first: a budget no assignment fits is known before any edge is costed
-            b, problem = build_problem(tg, CostModel(cl, s), budget_bytes, h, optimizer_layout, facts, edges=False)
+            b, problem = build_problem(tg, cost_model(s), budget_bytes, h, optimizer_layout, facts, edges=False)
         except HintUnsatisfiable as e:  # e.g. a forced family this shape cannot run
             tried.append({**entry, "modelled_step_time_s": None, "skipped": str(e), "solve_time_s": 0.0})
             return True
@@ -542,7 +558,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             "--solver-time-limit, search(time_limit_s=)), or with a larger memory budget"))
     if best is None and (infeasible or over):
         least = _least_budget(over, min(infeasible, default=math.inf),
-                              lambda s, h: build_problem(tg, CostModel(cl, s), budget_bytes, h, optimizer_layout,
+                              lambda s, h: build_problem(tg, cost_model(s), budget_bytes, h, optimizer_layout,
                                                          facts, edges=False))
         raise InfeasibleBudget(int(budget_bytes), least)
     if best is None:
