@@ -1232,7 +1232,8 @@ def test_edges_and_shares_charge_no_negative_time(model):
 
 def test_problems_on_one_cost_model_equal_those_on_fresh_ones():
     """A search builds every problem on a mesh shape with one cost model, whose memo keeps
-    reshard costs and node timers between them (``CostModel.memo``): each problem, built
+    reshard costs, node timers, strategy lists and edge tables between them
+    (``CostModel.memo``): each problem, built
     after the others on the shared model, is the one a fresh model gives (costs, memory,
     edges), and the memo did answer (the second build of a family asks it, adding nothing)."""
     from stpc.planner.builder import build_problem

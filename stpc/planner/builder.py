@@ -157,14 +157,18 @@ class Builder:
         self._item_order: dict | None = None    # item -> its place in graph order (read-back)
         self.timers: dict[int, NodeTimer] = {}  # decision group -> its node's timer (overlap windows)
         self._choice_lists: dict = {}           # placement choices by content: one list object each
-        self._derive_cache: dict = {}
-        self._enum_cache: dict = {}             # strategies by op spec and divisibility
+        # Answers that depend on the cost model and their keys alone, kept in its memo for
+        # every problem built on it (a search's families and hints on one mesh shape:
+        # ``CostModel.memo``)
+        memo = cm.memo.setdefault("builder", {})
+        self._derive_cache: dict = memo.setdefault("derive", {})
+        self._enum_cache: dict = memo.setdefault("enumerate", {})  # strategies by op spec and divisibility
+        self._reshard: dict = memo.setdefault("axis_reshard", {})  # axis_reshard by its arguments
+        self._reshard_phases: dict = memo.setdefault("axis_reshard_phases", {})  # ... and its phases
+        self._axis_tables: dict = memo.setdefault("axis_tables", {})  # per-axis class keys -> merged table
+        self._by_key: dict = memo.setdefault("by_key", {})  # derived/follower answers per signature and input
         self._shared: dict = {}                 # results shared by items of one signature
-        self._reshard: dict = {}                # axis_reshard by its arguments
-        self._reshard_phases: dict = {}         # axis_reshard_phases by its arguments
         self._axis_keys: dict = {}              # placement -> per-axis producer class key
-        self._axis_tables: dict = {}            # per-axis class keys -> merged edge table
-        self._by_key: dict = {}                 # derived/follower answers per signature and input
         self.budget = None
         self.head_params = {src for src, dst, _ in self.facts.edge_uses if dst in self.facts.head}
         # head parameters no op outside the head keeps for its backward (an embedding reading
