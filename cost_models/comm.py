@@ -104,8 +104,9 @@ class CostModel:
         self._bands = {key: ([u for u, _, _ in bands], [(a, 1.0 / bw) for _, a, bw in bands])
                        for key, bands in cluster.collective_bands.items() if bands}
         # Results of pure functions of this model, keyed by the function's name and arguments
-        # (``planner.costs.reshard_cost``): a search builds many problems on one mesh shape
-        # (every family and hint), which ask the same questions of one model.
+        # (``planner.costs.reshard_cost``, the planner builder's node timers and tables): a
+        # search builds many problems on one mesh shape (every family and hint), which ask
+        # the same questions of one model.
         self.memo: dict = {}
 
     # ------------------------------------------------------------------ links
