@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from stpc.cli.calibrate import DEFAULT_SIZES, calibrate, measure_collectives, refit_collectives
+from stpc.cli.calibrate import DEFAULT_SIZES, calibrate, measure_collectives, refit_collectives, sampled_sizes
 from stpc.cost_models import CostModel, get_cluster
 from stpc.cost_models.profile import predict, save_profile
 
@@ -68,7 +68,7 @@ def run(ranks: int, out: str) -> list[dict]:
     print(f"calibration: {ranks} {prof['backend']} ranks on {platform.node()} ({os.cpu_count()} cores), "
           f"{t_cal:.0f} s, profile {out}; 1-min load average {load_before[0]:.1f} before, "
           f"{load_after[0]:.1f} after (other jobs share these cores); grid "
-          f"{', '.join(_fmt_size(n) for n in prof_sizes(prof))}\n")
+          f"{', '.join(_fmt_size(n) for n in sampled_sizes(prof))}\n")
     print("| collective | size | measured (ms) | predicted, banded (ms) | error | banded on the powers of 4 alone (ms) "
           "| error | single α-β line (ms) | error |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -87,11 +87,6 @@ def run(ranks: int, out: str) -> list[dict]:
     print(f"\nworst |error| over all-gather, reduce-scatter, P2P (banded model): {worst:.0%} (target 30%); "
           f"fitted to the powers of 4 alone: {worst4:.0%}")
     return rows
-
-
-def prof_sizes(profile: dict) -> list[int]:
-    """The message sizes ``profile``'s collectives were sampled at."""
-    return sorted({int(s[0]) for e in profile["collectives"].values() for s in e["samples"]})
 
 
 def main(argv=None) -> int:

@@ -757,9 +757,14 @@ def _amend_fresh(profile: dict, per_rank: list) -> str:
     return fresh_line(fresh) + "; the collectives' lines fitted again to their samples less it"
 
 
+def sampled_sizes(profile: dict) -> list[int]:
+    """The message sizes ``profile``'s collectives were sampled at, in order."""
+    return sorted({int(nb) for entry in profile["collectives"].values() for nb, _ in entry["samples"]})
+
+
 def missing_sizes(profile: dict) -> list[int]:
     """The sizes of :data:`DEFAULT_SIZES` at which ``profile``'s collectives have no sample."""
-    have = {int(nb) for entry in profile["collectives"].values() for nb, _ in entry["samples"]}
+    have = set(sampled_sizes(profile))
     return [n for n in DEFAULT_SIZES if n not in have]
 
 
@@ -772,8 +777,7 @@ def amend_sizes(profile: dict) -> list[int]:
     sample is kept beside new ones.)"""
     if not profile["collectives"] or not missing_sizes(profile):
         return []
-    have = {int(nb) for entry in profile["collectives"].values() for nb, _ in entry["samples"]}
-    return sorted(have | set(DEFAULT_SIZES))
+    return sorted(set(sampled_sizes(profile)) | set(DEFAULT_SIZES))
 
 
 def merge_samples(profile: dict, got: dict) -> None:
