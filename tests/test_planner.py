@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from stpc import models, trace
-from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, Link, bytes_per_param, get_cluster
-from stpc.placement import local_shape, shard_factor
+from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, Link, bytes_per_param, get_cluster, optimizer_step_time
+from stpc.placement import local_shape, received_fraction, shard_factor
 from stpc.planner import Hints, InfeasibleBudget, Plan, lagrangian, mesh_shapes, plan_graph
 from stpc.planner.hints import data_parallel, megatron
 from stpc.planner.analysis import after_last_layer, analyse, layer_of, layer_param_bytes, saved_savers
@@ -638,6 +638,57 @@ def test_weight_gradient_reduction_overlaps_the_backward_compute(mesh):
     assert plan.nodes[lin].comm_s < whole
     blind = plan_graph(tg, CostModel(get_cluster("primepar-v100"), mesh, overlap_slowdown=1.0), hints=dp)
     assert blind.nodes[lin].comm_s == pytest.approx(whole, rel=1e-9)
+
+
+def _linear_plan(read, weight_token, overlap_slowdown=None):
+    """BigLinear on 4 devices, its linear forced to ``read`` (a strategy predicate), its
+    weight stored as ``weight_token``."""
+    with torch.device("meta"):
+        m = BigLinear()
+    tg = trace(m, (torch.empty(64, 1024, device="meta"),))
+    hints = Hints(force=[(r"^linear", read)], param_force=[(r".", lambda p, t=weight_token: p == (t,))])
+    cm = CostModel(get_cluster("primepar-v100"), (4,), *(() if overlap_slowdown is None else (overlap_slowdown,)))
+    plan = plan_graph(tg, cm, hints=hints)
+    lin = next(k for k, v in plan.nodes.items() if v.op == "linear.default")
+    w = next(k for k, v in plan.nodes.items() if v.role == "param")
+    assert plan.nodes[w].out == [weight_token]
+    return cm, plan, plan.nodes[lin], plan.nodes[w]
+
+
+def test_a_skewed_grid_weight_pays_its_relayout_every_step():
+    """A P2x2 weight planned in the skewed layout W is stored as plain blocks (no DTensor
+    placement says a skew) and relaid by one P2P exchange per call, its gradient back in
+    backward (``runtime.dtensors.to_plan_layout``): charged on the parameter, forward's
+    transfer alone (the feed's exchanges run back to back), backward's waited where it
+    stands; the optimizer step stays the parameter's compute."""
+    cm, plan, lin, w = _linear_plan(lambda s: s.kind == "p2x2", "W0.1")
+    assert lin.kind == "p2x2"
+    block = 1024 * 1024 * 4 / 4
+    relay = cm.p2p(block, 0) + cm.blocking(cm.p2p(block, 0))
+    assert relay > cm.p2p(block, 0) > 0
+    assert w.comm_s == pytest.approx(relay, rel=1e-9)
+    assert w.time_s == pytest.approx(optimizer_step_time(cm.device, 1024 * 1024 / 4), rel=1e-9)
+    assert lin.comm_s == 0  # (the linear reads the weight as the feed relays it)
+    bd = breakdown(plan)
+    assert bd["optimizer_step_s"] == pytest.approx(w.time_s, rel=1e-9)
+    assert bd["exposed_reshard_s"] >= relay  # (with the input's skew and the output's sum)
+    assert bd["step_s"] == pytest.approx(bd["compute_s"] + bd["exposed_s"], rel=1e-6)
+
+
+def test_a_weight_re_cut_for_its_reader_is_waited_not_overlapped():
+    """A weight stored split one way and read split another (rows S0 read as columns S1:
+    an all-to-all each way) is redistributed where it stands, forward and backward
+    (``runtime.redistribute``; only ZeRO gathers are prefetched and only gradient sums
+    bucketed): the edge costs the two blocking collectives, not what the linear's compute
+    beside them would hide."""
+    row_read = lambda s: s.kind == "spatial" and s.ins[1] == ("S1",)  # noqa: E731
+    cm, plan, lin, w = _linear_plan(row_read, "S0")
+    nbytes = 1024 * 1024 * 4
+    a2a = cm.all_to_all(nbytes, 0, received_fraction("S0", "S1", 4))
+    assert a2a > 0 and w.comm_s == 0
+    assert lin.comm_s == pytest.approx(2 * cm.blocking(a2a), rel=1e-9)
+    _, _, lin_blind, _ = _linear_plan(row_read, "S0", overlap_slowdown=1.0)
+    assert lin_blind.comm_s == pytest.approx(lin.comm_s, rel=1e-9)
 
 
 def test_megatron_hint_gives_column_then_row():

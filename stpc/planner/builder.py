@@ -76,7 +76,7 @@ from stpc.placement import REPLICATE, fits, shard, shard_factor
 from stpc.planner import grad_sum
 from stpc.planner.analysis import GraphFacts, Item, analyse, kept_when_selective, layer_of, layer_param_bytes
 from stpc.planner.costs import (RESHARD_COPIES, NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, grad_bytes,
-                               grad_reduction_bytes, kept_gathered_bytes, param_copy_phases, reshard_cost,
+                               grad_reduction_bytes, grid_relayout_s, kept_gathered_bytes, param_copy_phases, reshard_cost,
                                ring_backward_bytes, stash_bytes, transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints, sequence_parallel_nodes
 from stpc.planner.plan import NodePlan, Plan
@@ -306,6 +306,10 @@ class Builder:
                         kept_gathered_bytes(val, p, self.mesh, self.hints.keep_gathered) for p in choices]
                 own_mem = [m + k for m, k in zip(mem, kept)]  # (what NodePlan.mem_bytes reports)
                 mem = [self.memory.forward_param_bytes(val.numel(), w) + k for w, k in zip(shards, kept)]
+            # a skewed grid weight is stored as plain blocks and relaid each step (a tied copy's too:
+            # the feed relays every parameter read so)
+            nbytes = val.numel() * val.element_size()
+            cost = [c + grid_relayout_s(self.cm, p, nbytes, node in self.rg) for c, p in zip(cost, choices)]
         else:
             # A user input: each rank loads its own shard, so any even split is free.
             choices = placement_choices(shape, self.mesh, grid_weight=False)
@@ -942,7 +946,12 @@ class Builder:
                         if c is None:
                             copy = sum(param_copy_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=True
                                                          if gathered else again))
-                            if gathered:  # (exposed: counted with the copies, not overlapped)
+                            # split again on the axis (a replicated weight's slice, whose gradient is
+                            # gathered back; a split weight re-cut): a redistribution waited where it
+                            # stands, forward and backward (``runtime.shard_slice``, ``redistribute``),
+                            # not a gather or a gradient sum the runtime overlaps
+                            waited = q[0] not in "RP" and q != tok
+                            if gathered or waited:  # (exposed: counted with the copies, not overlapped)
                                 f, b = axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=True,
                                                            messages=(GRAD_BUCKET_BYTES, 0.0))
                                 c = (0.0, 0.0), copy + self.cm.blocking(f) + self.cm.blocking(b)
@@ -1167,8 +1176,12 @@ class Builder:
         """(role, op, kind, out, ins, axis, time_s, comm_s, mem_bytes) of item ``it`` under
         choice c (every node of an item runs one op)."""
         grp = self.groups[it.group]
-        if it.kind in ("param", "input"):  # a parameter's time: its optimizer step
-            return (it.kind, "placeholder", "spatial", self.place[it][c], (), -1, float(grp.own_cost[c]), 0.0,
+        if it.kind in ("param", "input"):  # a parameter's time: its optimizer step (+ a skewed weight's relayout)
+            comm = 0.0
+            if it.kind == "param":
+                val = it.node.meta["val"]
+                comm = grid_relayout_s(self.cm, self.place[it][c], val.numel() * val.element_size(), it.node in self.rg)
+            return (it.kind, "placeholder", "spatial", self.place[it][c], (), -1, float(grp.own_cost[c]) - comm, comm,
                     float(grp.own_mem[c]))
         op = _op_name(it.node)
         if it.kind == "derived":  # planned through its operand; to the passes a decision like any other

@@ -28,7 +28,11 @@ more all-gather in backward (``regather``): the runtime does not keep whole para
 from forward to backward and gathers them again there, as FSDP2 does by default
 (``stpc.runtime.RegatherSaved``). Not on the axes a plan keeps gathered weights over
 (ZeRO-2, ``Hints.keep_gathered``): there the whole copy is memory saved for backward
-(:func:`kept_gathered_bytes`) instead.
+(:func:`kept_gathered_bytes`) instead. A parameter's edge to a split it does not hold
+(S -> S', R -> S/grid) is a redistribution the runtime waits on where it stands, forward
+and backward (only gathers are prefetched and gradient sums bucketed): charged blocking,
+not overlapped (``Builder._param_edge``). A weight planned in a skewed grid layout pays its
+relayout from the stored blocks on the parameter (:func:`grid_relayout_s`).
 
 A dim split over several axes whose outer split changes (tokens S1, S0 -> S0, S0) is costed as
 the per-axis sum too: the all-to-all of the outer axis, nothing on the inner one. The runtime
@@ -123,6 +127,20 @@ def param_copy_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float, c
             return cut, 0.0
         return cut, (2 if regather else 1) * cut  # (cut again for the re-gather; the gradient laid out)
     return 0.0, 0.0
+
+
+def grid_relayout_s(cm: CostModel, placement: tuple[str, ...], nbytes: float, needs_grad: bool) -> float:
+    """Seconds a parameter planned in a skewed grid layout (X or W) costs each step to read. It
+    is stored as the plain blocks B over the same dims (no DTensor placement says a skew,
+    ``runtime.dtensors.stored``), and every call relays this rank's block to the skewed one
+    by one P2P exchange per such axis before the program runs
+    (``runtime.dtensors.to_plan_layout``), and its gradient back where backward makes it.
+    The forward exchanges run back to back in the call's feed, where the ranks meet once:
+    charged their transfers alone. Each backward one stands between two ops' compute, and
+    every rank waits on it there (``CostModel.blocking``)."""
+    local = nbytes / shard_factor(placement, cm.mesh_shape)
+    steps = [cm.p2p(local, a) for a, tok in enumerate(placement) if tok[0] in "XW"]
+    return sum(steps) + (sum(map(cm.blocking, steps)) if needs_grad else 0.0)
 
 
 def axis_reshard(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
@@ -494,4 +512,4 @@ def kept_gathered_bytes(val, placement, mesh, axes) -> float:
     return val.numel() * val.element_size() / rest
 
 
-__all__ = ["grad_bytes", "ring_backward_bytes", "grad_reduction_bytes", "WORKING_COPIES", "RESHARD_COPIES", "param_copy_phases", "kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]
+__all__ = ["grid_relayout_s", "grad_bytes", "ring_backward_bytes", "grad_reduction_bytes", "WORKING_COPIES", "RESHARD_COPIES", "param_copy_phases", "kept_gathered_bytes", "reshard_cost", "NodeTimer", "transient_bytes", "axis_reshard", "axis_reshard_phases", "dtype_name"]

@@ -276,7 +276,7 @@ def _breakdown(sv: Solved) -> dict:
       op's roofline time of its local work, forward + backward + weight gradient, and the
       optimizer step over the parameter state each device holds (``optimizer_step_s``);
     * exposed: the rest of the step time: reshards on edges and shares, gathers of
-      followers that cannot keep a layout, ring transfers longer than the compute of their
+      followers that cannot keep a layout, skewed grid weights relaid from their stored blocks, ring transfers longer than the compute of their
       step, parameter synchronisation beyond its op's compute (with the compute slowdown
       under overlap, ``cost_models.overlap``, and the runtime's copies around it,
       ``costs.param_copy_phases``);
@@ -293,7 +293,9 @@ def _breakdown(sv: Solved) -> dict:
     free = type(b)(b.tg, _FreeComm(cm.cluster, cm.mesh_shape, cm.overlap_slowdown), b.hints, layout, facts)
     free.build(None, edges=False)
     compute = sum(float(free.groups[g].cost[c]) for g, c in enumerate(ch))
-    optimizer_step = sum(float(b.groups[g].cost[ch[g]]) for g, it in enumerate(facts.group_items) if it.kind == "param")
+    # (a parameter's own cost is its optimizer step; a skewed grid weight's relayout is a transfer)
+    optimizer_step = sum(float(free.groups[g].cost[ch[g]]) for g, it in enumerate(facts.group_items)
+                         if it.kind == "param")
     groups = sum(float(b.groups[g].cost[c]) for g, c in enumerate(ch))
     # rings: real = sum max(c, t) (+ the slowdown and overhead); compute C, transfers T:
     # hidden = C + T - real, none where compute slowed by more than the transfer took
@@ -326,7 +328,7 @@ def _breakdown(sv: Solved) -> dict:
     param_other = edge_sum(other.build(None), True)
     param_hidden = max(0.0, (param_other - param_real) / (s2 - s1))
     slowdown = s1 * param_hidden
-    gathers = groups - compute - ring_exposed  # followers/derived ops that gather to keep going
+    gathers = groups - compute - ring_exposed  # followers/derived ops that gather to keep going; weights relaid
     exposed = groups - compute + param_real + other_edges
     # memory: persistent parts under the chosen placements + the largest transient
     weight = grad = opt = kept = 0.0

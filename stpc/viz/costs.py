@@ -100,8 +100,8 @@ def layer_costs(plan) -> list[dict]:
                 add(it.node.name, "hidden_s", max(0.0, comp + t - real) * it.count)  # (as summary.breakdown)
         elif it.kind in ("follower", "derived"):
             real, comp = float(b.extra[it][c]), float(free.extra[it][c])
-        elif it.kind == "param":  # its optimizer step (compute: memory-bound work, no transfer)
-            real = comp = float(b.groups[it.group].own_cost[c])
+        elif it.kind == "param":  # its optimizer step (memory-bound work) and a skewed weight's relayout
+            real, comp = float(b.groups[it.group].own_cost[c]), float(free.groups[it.group].own_cost[c])
         else:
             continue
         add(it.node.name, "compute_s", comp * it.count)
