@@ -76,8 +76,8 @@ from stpc.placement import REPLICATE, fits, shard, shard_factor
 from stpc.planner import grad_sum
 from stpc.planner.analysis import GraphFacts, Item, analyse, kept_when_selective, layer_of, layer_param_bytes
 from stpc.planner.costs import (RESHARD_COPIES, NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, grad_bytes,
-                               grad_reduction_bytes, grid_relayout_s, kept_gathered_bytes, param_copy_phases, reshard_cost,
-                               ring_backward_bytes, stash_bytes, transient_bytes)
+                               grad_reduction_bytes, grid_relayout_s, kept_gathered_bytes, param_copy_phases,
+                               reshard_cost, ring_backward_bytes, stash_bytes, transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints, sequence_parallel_nodes
 from stpc.planner.plan import NodePlan, Plan
 from stpc.planner.sharing import Share
@@ -307,7 +307,7 @@ class Builder:
                 own_mem = [m + k for m, k in zip(mem, kept)]  # (what NodePlan.mem_bytes reports)
                 mem = [self.memory.forward_param_bytes(val.numel(), w) + k for w, k in zip(shards, kept)]
             # a skewed grid weight is stored as plain blocks and relaid each step (a tied copy's too:
-            # the feed relays every parameter read so)
+            # the feed relays every placeholder planned so)
             nbytes = val.numel() * val.element_size()
             cost = [c + grid_relayout_s(self.cm, p, nbytes, node in self.rg) for c, p in zip(cost, choices)]
         else:

@@ -276,8 +276,9 @@ def _breakdown(sv: Solved) -> dict:
       op's roofline time of its local work, forward + backward + weight gradient, and the
       optimizer step over the parameter state each device holds (``optimizer_step_s``);
     * exposed: the rest of the step time: reshards on edges and shares, gathers of
-      followers that cannot keep a layout, skewed grid weights relaid from their stored blocks, ring transfers longer than the compute of their
-      step, parameter synchronisation beyond its op's compute (with the compute slowdown
+      followers that cannot keep a layout, skewed grid weights relaid from their stored
+      blocks, ring transfers longer than the compute of their step, parameter
+      synchronisation beyond its op's compute (with the compute slowdown
       under overlap, ``cost_models.overlap``, and the runtime's copies around it,
       ``costs.param_copy_phases``);
     * hidden: transfers that run beside compute and do not add to the step: ring transfers
