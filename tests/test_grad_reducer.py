@@ -44,6 +44,45 @@ def _cases(rank, world, plans):
                    and len(red.buckets) == 2)
     red.remove()
 
+    # keep_buffers: a bucket's buffer written again only once nothing else holds it (no
+    # gradient a caller kept is overwritten; an accumulating .grad keeps its sum)
+    red = GradReducer([(b, joint_group(mesh, (0, 1))), (a, joint_group(mesh, (0, 1)))], bucket_bytes=8,
+                      first_bucket_bytes=8, keep_buffers=True)
+
+    def backward(k):
+        ((a * torch.arange(3.0)).sum() * (rank + 1) * k + (b * 2).sum() * (rank + 1) * k).backward()
+
+    def ptr(t):
+        return t.untyped_storage().data_ptr()
+
+    def right(k):
+        return torch.equal(a.grad, torch.arange(3.0) * total * k) and torch.equal(b.grad, torch.full((2, 2), 2.0 * total * k))
+
+    a.grad = b.grad = None
+    backward(1)
+    first, ok = ptr(a.grad), right(1)
+    a.grad = b.grad = None
+    backward(2)
+    reused, ok = ptr(a.grad) == first, ok and right(2)
+    held = a.grad
+    a.grad = b.grad = None
+    backward(3)
+    kept_safe, ok = ptr(a.grad) != ptr(held) and torch.equal(held, torch.arange(3.0) * total * 2), ok and right(3)
+    backward(4)  # no zero_grad: the reduced sum is added to the .grad already there
+    ok = ok and right(7) and torch.equal(held, torch.arange(3.0) * total * 2)
+    out["kept_buffers"] = {"values": ok, "reused": reused, "held_untouched": kept_safe}
+    red.remove()
+    a.grad = b.grad = None
+    plain = GradReducer([(a, joint_group(mesh, (0, 1)))], keep_buffers=False)
+    backward(1)
+    first = ptr(a.grad)
+    a.grad = None
+    keep_alive = torch.empty(3)  # (an allocation between the passes, so malloc cannot hand the same block back)
+    backward(1)
+    out["fresh_by_default"] = ptr(a.grad) != first
+    plain.remove()
+    del keep_alive
+
     # the parameter feed's local view (runtime.param_local) and the reducer's gradient DTensor
     # (runtime.dtensors.grad_like) give what to_local's backward and from_local give
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -140,6 +179,8 @@ def test_bucketed_reduction_matches_single_device():
     res = spawn(_cases, 4, plans, timeout_s=240)
     for r in res:
         assert r["bare"]
+        assert r["kept_buffers"] == {"values": True, "reused": True, "held_untouched": True}, r["kept_buffers"]
+        assert r["fresh_by_default"]
         assert all(r["param_local"]) and len(r["param_local"]) == 10, r["param_local"]
         small, default, plain = r["2x2-small-buckets"], r["4-default"], r["4-unbucketed"]
         # fp32, rtol 1e-4: bucketing changes the order of the sums only

@@ -473,7 +473,11 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
                  "coalesced per-layer collectives on DTensor shards; stpc computes the global mean loss inside the "
                  "step (a scalar all-reduce issued at the end of forward and waited where the loss is first read, "
                  "not before backward; the target count's issued at the step's start) where the torch engines "
-                 "reduce the loss after backward; stpc's parameters are DTensors for every plan, DDP's are plain tensors. The "
+                 "reduce the loss after backward; stpc's parameters are DTensors for every plan, DDP's are plain tensors "
+                 "(so the optimizer's foreach ops go through DTensor's dispatch on stpc's side, as on FSDP2's); "
+                 "stpc's gradient buckets are allocated in each backward and freed with the gradients, where DDP keeps "
+                 "its buckets allocated from step to step (part of DDP's higher peak; on a CPU under glibc's malloc, "
+                 "stpc's fresh buckets are paged in again every step: its page-fault column). The "
                  "solved plan is the one stpc's cost model ranks first on the cluster named in its row."
                  + solved_note(records))
     lines.append("")

@@ -26,6 +26,14 @@ several layouts, and only some of them are data-parallel, over some mesh axes):
   ``.grad`` already holds a sum keeps it; its hook returns zeros so autograd adds
   nothing, and the reduced gradient is added to ``.grad`` at the end. Buffers are
   allocated per pass, so an earlier pass's ``.grad`` views are never overwritten.
+* ``keep_buffers`` (off by default; ``benchmarks/dp_gap_check.py`` measures what it buys):
+  each bucket keeps its last pass's buffer and the next pass writes into it again, as DDP
+  keeps its buckets, but only where nothing else holds that buffer any more (the
+  ``.grad`` views dropped by ``zero_grad(set_to_none=True)`` and no reference kept), so no
+  gradient a caller still holds is overwritten. Memory for time: the buffers stay
+  allocated through forward (DDP's peak carries them too), and on a CPU under glibc's
+  malloc a fresh buffer's pages are faulted in again every pass, which a kept one is not;
+  a caching allocator (CUDA's) hands a freed block back warm, so there it buys little.
 
 It knows nothing of plans or graphs: the compiled model tells it which parameters, in
 which order, over which groups (``passes.defer_grad_sync``).
@@ -55,6 +63,8 @@ class _Bucket:
         self.numels: list[int] = []
         self.numel = 0
         self.flat: Tensor | None = None      # this pass's gradients, flattened
+        self.spare: Tensor | None = None     # the last pass's buffer (``keep_buffers``)
+        self.alone = 0                       # its storage's use count when only this bucket holds it
         self.arrived: set[int] = set()       # params whose gradient this pass has produced
         self.accumulate: set[int] = set()    # params whose .grad already held a sum
         self.work = None
@@ -62,6 +72,22 @@ class _Bucket:
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _use_count(t: Tensor) -> int:
+    """How many tensors share ``t``'s storage (as inductor's cudagraph trees ask it)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _buffer(b: _Bucket, zero: bool) -> Tensor:
+    """This pass's flat buffer of ``b``: the last pass's, where only ``b`` holds it still
+    (``keep_buffers``), else a new one."""
+    spare, b.spare = b.spare, None
+    if spare is not None and _use_count(spare) == b.alone:
+        return spare.zero_() if zero else spare
+    flat = (torch.zeros if zero else torch.empty)(b.numel, dtype=b.dtype, device=b.device)
+    b.alone = _use_count(flat)
+    return flat
 
 
 def _as_grad(p, local: Tensor) -> Tensor:
@@ -73,11 +99,14 @@ class GradReducer:
     """Sum partial gradients over their groups, bucketed and asynchronous; see the module docstring.
 
     ``params``: ``(parameter, group name)`` in the order backward makes their gradients
-    ready (first ready first); a parameter listed twice is counted once.
+    ready (first ready first); a parameter listed twice is counted once. ``keep_buffers``:
+    reuse each bucket's buffer from pass to pass where nothing else holds it (see the module
+    docstring).
     """
 
     def __init__(self, params: list[tuple[torch.nn.Parameter, str]], bucket_bytes: int = 25 * 2**20,
-                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES):
+                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES, keep_buffers: bool = False):
+        self.keep_buffers = keep_buffers
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}
         self._handles = []
@@ -138,7 +167,7 @@ class GradReducer:
             bi, pi = self._where[id(p)]
             b = self.buckets[bi]
             if b.flat is None:
-                b.flat = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+                b.flat = _buffer(b, zero=False)
             local = _local(grad)
             b.flat[b.offsets[pi]:b.offsets[pi] + local.numel()].view_as(local).copy_(local)
             b.arrived.add(pi)
@@ -158,7 +187,7 @@ class GradReducer:
 
     def _launch(self, b: _Bucket) -> None:
         if b.flat is None:  # no gradient reached this bucket this pass: its sum is zero
-            b.flat = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+            b.flat = _buffer(b, zero=True)
         elif len(b.arrived) < len(b.params):  # some did not: their share of the sum is zero
             for i, p in enumerate(b.params):
                 if i not in b.arrived:
@@ -196,6 +225,7 @@ class GradReducer:
                         p.grad = _as_grad(p, piece)
                 b.arrived.clear()
                 b.accumulate.clear()
+                b.spare = b.flat if self.keep_buffers else None
                 b.flat, b.work = None, None
 
     def remove(self) -> None:

@@ -1,0 +1,212 @@
+"""Where stpc's data-parallel program loses to DDP, taken apart by measurement.
+
+    .venv/bin/python benchmarks/dp_gap_check.py [--ranks 4] [--steps 20] [--json FILE]
+                                                [--results benchmarks/RESULTS.md]
+
+The runtime bench (``python -m stpc bench runtime``) runs stpc's ``dp`` program beside
+torch's ``DistributedDataParallel`` on the same model, data and ranks, and the solved plan is
+that program on the development VM, so its row's target (no slower than DDP) rests on this
+pair. Two differences are built in (the bench's "by construction" paragraph); this script
+times each one alone, with the bench's model, data, optimizer, ranks and step
+(``stpc.cli.bench_runtime.timed_step``), interleaved in one run so the machine's drift hits
+all alike:
+
+* the gradient buckets. stpc's reducer allocates them in each backward and frees them with
+  the gradients; DDP keeps its buckets allocated from step to step. The same stpc program is
+  run twice: as shipped, and with its reducer keeping its buffers
+  (``GradReducer(keep_buffers=True)``, DDP's way; off in stpc), with DDP as the third
+  engine. Their step times and parts, page faults and peak memory (the bench's measure, plus
+  the kept buffers, which no parameter holds between steps);
+* the optimizer over DTensors. stpc's parameters are DTensors (the product's promise:
+  optimizers, ``state_dict`` and DCP see sharded tensors), DDP's plain tensors. In the same
+  rounds, AdamW (foreach, the bench's) steps two copies of the dp program's parameters and
+  gradients: as DTensors, and as plain tensors of the same values. Each step timed from a
+  barrier on every rank at once, the slowest rank's.
+
+Writes the ``dp-gap`` section of ``--results`` (between its markers, replaced whole).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from stpc.cli.bench import machine_line, write_section
+from stpc.cli.bench_engines import build_engine
+from stpc.cli.bench_runtime import _peak_of_step, _stpc_engine, interleaved, timed_step
+from stpc.frontend import models
+from stpc.runtime.launch import spawn
+
+ENGINES = ("stpc dp (buckets fresh each step, as shipped)", "stpc dp (buckets kept, DDP's way)", "ddp")
+PARTS = ("step", "fwd_bwd", "optimizer", "cpu", "faults")
+
+
+def _reducers(engine):
+    return [prog.reducer for prog in engine.model.stpc.programs.values() if prog.reducer is not None]
+
+
+def _kept_bytes(engine) -> int:
+    """Bytes of the bucket buffers the reducers hold between steps (``keep_buffers``)."""
+    return sum(b.spare.untyped_storage().nbytes() for r in _reducers(engine) for b in r.buckets
+               if b.spare is not None)
+
+
+def _optimizer_pair(engine):
+    """Two AdamW optimizers over copies of ``engine``'s parameters with gradients: the copies
+    as DTensors (as stpc holds them) and as plain tensors of the same values."""
+    as_dt, plain = [], []
+    for p in engine.parameters():
+        local = p.to_local().detach()
+        grad = p.grad.to_local().detach() if p.grad is not None else torch.ones_like(local) * 1e-3
+        q = torch.nn.Parameter(DTensor.from_local(local.clone(), p.device_mesh, p.placements, run_check=False,
+                                                  shape=p.shape, stride=p.stride()))
+        q.grad = DTensor.from_local(grad.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                    stride=p.stride())
+        as_dt.append(q)
+        r = torch.nn.Parameter(local.clone())
+        r.grad = grad.clone()
+        plain.append(r)
+    return (torch.optim.AdamW(as_dt, lr=1e-4, foreach=True), torch.optim.AdamW(plain, lr=1e-4, foreach=True))
+
+
+def _timed_opt_step(opt) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    opt.step()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return float(dt)
+
+
+def _worker(rank: int, world: int, cfg: dict) -> dict:
+    torch.manual_seed(0)
+    base = models.build(cfg["model"], n_layers=cfg["layers"])
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, base.cfg.vocab, (cfg["batch"], cfg["seq"]), generator=g)
+    tgt = torch.randint(0, base.cfg.vocab, (cfg["batch"], cfg["seq"]), generator=g)
+    spec = {"hints": "dp", "mesh": (world,)}
+    engines = [_stpc_engine("fresh", spec, copy.deepcopy(base), idx, tgt, world, cfg.get("cluster")),
+               _stpc_engine("kept", spec, copy.deepcopy(base), idx, tgt, world, cfg.get("cluster")),
+               build_engine("ddp", copy.deepcopy(base), idx, tgt, (world,))]
+    opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for e in engines]
+    times = [[] for _ in engines]
+    losses = [None] * len(engines)
+    opt_pair, opt_times = None, ([], [])
+    kept_at: set[int] = set()
+    for r, i in interleaved(len(engines), cfg["warmup"], cfg["steps"], "[dp gap] rounds", False):
+        loss, dt = timed_step(engines[i], opts[i])
+        if r == 0:
+            losses[i] = float(loss)
+            if i == 1:  # the reducer exists from the first call on: keep its buffers from now on
+                for red in _reducers(engines[1]):
+                    red.keep_buffers = True
+            if i == 0:
+                opt_pair = _optimizer_pair(engines[0])
+        if r >= cfg["warmup"]:
+            times[i].append(dt)
+            if i == 1:  # where the kept engine's gradients lie: one buffer, step after step
+                # (no reference kept: a gradient still held is one the reducer must not overwrite)
+                kept_at.add(next(iter(engines[1].parameters())).grad.to_local().untyped_storage().data_ptr())
+            if i == 0:  # the optimizer pair, in the same rounds, the order alternating
+                order = (0, 1) if r % 2 else (1, 0)
+                for k in order:
+                    opt_times[k].append(_timed_opt_step(opt_pair[k]))
+    peaks = []
+    for i, e in enumerate(engines):
+        dist.barrier()
+        p = torch.tensor([_peak_of_step(e, opts[i]) + (_kept_bytes(e) if i < 2 else 0)], dtype=torch.float64)
+        dist.all_reduce(p, op=dist.ReduceOp.MAX)
+        peaks.append(int(p))
+    if rank:
+        return {}
+    return {"engines": [{"name": name, "first_loss": losses[i], "peak_bytes": peaks[i],
+                         "rounds": [dict(zip(PARTS, t)) for t in times[i]]} for i, name in enumerate(ENGINES)],
+            "optimizer": {"dtensor_s": opt_times[0], "plain_s": opt_times[1]},
+            "kept_buffers_reused": len(kept_at) == 1}
+
+
+def _med(xs):
+    return statistics.median(xs)
+
+
+def _faster(a: list[float], b: list[float]) -> int:
+    return sum(x < y for x, y in zip(a, b))
+
+
+def report(cfg: dict, res: dict, machine: str, command: str) -> str:
+    eng = res["engines"]
+    med = [{k: _med([r[k] for r in e["rounds"]]) for k in PARTS} for e in eng]
+    fresh, kept, ddp = med
+    steps = [[r["step"] for r in e["rounds"]] for e in eng]
+    n = len(steps[0])
+    lines = ["## The data-parallel gap, taken apart: stpc's dp program against DDP (issue 17)", "",
+             f"Command: `{command}`", "", machine, "",
+             f"Model `{cfg['model']}` cut to {cfg['layers']} layer{'s' if cfg['layers'] != 1 else ''}, global batch {cfg['batch']} x seq {cfg['seq']}, "
+             f"fp32, AdamW (foreach), {cfg['ranks']} gloo ranks on this machine, as the runtime bench runs its data "
+             f"parallel pair (`benchmarks/dp_gap_check.py` says how each part is timed). Interleaved: "
+             f"{cfg['warmup']} warm-up rounds, then the median of {n}; a step's time and parts are the slowest "
+             f"rank's, CPU seconds and page faults the mean over ranks. First-step losses: "
+             + ", ".join(f"{e['first_loss']:.6f}" for e in eng) + ".", "",
+             "| engine | step s | forward + backward s | optimizer s | CPU s | page faults | peak MiB | step / DDP's |",
+             "|---|---|---|---|---|---|---|---|"]
+    for e, m in zip(eng, med):
+        lines.append(f"| {e['name']} | {m['step']:.4f} | {m['fwd_bwd']:.4f} | {m['optimizer']:.4f} | {m['cpu']:.3f} | "
+                     f"{m['faults']:.0f} | {e['peak_bytes'] / 2**20:.1f} | {m['step'] / ddp['step']:.3f} |")
+    opt = res["optimizer"]
+    o_dt, o_plain = _med(opt["dtensor_s"]), _med(opt["plain_s"])
+    lines += ["", f"AdamW's step alone over the same parameters and gradients (the shipped dp program's, copied), "
+                  f"every rank at once, the slowest rank's, median of {len(opt['dtensor_s'])}: as DTensors "
+                  f"{o_dt * 1e3:.1f} ms, as plain tensors {o_plain * 1e3:.1f} ms (plain faster in "
+                  f"{_faster(opt['plain_s'], opt['dtensor_s'])} of {len(opt['plain_s'])} rounds).", ""]
+    gap = fresh["step"] - ddp["step"]
+    buckets = fresh["step"] - kept["step"]
+    dtensor = o_dt - o_plain
+    lines.append(
+        f"Taken apart: the shipped program's step is {gap * 1e3:+.1f} ms from DDP's ({fresh['step'] / ddp['step']:.3f}x). "
+        f"Keeping the buckets moves it by {-buckets * 1e3:+.1f} ms (kept faster than fresh in "
+        f"{_faster(steps[1], steps[0])} of {n} rounds; page faults {fresh['faults']:.0f} -> {kept['faults']:.0f} a step) "
+        f"at {(eng[1]['peak_bytes'] - eng[0]['peak_bytes']) / 2**20:+.1f} MiB of peak; the optimizer's DTensor dispatch "
+        f"costs {dtensor * 1e3:+.1f} ms a step over plain tensors. Left with kept buckets: "
+        f"{(kept['step'] - ddp['step']) * 1e3:+.1f} ms ({kept['step'] / ddp['step']:.3f}x DDP; forward + backward "
+        f"{(kept['fwd_bwd'] - ddp['fwd_bwd']) * 1e3:+.1f} ms, optimizer {(kept['optimizer'] - ddp['optimizer']) * 1e3:+.1f} ms; "
+        f"kept faster than DDP in {_faster(steps[1], steps[2])} of {n} rounds).")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--model", default="gpt-50m")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cluster", default="benchmarks/data/calibration_cpu_vm_s33.json",
+                    help="the profile stpc plans the dp program on (the runtime bench's)")
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--json")
+    ap.add_argument("--results", help="write the dp-gap section of this markdown file (benchmarks/RESULTS.md)")
+    args = ap.parse_args(argv)
+    cfg = {k: getattr(args, k) for k in ("ranks", "model", "layers", "batch", "seq", "steps", "warmup", "cluster")}
+    res = spawn(_worker, args.ranks, cfg, timeout_s=args.timeout)[0]
+    command = "python benchmarks/dp_gap_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = report(cfg, res, machine_line(), command.strip())
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, **res}, f, indent=1)
+    if args.results:
+        write_section(args.results, "dp-gap", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
