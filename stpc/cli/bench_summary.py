@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 
-# the sections the benches write, in the order the summary lists them
-SECTIONS = ("fidelity", "runtime", "primepar", "planner", "kernel")
+# the sections the benches write (and ``benchmarks/dp_gap_check.py``'s), in the order the
+# summary lists them
+SECTIONS = ("fidelity", "runtime", "dp-gap", "primepar", "planner", "kernel")
 
 _NOT_FOUND = "(no headline found in this section: its bench changed what it writes; read the section)"
 
@@ -41,6 +42,10 @@ def _fidelity(text: str) -> list[str]:
 
 def _runtime(text: str) -> list[str]:
     return _lines(text, "Targets met")
+
+
+def _dp_gap(text: str) -> list[str]:
+    return _lines(text, "Taken apart:")
 
 
 def _counts(line: str) -> str:
@@ -71,7 +76,7 @@ def _kernel(text: str) -> list[str]:
     return [" ".join(device + found[:1])] + found[1:] if found else []
 
 
-_HEADLINES = {"fidelity": _fidelity, "runtime": _runtime, "primepar": _primepar, "planner": _planner,
+_HEADLINES = {"fidelity": _fidelity, "runtime": _runtime, "dp-gap": _dp_gap, "primepar": _primepar, "planner": _planner,
               "kernel": _kernel}
 
 
