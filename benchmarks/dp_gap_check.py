@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from stpc.cli._stats import SIGN_TEST_P, paired_rounds
 from stpc.cli.bench import machine_line, write_section
 from stpc.cli.bench_engines import build_engine
 from stpc.cli.bench_runtime import _peak_of_step, _stpc_engine, interleaved, timed_step
@@ -136,8 +137,10 @@ def _med(xs):
     return statistics.median(xs)
 
 
-def _faster(a: list[float], b: list[float]) -> int:
-    return sum(x < y for x, y in zip(a, b))
+def _faster(a: list[float], b: list[float]) -> str:
+    """"faster in k of n rounds" and whether the sign test separates the two (``_stats``)."""
+    wins, n, p = paired_rounds(a, b)
+    return f"faster in {wins} of {n} rounds, " + ("separated" if p < SIGN_TEST_P else "not separated") + f": p {p:.2g}"
 
 
 def report(cfg: dict, res: dict, machine: str, command: str) -> str:
@@ -163,20 +166,20 @@ def report(cfg: dict, res: dict, machine: str, command: str) -> str:
     o_dt, o_plain = _med(opt["dtensor_s"]), _med(opt["plain_s"])
     lines += ["", f"AdamW's step alone over the same parameters and gradients (the shipped dp program's, copied), "
                   f"every rank at once, the slowest rank's, median of {len(opt['dtensor_s'])}: as DTensors "
-                  f"{o_dt * 1e3:.1f} ms, as plain tensors {o_plain * 1e3:.1f} ms (plain faster in "
-                  f"{_faster(opt['plain_s'], opt['dtensor_s'])} of {len(opt['plain_s'])} rounds).", ""]
+                  f"{o_dt * 1e3:.1f} ms, as plain tensors {o_plain * 1e3:.1f} ms (plain "
+                  f"{_faster(opt['plain_s'], opt['dtensor_s'])}).", ""]
     gap = fresh["step"] - ddp["step"]
     buckets = fresh["step"] - kept["step"]
     dtensor = o_dt - o_plain
     lines.append(
         f"Taken apart: the shipped program's step is {gap * 1e3:+.1f} ms from DDP's ({fresh['step'] / ddp['step']:.3f}x). "
-        f"Keeping the buckets moves it by {-buckets * 1e3:+.1f} ms (kept faster than fresh in "
-        f"{_faster(steps[1], steps[0])} of {n} rounds; page faults {fresh['faults']:.0f} -> {kept['faults']:.0f} a step) "
+        f"Keeping the buckets moves it by {-buckets * 1e3:+.1f} ms (kept than fresh: "
+        f"{_faster(steps[1], steps[0])}; page faults {fresh['faults']:.0f} -> {kept['faults']:.0f} a step) "
         f"at {(eng[1]['peak_bytes'] - eng[0]['peak_bytes']) / 2**20:+.1f} MiB of peak; the optimizer's DTensor dispatch "
         f"costs {dtensor * 1e3:+.1f} ms a step over plain tensors. Left with kept buckets: "
         f"{(kept['step'] - ddp['step']) * 1e3:+.1f} ms ({kept['step'] / ddp['step']:.3f}x DDP; forward + backward "
         f"{(kept['fwd_bwd'] - ddp['fwd_bwd']) * 1e3:+.1f} ms, optimizer {(kept['optimizer'] - ddp['optimizer']) * 1e3:+.1f} ms; "
-        f"kept faster than DDP in {_faster(steps[1], steps[2])} of {n} rounds).")
+        f"kept than DDP: {_faster(steps[1], steps[2])}; the shipped program than DDP: {_faster(steps[0], steps[2])}).")
     return "\n".join(lines) + "\n"
 
 
