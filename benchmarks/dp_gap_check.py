@@ -133,10 +133,6 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
             "kept_buffers_reused": len(kept_at) == 1}
 
 
-def _med(xs):
-    return statistics.median(xs)
-
-
 def _faster(a: list[float], b: list[float]) -> str:
     """"faster in k of n rounds" and whether the sign test separates the two (``_stats``)."""
     wins, n, p = paired_rounds(a, b)
@@ -145,7 +141,7 @@ def _faster(a: list[float], b: list[float]) -> str:
 
 def report(cfg: dict, res: dict, machine: str, command: str) -> str:
     eng = res["engines"]
-    med = [{k: _med([r[k] for r in e["rounds"]]) for k in PARTS} for e in eng]
+    med = [{k: statistics.median([r[k] for r in e["rounds"]]) for k in PARTS} for e in eng]
     fresh, kept, ddp = med
     steps = [[r["step"] for r in e["rounds"]] for e in eng]
     n = len(steps[0])
@@ -163,7 +159,7 @@ def report(cfg: dict, res: dict, machine: str, command: str) -> str:
         lines.append(f"| {e['name']} | {m['step']:.4f} | {m['fwd_bwd']:.4f} | {m['optimizer']:.4f} | {m['cpu']:.3f} | "
                      f"{m['faults']:.0f} | {e['peak_bytes'] / 2**20:.1f} | {m['step'] / ddp['step']:.3f} |")
     opt = res["optimizer"]
-    o_dt, o_plain = _med(opt["dtensor_s"]), _med(opt["plain_s"])
+    o_dt, o_plain = statistics.median(opt["dtensor_s"]), statistics.median(opt["plain_s"])
     lines += ["", f"AdamW's step alone over the same parameters and gradients (the shipped dp program's, copied), "
                   f"every rank at once, the slowest rank's, median of {len(opt['dtensor_s'])}: as DTensors "
                   f"{o_dt * 1e3:.1f} ms, as plain tensors {o_plain * 1e3:.1f} ms (plain "

@@ -876,8 +876,8 @@ def test_search_equals_cpsat_on_every_shape(name, budget_frac, lagrangian_prunes
     solving every point of its space to the end: each mesh shape with each way of running
     a sharded weight (``baselines.own_points``), recomputation off on both sides (where
     the budget binds, the search also tries recomputed layers, points CP-SAT is not asked
-    here; llama-tiny at half its free peak fits only those, so its budget leaves some
-    points feasible and some not)."""
+    here). llama-tiny's budget is 0.85 of its free peak: at half, only recomputed points
+    fit; at 0.85 some points of this space fit and some do not."""
     from stpc.planner import build_problem, search
     from stpc.planner.baselines import own_points
     from stpc.planner.solver import NoBetterPlan, solve

@@ -44,7 +44,7 @@ from stpc.cli.bench_kernel import main_kernel
 from stpc.cli.bench_planner import main_planner
 from stpc.cli.bench_primepar import main_primepar
 from stpc.cli.bench_runtime import main_runtime
-from stpc.cli.bench_summary import summary
+from stpc.cli.bench_summary import markers, summary
 
 BENCHES = {"runtime": main_runtime, "fidelity": main_fidelity, "primepar": main_primepar, "planner": main_planner,
            "kernel": main_kernel}
@@ -58,7 +58,7 @@ def machine_line() -> str:
 
 
 def _replaced(old: str, name: str, text: str) -> str:
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    start, end = markers(name)
     body = f"{start}\n{text.rstrip()}\n{end}\n"
     if start in old and end in old:
         head, rest = old.split(start, 1)
@@ -74,7 +74,7 @@ def write_section(path: str, name: str, text: str) -> None:
     that again from the sections as they now stand."""
     old = open(path).read() if os.path.exists(path) else ""
     new = _replaced(old, name, text)
-    if name != "summary" and "<!-- bench:summary -->" in new:
+    if name != "summary" and markers("summary")[0] in new:
         new = _replaced(new, "summary", summary(new))
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -20,9 +20,14 @@ SECTIONS = ("fidelity", "runtime", "dp-gap", "primepar", "planner", "kernel")
 _NOT_FOUND = "(no headline found in this section: its bench changed what it writes; read the section)"
 
 
+def markers(name: str) -> tuple[str, str]:
+    """The comments that open and close section ``name`` of a results file."""
+    return f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+
+
 def section_text(doc: str, name: str) -> str | None:
     """The body of ``doc``'s ``name`` section (between its markers), or None."""
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    start, end = markers(name)
     if start not in doc or end not in doc:
         return None
     return doc.split(start, 1)[1].split(end, 1)[0]
@@ -110,4 +115,4 @@ def summary(doc: str) -> str:
     return "\n".join(out) + "\n"
 
 
-__all__ = ["SECTIONS", "section_text", "headlines", "summary"]
+__all__ = ["SECTIONS", "markers", "section_text", "headlines", "summary"]
