@@ -184,14 +184,36 @@ def _reaches_resharded(operand, read, plan) -> bool:
     the plan records ``ins`` only where it resharded to a split layout)."""
     held = list(plan.nodes[operand.name].out)
     if held != list(read) and any(t != "R" for t in read):
-        # (not where every axis that changes turns one plain split into another: all-to-alls,
-        # whose send buffers the runtime frees once exchanged)
-        return not all(a == b or (a[0] == "S" and b[0] == "S") for a, b in zip(held, read))
+        # (not where every axis that changes is gathered whole, whose dual slices the gradient
+        # where it is, or turns one plain split into another: all-to-alls, whose send buffers
+        # the runtime frees once exchanged)
+        return not all(a == b or b == "R" or (a[0] == "S" and b[0] == "S") for a, b in zip(held, read))
     node = operand
     while plan.nodes[node.name].role == "follower":
         if plan.nodes[node.name].ins:
             return True
         node = tensor_operands(node)[0]
+    return False
+
+
+def _viewed_operand(saver, t):
+    """``saver``'s operand that is ``t`` or a view of it (through a chain of views), or None."""
+    for o in tensor_operands(saver):
+        v = o
+        while v is not t and v.op == "call_function" and v.target.is_view and tensor_operands(v):
+            v = tensor_operands(v)[0]
+        if v is t:
+            return o
+    return None
+
+
+def _view_resharded(v, t, plan) -> bool:
+    """Whether a view on the way from ``t`` to its view ``v`` resharded its input (the plan
+    lists input placements of a follower only where it did)."""
+    while v is not t:
+        if plan.nodes[v.name].ins:
+            return True
+        v = tensor_operands(v)[0]
     return False
 
 
@@ -217,7 +239,11 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
     for n in tg.graph.nodes:
         if n.op == "call_function" and n in rg:
             if n.target in SAVES_INPUTS:
-                for o in tensor_operands(n):
+                ops = tensor_operands(n)
+                for k, o in enumerate(ops):
+                    # (a product keeps each factor for the other's gradient only)
+                    if n.target is torch.ops.aten.mul.Tensor and not any(x in rg for j, x in enumerate(ops) if j != k):
+                        continue
                     if o.name not in params:
                         saved.setdefault(o, set()).add(n)
             if n.target in SAVES_OUTPUT:
@@ -245,14 +271,24 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
             continue  # its one saver, a P(2x2) op, keeps its received blocks instead
         # kept as each saver reads it: one copy per distinct placement (an op reading it
         # through a reshard saves the reshard's output)
-        held = set()
+        # (through a chain of views too: the loss reads the logits through a reshape; a view
+        # read as it is, in the producer's layout, holds the producer's copy)
+        held = {}  # what is kept -> its bytes
         for o in by:
             np_ = plan.nodes[o.name]
-            if t in tensor_operands(o) and np_.role == "decision" and np_.kind != "p2x2":
-                held.add(tuple(np_.ins[tensor_operands(o).index(t)]))
+            v = _viewed_operand(o, t)
+            if v is not None and np_.role == "decision" and np_.kind != "p2x2":
+                q = tuple(np_.ins[tensor_operands(o).index(v)])
+                if v is t:
+                    held[("t", q)] = _nbytes(t.meta["val"], q, mesh)
+                elif (q == tuple(plan.nodes[v.name].out) and not _view_resharded(v, t, plan)
+                      and _nbytes(v.meta["val"], q, mesh) == _nbytes(t.meta["val"], plan.nodes[t.name].out, mesh)):
+                    held[("t", tuple(plan.nodes[t.name].out))] = _nbytes(t.meta["val"], plan.nodes[t.name].out, mesh)
+                else:
+                    held[(v.name, q)] = _nbytes(v.meta["val"], q, mesh)
             else:  # (a P(2x2) op among several savers: the producer's copy stays, as modelled)
-                held.add(tuple(plan.nodes[t.name].out))
-        b = sum(_nbytes(t.meta["val"], q, mesh) for q in held)
+                held[("t", tuple(plan.nodes[t.name].out))] = _nbytes(t.meta["val"], plan.nodes[t.name].out, mesh)
+        b = sum(held.values())
         act += b
         if head_only:
             head_act += b
@@ -378,17 +414,19 @@ def test_the_optimizer_step_is_the_peak_where_activations_are_small():
     assert recompute_peak(tg, tight) <= budget and tight.peak_memory_bytes <= budget
 
 
-def _loss_on_4(hints, **overrides):
+def _loss_on_4(hints, mesh=(4,), **overrides):
     """gpt-tiny with a vocabulary of 2048 (64 times the width: the loss is the largest working
-    set) planned on 4 under ``hints``: (tg, plan, the logits node, the loss's local operand
-    bytes (logits, targets), its output's bytes, the transient edges' bytes at the chosen pairs)."""
+    set) planned on 4 devices (``mesh``) under ``hints``: (tg, plan, the logits node, the
+    loss's local operand bytes (logits, targets), its output's bytes, the transient edges'
+    bytes at the chosen pairs)."""
     tg = _meta_trace("gpt-tiny", batch=8, seq=64, vocab=2048, **overrides)
-    plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=hints)
+    plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), mesh), hints=hints)
     loss = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.cross_entropy_loss.default)
     ops = tensor_operands(loss)
-    local = [_nbytes(o.meta["val"], p, (4,)) for o, p in zip(ops, plan.nodes[loss.name].ins)]
+    local = [_nbytes(o.meta["val"], p, mesh) for o, p in zip(ops, plan.nodes[loss.name].ins)]
     out = loss.meta["val"].numel() * loss.meta["val"].element_size()
-    assert local[0] == ops[0].meta["val"].numel() // 4 * 4  # a quarter of the logits, fp32
+    if mesh == (4,):
+        assert local[0] == ops[0].meta["val"].numel() // 4 * 4  # a quarter of the logits, fp32
     p, ch = plan.solved.problem, plan.solved.choice
     edges = [e.table.get((e.ucls[ch[e.u]], e.vcls[ch[e.v]]), 0) for e in p.transient_edges]
     return tg, plan, ops[0], local, out, edges
@@ -433,6 +471,62 @@ def test_logits_all_to_alled_into_the_loss_hold_no_copy_more():
     assert not any(edges)
     assert breakdown(plan)["transient_bytes"] == pytest.approx(2 * local[0] + local[1] + out)
     assert recompute_peak(tg, plan) == pytest.approx(plan.peak_memory_bytes, rel=1e-6)
+
+
+
+def test_logits_gathered_into_the_loss_hold_no_copy_more():
+    # Megatron on 2 x 2: the head's logits come out split on the rows over DP and on the
+    # vocabulary over TP, the loss reads them split on the rows and whole over TP: a gather
+    # over TP, whose dual in backward slices the gradient where it is: the DP test's working
+    # set. (Measured on 4 gloo ranks, llama-tiny so planned: the step's peak, in the loss's
+    # backward, held two logits copies above the end of forward; the planner charged three.)
+    # (the loss forced to read whole over TP: at this vocabulary it would rather all-to-all)
+    mg = megatron((2, 2), dp_axis=0, tp_axis=1)
+    gather = dataclasses.replace(mg, force=[*mg.force, (r"^cross_entropy_loss", lambda s: s.ins[0][1] == "R")])
+    tg, plan, logits, local, out, edges = _loss_on_4(gather, mesh=(2, 2))
+    read = next(v.ins[0] for v in plan.nodes.values() if v.op.startswith("cross_entropy_loss"))
+    held = plan.nodes[logits.name].out
+    assert read[0] == held[0] != "R" and held[1][0] == "S" and read[1] == "R"  # gathered over TP only
+    assert local[0] == logits.meta["val"].numel() // 2 * 4  # (whole over TP: half the logits)
+    assert not any(edges)
+    assert breakdown(plan)["transient_bytes"] == pytest.approx(2 * local[0] + local[1] + out)
+    assert recompute_peak(tg, plan) == pytest.approx(plan.peak_memory_bytes, rel=1e-6)
+    # the loss keeps its logits as it read them, gathered (its log-probabilities), though it
+    # reads them through a reshape: the saved edge from the head's linear to the loss adds
+    # the gathered copy's bytes less the split ones (measured on the 2 x 2 plans: the loss's
+    # own allocation, alive at the end of forward, is the gathered size)
+    b, ch = plan.solved.b, plan.solved.choice
+    head = b.facts.node_item[tensor_operands(logits)[0]]  # (the linear under the reshape)
+    assert (b.facts.node_item[next(n for n in tg.graph.nodes if n.op == "call_function"
+                                   and n.target is torch.ops.aten.cross_entropy_loss.default)], 0) in b.facts.savers[head]
+    split = _nbytes(tensor_operands(logits)[0].meta["val"], plan.nodes[tensor_operands(logits)[0].name].out, (2, 2))
+    held, _ = b._saved_read_edges()
+    assert sum(e.table.get((e.ucls[ch[e.u]], e.vcls[ch[e.v]]), 0) for e in held if e.u == head.group) == local[0] - split > 0
+
+
+def test_a_product_keeps_each_factor_only_for_the_others_gradient():
+    # a * b keeps b for a's gradient and a for b's: a rotary embedding's q * cos keeps the
+    # constant table, not q (llama-tiny measured on 4 gloo ranks: no q, k or rotate-half copy
+    # alive at the end of forward); SwiGLU's silu(gate) * up, both needing gradients, keeps both
+    tg = _meta_trace("llama-tiny", batch=2, seq=16)
+    facts = analyse(tg)
+    savers = saved_savers(tg.graph, facts.rg, facts.params)
+    muls = [n for n in tg.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    by_const = [n for n in muls if sum(o in facts.rg for o in tensor_operands(n)) == 1]
+    both = [n for n in muls if len(tensor_operands(n)) == 2
+            and all(o in facts.rg and o.name not in facts.params for o in tensor_operands(n))]
+    assert by_const and both
+
+    def base(t):
+        while t.op == "call_function" and t.target.is_view and tensor_operands(t):
+            t = tensor_operands(t)[0]
+        return t
+
+    for n in by_const:
+        grad_side = base(next(o for o in tensor_operands(n) if o in facts.rg))
+        assert n not in savers.get(grad_side, ()), n.name
+    for n in both:
+        assert all(n in savers[base(o)] for o in tensor_operands(n)), n.name
 
 
 def test_activations_only_the_head_saves_are_gone_in_the_last_layers_backward():
@@ -497,9 +591,10 @@ def test_a_tensor_only_a_p2x2_op_saves_is_not_held():
     plan = plan_graph(tg, CostModel(get_cluster("cpu-local"), (4,)), hints=forced)
     assert all(n.kind == "p2x2" for k, n in plan.nodes.items() if k.startswith("linear"))
     p = plan.solved.problem
-    assert p.saved_edges  # (one edge per tied tensor: the MLP's norm, GELU)
+    credits = plan.solved.b._saved_edges()  # (one edge per tied tensor: the MLP's norm, GELU)
+    assert credits and all(e in p.saved_edges for e in credits)
     credit = -sum(e.table.get((e.ucls[plan.solved.choice[e.u]], e.vcls[plan.solved.choice[e.v]]), 0)
-                  for e in p.saved_edges)
+                  for e in credits)
     facts = analyse(tg)
     saved = {t.name for t in saved_savers(tg.graph, facts.rg, facts.params)}
     gelus = [n for n in tg.graph.nodes if n.target is torch.ops.aten.gelu.default]

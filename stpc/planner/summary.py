@@ -332,7 +332,7 @@ def _breakdown(sv: Solved) -> dict:
     gathers = groups - compute - ring_exposed  # followers/derived ops that gather to keep going; weights relaid
     exposed = groups - compute + param_real + other_edges
     # memory: persistent parts under the chosen placements + the largest transient
-    weight = grad = opt = kept = 0.0
+    weight = grad = opt = kept = head_kept = 0.0
     mesh = b.mesh
     for g, it in enumerate(facts.group_items):
         if it.kind != "param" or it.node.name in b._tied_copies:
@@ -344,7 +344,9 @@ def _breakdown(sv: Solved) -> dict:
         grad += parts.grad * it.count
         opt += parts.optimizer * it.count
         if not (b.recompute and layer_of(it.node) in facts.recomputed):  # (a recomputed layer's are gathered again)
-            kept += kept_gathered_bytes(it.node.meta["val"], pl, mesh, b.hints.keep_gathered) * it.count
+            k = kept_gathered_bytes(it.node.meta["val"], pl, mesh, b.hints.keep_gathered) * it.count
+            kept += k
+            head_kept += k if it in b._freed_by_head else 0.0  # (kept for the head alone: its backward frees it)
     act = kept  # (ZeRO-2's whole weights, kept for backward, count with the activations)
     for g, it in enumerate(facts.group_items):  # ... and the blocks a P(2^k x 2^k) op keeps
         if it.kind == "decision":
@@ -359,6 +361,10 @@ def _breakdown(sv: Solved) -> dict:
         head_act += head[it] * local
     # (less the tensors whose only saver keeps its own blocks instead: ``Builder._saved_edges``)
     act += sum(e.table.get((e.ucls[ch[e.u]], e.vcls[ch[e.v]]), 0) for e in p.saved_edges)
+    # what the head's backward frees besides: the copies its savers read through a reshard (the
+    # loss's gathered logits), the weights kept whole for it (``Builder.add_memory_edges``)
+    freed_by_head = b._saved_read_edges()[1] + b._kept_head_edges()[1]
+    head_act += head_kept - sum(e.table.get((e.ucls[ch[e.u]], e.vcls[ch[e.v]]), 0) for e in freed_by_head)
     transient = max(p.forward_transients(ch), default=0)  # (with the loss's copy for a resharded operand)
     bwd_transient = max((p.backward_transient[g][c] for g, c in enumerate(ch)), default=0)
     forward_peak, head_peak, backward_peak, step_peak = p.phase_peaks(ch)
