@@ -313,7 +313,7 @@ class GraphFacts:
                     f.head_saved[it] += 1
                 shares = f.savers.setdefault(it, {})
                 for s in sorted(by, key=lambda s: s.name):  # (one order on every rank: shares are rounded in it)
-                    i = f._saved_operand(s, t)
+                    i = f.saved_operand(s, t)
                     if i is not None and f.node_item.get(s) is not None:
                         share = shares.setdefault((f.node_item[s], i), [0.0, 0.0])
                         share[0] += 1 / len(by)
@@ -325,7 +325,7 @@ class GraphFacts:
         f._recompute_facts(graph, head_nodes)
         return f
 
-    def _saved_operand(self, saver: fx.Node, t: fx.Node) -> int | None:
+    def saved_operand(self, saver: fx.Node, t: fx.Node) -> int | None:
         """The index of ``saver``'s operand that is ``t`` or a view of it (a chain of views:
         the loss reads the head's logits through a reshape, attention its q, k, v through a
         view and a transpose); None if none is. The saver keeps that operand as it reads

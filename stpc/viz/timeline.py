@@ -36,7 +36,6 @@ from stpc.cost_models import MemoryModel
 from stpc.placement import shard_factor
 from stpc.planner import analyse
 from stpc.planner.analysis import saved_savers
-from stpc.planner.strategies import tensor_operands
 from stpc.planner.summary import breakdown
 from stpc.viz._figure import COLORS, new_figure, save, unit
 
@@ -101,14 +100,14 @@ def memory_timeline(plan, tg=None) -> dict:
 
 def _read_delta(t, s, held, nbytes, n, facts, plan, mesh) -> float:
     """What saver ``s`` adds to saved tensor ``t`` (held at its producer's placement) by
-    reading it through a reshard, its share of ``n`` savers (``Builder._saved_read_edges``)."""
+    reading it through a reshard (directly or through views, ``GraphFacts.saved_operand``),
+    its share of ``n`` savers (``Builder._saved_read_edges``)."""
     it, sv = facts.node_item.get(t), facts.node_item.get(s)
     np_ = plan.nodes.get(s.name)
-    ops = tensor_operands(s)
-    if (sv is None or sv.kind != "decision" or sv.group == it.group or t not in ops or np_ is None
+    i = facts.saved_operand(s, t)
+    if (sv is None or sv.kind != "decision" or sv.group == it.group or i is None or np_ is None
             or np_.kind == "p2x2" or (plan.stats.get("recompute") and sv in facts.layer_items)):
         return 0.0
-    i = ops.index(t)
     if i >= len(np_.ins) or tuple(np_.ins[i]) == tuple(plan.nodes[t.name].out):
         return 0.0
     return (MemoryModel.saved_bytes(nbytes, shard_factor(tuple(np_.ins[i]), mesh)) - held) / n
