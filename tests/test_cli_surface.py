@@ -144,6 +144,8 @@ def test_error_lines_keep_stpcs_own_fix():
     assert error_line(e) == "ValueError: stpc.compile: mesh 'x' is not a mesh spec. Fix: pass a shape"
     line = error_line(InfeasibleBudget(2**30, 3 * 2**30 + 12345))
     assert "smallest feasible budget is 3 GiB" in line and "Fix: --budget-gib 3.01 or more" in line
+    line = error_line(InfeasibleBudget(2**30, 3 * 2**30 + 12345, 2 * 2**30))  # a least peak not proven
+    assert "smallest feasible budget is between 2 and 3 GiB" in line and "Fix: --budget-gib 3.01 or more" in line
     assert error_line(KeyError("unknown thing 'x'")).startswith("KeyError: unknown thing 'x'. Fix: rerun")
     tb = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: boom\n"
     assert error_line(SpawnError(2, tb)) == ("rank 2 failed: ValueError: boom. Fix: rerun with --debug (or "

@@ -1,14 +1,17 @@
 """Variable elimination against exhaustive enumeration; the exact memory minimum."""
 import dataclasses
 import itertools
+import pickle
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stpc.planner import solver
 from stpc.planner.elimination import TooWide, eliminate
-from stpc.planner.solver import Edge, InfeasibleBudget, Problem, min_memory, min_memory_bound, solve, solve_unconstrained
+from stpc.planner.solver import (Edge, InfeasibleBudget, Problem, SolverTimeout, fits_memory, least_memory, min_memory,
+                                 min_memory_bound, solve, solve_unconstrained)
 
 
 def _brute(unary, pairs):
@@ -238,6 +241,8 @@ def test_two_memory_phases_min_memory_and_solve_equal_brute_force(p):
         step = sum(p.step_mem[g][k] for g, k in enumerate(c)) + max(p.step_transient[g][k] for g, k in enumerate(c))
         assert peak == max(fwd, step)
     assert min_memory(p) == min(peaks)
+    if p.budget is not None:
+        assert fits_memory(p) == (min(peaks) <= p.budget)
     want = brute_force(p)
     if want is None:
         with pytest.raises(ValueError, match="smallest feasible budget") as e:
@@ -274,6 +279,47 @@ def test_the_backward_phase_binds_through_a_memory_edge():
     with pytest.raises(InfeasibleBudget) as err:
         solve(p)
     assert err.value.min_budget == 20
+
+
+def _backward_edge_problem(budget):
+    """The problem above: the end of forward holds 20 bytes either way, the backward phase 80
+    at the pair (0, 0), 25 at (0, 1) and (1, 0), 20 at (1, 1)."""
+    mem_edge = Edge(0, 1, (0, 1), (0, 1), {(0, 0): 50})
+    return Problem(cost=[[1, 5], [1, 5]], mem=[[10, 10], [10, 10]], bwd_mem=[[5, 0], [5, 0]], mem_edges=[mem_edge],
+                   budget=budget)
+
+
+def test_a_budget_bound_solve_asks_only_whether_anything_fits(monkeypatch):
+    # The least peak (a minimisation CP-SAT may not prove in time on a large model:
+    # llama2-70b on 32 V100s) is needed only for the error of a budget nothing fits
+    def unproven(p, time_limit_s):
+        raise AssertionError("the least peak was asked for")
+    monkeypatch.setattr(solver, "_least_memory_choice", unproven)
+    p = _backward_edge_problem(79)
+    for method in ("auto", "cpsat"):
+        sol = solve(p, method=method)
+        assert sol.choice in ([0, 1], [1, 0]) and sol.peak_bytes == 25
+    assert fits_memory(p) and fits_memory(_backward_edge_problem(20)) and not fits_memory(_backward_edge_problem(19))
+
+
+def test_an_unproven_least_peak_is_reported_as_the_range_cp_sat_reached(monkeypatch):
+    real = solver._least_memory_choice
+
+    def out_of_time(p, time_limit_s):   # a plan found, its optimality not proven: a weaker bound
+        choice, bound = real(p, time_limit_s)
+        return choice, bound - 5
+    monkeypatch.setattr(solver, "_least_memory_choice", out_of_time)
+    p = _backward_edge_problem(19)
+    assert least_memory(p) == (15, 20)
+    with pytest.raises(SolverTimeout, match="between 15 and 20 bytes"):
+        min_memory(p)
+    with pytest.raises(InfeasibleBudget, match="between 0.000 and 0.000 GiB [(]15 to 20 bytes") as err:
+        solve(p)
+    assert (err.value.min_budget, err.value.lower) == (20, 15)
+    again = pickle.loads(pickle.dumps(err.value))   # (rank 0's error, as the other ranks get it)
+    assert (again.min_budget, again.lower, str(again)) == (20, 15, str(err.value))
+    proven = InfeasibleBudget(19, 20)
+    assert proven.lower == 20 and "is 0.000 GiB (20 bytes)" in str(proven)
 
 
 def test_the_backward_phase_holds_its_own_working_sets_not_the_forwards():

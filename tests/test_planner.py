@@ -712,8 +712,8 @@ def test_a_points_least_memory_is_found_only_when_no_point_fits(monkeypatch):
     none, and the budget the error names is the least that plans."""
     mod = importlib.import_module("stpc.planner.search")
     calls = []
-    real = mod.min_memory
-    monkeypatch.setattr(mod, "min_memory", lambda p, *a: calls.append(p) or real(p, *a))
+    real = mod.least_memory
+    monkeypatch.setattr(mod, "least_memory", lambda p, *a: calls.append(p) or real(p, *a))
     tg = _meta_trace("gpt-tiny", batch=16, seq=64)
     with pytest.raises(InfeasibleBudget) as err:
         search(tg, 4, "primepar-v100", budget_bytes=1000)
@@ -727,23 +727,30 @@ def test_a_points_least_memory_is_found_only_when_no_point_fits(monkeypatch):
     assert all(t["min_budget_bound_bytes"] > least and "min_budget_bytes" not in t for t in over)
     with pytest.raises(InfeasibleBudget) as err:
         search(tg, 4, "primepar-v100", budget_bytes=least - 1)
-    assert err.value.min_budget == least
+    assert err.value.min_budget == err.value.lower == least
 
 
 def test_the_least_budget_stops_at_the_first_bound_that_cannot_win(monkeypatch):
     mod = importlib.import_module("stpc.planner.search")
-    exact = {"a": 50, "b": 40, "c": 70}
-    monkeypatch.setattr(mod, "min_memory", lambda p: exact[p])
+    exact = {"a": (50, 50), "b": (40, 40), "c": (70, 70)}
+    monkeypatch.setattr(mod, "least_memory", lambda p: exact[p])
     builder = SimpleNamespace(add_memory_edges=lambda p: p)
     entries = [{}, {}, {}]
     over = [(60, 2, "c", None, entries[2]), (30, 0, "a", None, entries[0]), (45, 1, "b", None, entries[1])]
     built = []
     rebuild = lambda s, h: built.append(s) or (builder, s)  # noqa: E731
     # by bound: a (exact 50), b (45 < 50: exact 40); c's bound 60 cannot beat 40, never built
-    assert mod._least_budget(over, math.inf, rebuild) == 40 and built == ["a", "b"]
+    assert mod._least_budget(over, math.inf, rebuild) == (40, 40) and built == ["a", "b"]
     assert entries[0]["min_budget_bytes"] == 50 and entries[1]["min_budget_bytes"] == 40 and not entries[2]
     built.clear()  # a least already known (a point CP-SAT proved over) below every bound
-    assert mod._least_budget(over, 25, rebuild) == 25 and built == []
+    assert mod._least_budget(over, 25, rebuild) == (25, 25) and built == []
+    # a least peak CP-SAT did not prove (a's: a plan at 50, no plan below 38 proven): the
+    # range of the smallest budget runs from the least proven bound to the least plan
+    exact["a"] = (38, 50)
+    entries[:] = [{}, {}, {}]
+    over = [(60, 2, "c", None, entries[2]), (30, 0, "a", None, entries[0]), (45, 1, "b", None, entries[1])]
+    assert mod._least_budget(over, math.inf, rebuild) == (40, 38)
+    assert entries[0] == {"min_budget_bytes": 50, "min_budget_lower_bytes": 38} and entries[1] == {"min_budget_bytes": 40}
 
 
 class BigLinear(nn.Module):

@@ -103,8 +103,11 @@ def error_line(e: BaseException) -> str:
         need = e.min_budget / 2**30
         step = 10.0 ** (math.floor(math.log10(need)) - 2) if need > 0 else 1.0
         up = math.ceil(need / step) * step  # three significant digits, rounded up
+        least = (f"is {need:.4g} GiB" if e.lower >= e.min_budget else
+                 f"is between {e.lower / 2**30:.4g} and {need:.4g} GiB (the solver did not narrow it further within "
+                 "its time limit)")
         return (f"InfeasibleBudget: no plan fits the memory budget of {e.budget / 2**30:.4g} GiB per device; the "
-                f"smallest feasible budget is {need:.4g} GiB. Fix: --budget-gib {up:.3g} or more, more devices "
+                f"smallest feasible budget {least}. Fix: --budget-gib {up:.3g} or more, more devices "
                 f"(--mesh), or a smaller --batch / --seq")
     if isinstance(e, SpawnError):
         # the root rank's own last line: ``remote_traceback`` ends with the note on the

@@ -71,7 +71,8 @@ from stpc.planner.hints import RECOMPUTE_LEVELS, HintUnsatisfiable, Hints, prese
 from stpc.planner.plan import Plan
 from stpc.planner.report import indivisible
 from stpc.planner.solver import (TIME_LIMIT_S, InfeasibleBudget, NoBetterPlan, Problem, Solution, SolverTimeout,
-                                 eliminated, memory_blind_optimum, min_memory, min_memory_bound, solve)
+                                 eliminated, fits_memory, least_memory, memory_blind_optimum, min_memory_bound,
+                                 solve)
 
 
 def mesh_shapes(n: int, max_axes: int = 3, cluster=None) -> list[tuple[int, ...]]:
@@ -294,20 +295,26 @@ def _better(a, b) -> bool:
     return a[:2] < b[:2]
 
 
-def _least_budget(over: list, least: float, rebuild: Callable) -> int:
-    """The smallest per-device budget any of the ``over`` points fits (none beats ``least``,
-    already known): each point's exact minimum (``min_memory``), in the order of their cheap
-    lower bounds, stopping at the first bound no lower than the best so far (the rest can
-    only need more). ``rebuild(shape, hints)`` gives a point's (builder, problem) again
-    (not kept from the first phase: a search that finds a plan never needs them). Each
-    point computed has its entry's ``min_budget_bytes`` filled in."""
+def _least_budget(over: list, least: float, rebuild: Callable, lower: float = math.inf) -> tuple[int, int]:
+    """``(smallest, lower)``: the smallest per-device budget any of the ``over`` points fits
+    (none beats ``least``, already known, whose proven bound is ``lower``), and its proven
+    lower bound (the same where CP-SAT proved every least peak it was asked): each point's
+    least peak (``least_memory``), in the order of their cheap lower bounds, stopping at the
+    first bound no lower than the best so far (the rest can only need more). ``rebuild(shape,
+    hints)`` gives a point's (builder, problem) again (not kept from the first phase: a search
+    that finds a plan never needs them). Each point computed has its entry's
+    ``min_budget_bytes`` filled in (and ``min_budget_lower_bytes`` where unproven)."""
+    lower = min(lower, least)
     for bound, _, s, h, entry in sorted(over, key=lambda o: o[:2]):
         if bound >= least:
             break
         b, problem = rebuild(s, h)
-        entry["min_budget_bytes"] = need = min_memory(b.add_memory_edges(problem))
-        least = min(least, need)
-    return int(least)
+        low, need = least_memory(b.add_memory_edges(problem))
+        entry["min_budget_bytes"] = need
+        if low < need:
+            entry["min_budget_lower_bytes"] = low
+        least, lower = min(least, need), min(lower, low)
+    return int(least), int(lower)
 
 
 def _cost_models(cl) -> Callable:
@@ -358,9 +365,9 @@ def fits_budget(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float 
     by finding the fastest plan: the points of the same space (the recomputation ladder's
     rungs where a point's budget binds), each out at once where its cheap memory bound is
     over the budget, and in when its memory-blind optimum fits; then the Lagrangian
-    relaxation's minimisers of the rest (one that fits in truth is a plan); then their exact
-    least memory (``min_memory``, a CP-SAT solve of the memory rows alone), in the order of
-    their bounds. What a depth search asks at every depth it tries
+    relaxation's minimisers of the rest (one that fits in truth is a plan); then whether any
+    assignment of each fits (``fits_memory``, a CP-SAT solve of the memory rows alone), in
+    the order of their bounds. What a depth search asks at every depth it tries
     (``python -m stpc bench primepar``), where a budget-bound search's CP-SAT solves take
     minutes."""
     if budget_bytes is None:
@@ -393,7 +400,7 @@ def fits_budget(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float 
         bound.sort(key=lambda t: t[:2])
         if any(lagrangian.relax(problem).choice is not None for _, _, problem in bound):
             return True
-        return any(min_memory(problem) <= problem.budget for _, _, problem in bound)
+        return any(fits_memory(problem) for _, _, problem in bound)
 
 
 def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress=None,
@@ -517,9 +524,10 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
                 # method says who proved it; the plan's choice came from the relaxation)
                 sol = dataclasses.replace(held, status="OPTIMAL", method="cpsat")
             except InfeasibleBudget as e:  # (both memory phases together: past the phases' own bounds)
-                infeasible.append(e.min_budget)
+                infeasible.append(e)
                 tried.append({**entry, "modelled_step_time_s": None, "infeasible": True,
-                              "min_budget_bytes": e.min_budget, "solve_time_s": c.bound_s + time.perf_counter() - t_solve})
+                              "min_budget_bytes": e.min_budget, "solve_time_s": c.bound_s + time.perf_counter() - t_solve,
+                              **({"min_budget_lower_bytes": e.lower} if e.lower < e.min_budget else {})})
                 continue
             except SolverTimeout as e:
                 # CP-SAT ran out of time without a solution under the cap: this candidate may
@@ -557,10 +565,11 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             "Fix: rerun on an idle machine or with a longer time limit (the limit is wall-clock: "
             "--solver-time-limit, search(time_limit_s=)), or with a larger memory budget"))
     if best is None and (infeasible or over):
-        least = _least_budget(over, min(infeasible, default=math.inf),
-                              lambda s, h: build_problem(tg, cost_model(s), budget_bytes, h, optimizer_layout,
-                                                         facts, edges=False))
-        raise InfeasibleBudget(int(budget_bytes), least)
+        least, lower = _least_budget(over, min((e.min_budget for e in infeasible), default=math.inf),
+                                     lambda s, h: build_problem(tg, cost_model(s), budget_bytes, h, optimizer_layout,
+                                                                facts, edges=False),
+                                     min((e.lower for e in infeasible), default=math.inf))
+        raise InfeasibleBudget(int(budget_bytes), least, lower)
     if best is None:
         raise HintUnsatisfiable("no mesh shape satisfies the hints (change the hints or the device count): "
                                 + "; ".join(t["skipped"] for t in tried if t.get("skipped")))

@@ -212,17 +212,27 @@ class SolverTimeout(RuntimeError):
 
 
 class InfeasibleBudget(ValueError):
-    """No assignment fits the memory budget; ``min_budget`` is the smallest that does."""
+    """No assignment fits the memory budget; ``min_budget`` is the smallest that does.
 
-    def __init__(self, budget: int, min_budget: int):
+    Where CP-SAT did not prove the least peak within its time limit, ``min_budget`` is the
+    least peak of a plan it found (a budget that surely fits) and ``lower`` its proven bound
+    (no smaller budget fits); proven, the two are equal."""
+
+    def __init__(self, budget: int, min_budget: int, lower: int | None = None):
         self.budget, self.min_budget = budget, min_budget
+        self.lower = min_budget if lower is None else lower
+        if self.lower < min_budget:
+            least = (f"the smallest feasible budget is between {self.lower / 2**30:.3f} and "
+                     f"{min_budget / 2**30:.3f} GiB ({self.lower} to {min_budget} bytes; CP-SAT did not close "
+                     "that gap within its time limit)")
+        else:
+            least = f"the smallest feasible budget is {min_budget / 2**30:.3f} GiB ({min_budget} bytes)"
         super().__init__(
-            f"no plan fits the memory budget of {budget / 2**30:.3f} GiB per device; the smallest "
-            f"feasible budget is {min_budget / 2**30:.3f} GiB ({min_budget} bytes). "
+            f"no plan fits the memory budget of {budget / 2**30:.3f} GiB per device; {least}. "
             "Raise --budget-gib, use more devices, or a smaller batch/sequence.")
 
     def __reduce__(self):  # (rank 0's search error is sent to the other ranks)
-        return type(self), (self.budget, self.min_budget)
+        return type(self), (self.budget, self.min_budget, self.lower)
 
 
 def _build(p: Problem, minimise_memory: bool):
@@ -502,7 +512,7 @@ def solve(p: Problem, time_limit_s: float = TIME_LIMIT_S, prune: bool = True, me
     t0 = time.perf_counter()
     if method == "auto":
         if p.budget is not None and min_memory_bound(p) > p.budget:
-            raise InfeasibleBudget(p.budget, min_memory(p))
+            raise InfeasibleBudget(p.budget, *least_memory(p)[::-1])
         choice, obj, peak = memory_blind_optimum(p)
         if choice is not None:
             if p.cap is not None and obj > p.cap:  # a lower bound of the budgeted optimum too
@@ -514,10 +524,11 @@ def solve(p: Problem, time_limit_s: float = TIME_LIMIT_S, prune: bool = True, me
         # terms): where no assignment fits at all it says so far sooner than the full model
         # proves it (the cheap bound leaves out the pairwise memory terms, such as the loss's
         # copy behind a reshard, which can be what makes a point not fit: bloom-7b1 on 8
-        # V100s, three infeasible points at 3.7 s each in the full model, 0.3 s here)
-        least = min_memory(p)
-        if least > p.budget:
-            raise InfeasibleBudget(p.budget, least)
+        # V100s, three infeasible points at 3.7 s each in the full model, 0.3 s here). A
+        # yes-or-no question (``fits_memory``), not the least peak, which only a point that
+        # does not fit needs, for its error.
+        if not fits_memory(p, time_limit_s):
+            raise InfeasibleBudget(p.budget, *least_memory(p)[::-1])
     full = p
     if prune:
         p, keep = prune_dominated(p)
@@ -536,7 +547,7 @@ def solve(p: Problem, time_limit_s: float = TIME_LIMIT_S, prune: bool = True, me
     if status == cp_model.INFEASIBLE:
         if p.cap is not None:
             raise NoBetterPlan()
-        raise InfeasibleBudget(p.budget, min_memory(full))
+        raise InfeasibleBudget(p.budget, *least_memory(full)[::-1])
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise SolverTimeout(solver.StatusName(status), time_limit_s)
     choice = [0 if xs is None else next(c for c, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x]
@@ -587,10 +598,41 @@ def min_memory(p: Problem, time_limit_s: float = 60.0) -> int:
     every group takes its least-memory choice among those with transient <= ``t``; the
     answer is the best ``t`` among the transients that occur. With the last layer's
     backward or the optimizer step too, the peak is the largest of several sums, and
-    CP-SAT minimises it (a model of the groups and the memory edges alone, no time: small)."""
+    CP-SAT minimises it (a model of the groups and the memory edges alone, no time: small).
+    Raises :class:`SolverTimeout` where CP-SAT does not prove it within ``time_limit_s``
+    (:func:`least_memory` gives the bounds it reached)."""
+    lower, upper = least_memory(p, time_limit_s)
+    if lower < upper:
+        raise SolverTimeout("FEASIBLE", time_limit_s, f" on the least peak (between {lower} and {upper} bytes)")
+    return upper
+
+
+def least_memory(p: Problem, time_limit_s: float = 60.0) -> tuple[int, int]:
+    """``(lower, upper)``: bounds of :func:`min_memory`, equal where it is proven; else the
+    least peak of a plan CP-SAT found within ``time_limit_s`` and its proven bound. Raises
+    :class:`SolverTimeout` where it found no plan at all."""
     if p.has_step_phase or p.has_bwd_phase or p.has_head_phase or p.saved_edges or p.transient_edges:
         return _min_peak_phases(p, time_limit_s)
-    return _min_forward_peak(p)
+    least = _min_forward_peak(p)
+    return least, least
+
+
+def fits_memory(p: Problem, time_limit_s: float = 60.0) -> bool:
+    """Whether some assignment's per-device peak fits ``p.budget`` (the memory rows and
+    edges alone): CP-SAT asked for any assignment under the budget, not for the least peak.
+    Far quicker to settle where many assignments lie near the least peak (llama2-70b at 46
+    layers on 32 V100s: its least-memory model ran out of 60 s with plans under the budget
+    in hand). Raises :class:`SolverTimeout` where it settles neither way in time."""
+    if min_memory_bound(p) > p.budget:
+        return False
+    m, _, _ = _build(_memory_only(p), minimise_memory=False)   # the budget's rows, no objective
+    solver = _solver(time_limit_s)
+    status = solver.Solve(m)
+    if status == cp_model.INFEASIBLE:
+        return False
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return True
+    raise SolverTimeout(solver.StatusName(status), time_limit_s, " on whether any plan fits the memory budget")
 
 
 def min_memory_bound(p: Problem) -> int:
@@ -613,31 +655,41 @@ def min_memory_bound(p: Problem) -> int:
     return max(bounds)
 
 
-def _min_peak_phases(p: Problem, time_limit_s: float) -> int:
+def _min_peak_phases(p: Problem, time_limit_s: float) -> tuple[int, int]:
+    lower, upper = 0, None
     if p.transient_edges and all(v >= 0 for e in p.transient_edges for v in e.table.values()):
         # Without its transient edges (never negative) the least peak is a lower bound, and a
         # quicker model (CP-SAT takes several times longer with the loss's pairwise copy): where
         # its least-memory choice peaks no higher with the edges, that is the answer exactly
-        choice = _least_memory_choice(dataclasses.replace(p, transient_edges=[]), time_limit_s)
-        lower = max(dataclasses.replace(p, transient_edges=[]).phase_peaks(choice))
-        if max(p.phase_peaks(choice)) == lower:
-            return lower
-    return max(p.phase_peaks(_least_memory_choice(p, time_limit_s)))
+        choice, lower = _least_memory_choice(dataclasses.replace(p, transient_edges=[]), time_limit_s)
+        upper = max(p.phase_peaks(choice))
+        if upper == lower:
+            return lower, upper
+    choice, bound = _least_memory_choice(p, time_limit_s)
+    peak = max(p.phase_peaks(choice))
+    return max(lower, bound), peak if upper is None else min(upper, peak)
 
 
-def _least_memory_choice(p: Problem, time_limit_s: float) -> list[int]:
-    """An assignment of least peak (the memory rows and edges alone, CP-SAT minimising the
-    largest phase)."""
-    q = Problem(cost=[[0] * len(c) for c in p.cost], mem=p.mem, transient=p.transient,
-                step_mem=p.step_mem, step_transient=p.step_transient, bwd_mem=p.bwd_mem, mem_edges=p.mem_edges,
-                bwd_transient=p.bwd_transient, head_mem=p.head_mem, head_edges=p.head_edges,
-                saved_edges=p.saved_edges, transient_edges=p.transient_edges)
-    m, x, _ = _build(q, minimise_memory=True)
+def _memory_only(p: Problem) -> Problem:
+    """``p`` without its time: the memory rows and edges, every cost 0."""
+    return Problem(cost=[[0] * len(c) for c in p.cost], mem=p.mem, transient=p.transient,
+                   step_mem=p.step_mem, step_transient=p.step_transient, bwd_mem=p.bwd_mem, mem_edges=p.mem_edges,
+                   bwd_transient=p.bwd_transient, head_mem=p.head_mem, head_edges=p.head_edges,
+                   saved_edges=p.saved_edges, transient_edges=p.transient_edges, budget=p.budget)
+
+
+def _least_memory_choice(p: Problem, time_limit_s: float) -> tuple[list[int], int]:
+    """(an assignment of least peak found, CP-SAT's proven lower bound of the least peak:
+    the assignment's own peak where it proved it optimal): the memory rows and edges alone,
+    CP-SAT minimising the largest phase."""
+    m, x, _ = _build(dataclasses.replace(_memory_only(p), budget=None), minimise_memory=True)
     solver = _solver(time_limit_s)
     status = solver.Solve(m)
-    if status != cp_model.OPTIMAL:
-        raise RuntimeError(f"CP-SAT found no least-memory plan within {time_limit_s}s ({solver.StatusName(status)})")
-    return [0 if xs is None else next(c for c, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x]
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise SolverTimeout(solver.StatusName(status), time_limit_s, " on the least peak (no plan found)")
+    choice = [0 if xs is None else next(c for c, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x]
+    bound = round(solver.ObjectiveValue()) if status == cp_model.OPTIMAL else math.ceil(solver.BestObjectiveBound())
+    return choice, bound
 
 
 def _min_forward_peak(p: Problem) -> int:
