@@ -244,6 +244,9 @@ def recompute_peak(tg, plan, layout="fp32-adam"):
                     # (a product keeps each factor for the other's gradient only)
                     if n.target is torch.ops.aten.mul.Tensor and not any(x in rg for j, x in enumerate(ops) if j != k):
                         continue
+                    # (a quotient keeps its divisor for both gradients, its dividend for the divisor's)
+                    if n.target is torch.ops.aten.div.Tensor and k == 0 and not (len(ops) > 1 and ops[1] in rg):
+                        continue
                     if o.name not in params:
                         saved.setdefault(o, set()).add(n)
             if n.target in SAVES_OUTPUT:
@@ -527,6 +530,38 @@ def test_a_product_keeps_each_factor_only_for_the_others_gradient():
         assert n not in savers.get(grad_side, ()), n.name
     for n in both:
         assert all(n in savers[base(o)] for o in tensor_operands(n)), n.name
+
+
+class Quotients(nn.Module):
+    """Three quotients: a gradient by a constant, a constant by a gradient, two gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        h = x @ self.w
+        c = x.abs() + 1.0
+        return (h / c).sum() + (c / h).sum() + (h / (h * h + 1.0)).sum()
+
+
+def test_a_quotient_keeps_its_dividend_only_for_the_divisors_gradient():
+    # The rule held against autograd itself: which operands DivBackward0 saved, eagerly
+    m = Quotients()
+    x = torch.randn(4, 8)
+    h = x @ m.w
+    c = x.abs() + 1.0
+    saved = []
+    for q in (h / c, c / h, h / (h * h + 1.0)):
+        saved.append((q.grad_fn._saved_self is not None, q.grad_fn._saved_other is not None))
+    assert saved == [(False, True), (True, True), (True, True)]
+    tg = trace(m.to("meta"), (torch.empty(4, 8, device="meta"),))
+    facts = analyse(tg)
+    savers = saved_savers(tg.graph, facts.rg, facts.params)
+    divs = [n for n in tg.graph.nodes if n.target is torch.ops.aten.div.Tensor]
+    assert len(divs) == 3
+    got = [tuple(d in savers.get(o, ()) for o in tensor_operands(d)) for d in divs]
+    assert got == saved
 
 
 def test_activations_only_the_head_saves_are_gone_in_the_last_layers_backward():

@@ -162,15 +162,18 @@ def constants(graph: fx.Graph) -> set[fx.Node]:
 
 
 def _unneeded_factor(n: fx.Node, ops: list, k: int, rg: set) -> bool:
-    """Whether a product's operand ``k`` is kept for no gradient: ``a * b`` keeps ``b`` for
-    ``a``'s gradient and ``a`` for ``b``'s, so each only where the other needs one (autograd
-    saves by ``needs_input_grad``). Rotary embeddings multiply q and k by constant cos and
-    sin tables: they keep the tables, not q and k (measured on 4 gloo ranks, llama-tiny
-    under Megatron on 2 x 2: no q, k or rotate-half copy alive at the end of forward; the
-    tables are)."""
-    if n.target is not aten.mul.Tensor:
-        return False
-    return not any(o in rg for j, o in enumerate(ops) if j != k)
+    """Whether a product's or quotient's operand ``k`` is kept for no gradient (autograd
+    saves by ``needs_input_grad``, as ``DivBackward0._saved_self`` shows). ``a * b`` keeps
+    ``b`` for ``a``'s gradient and ``a`` for ``b``'s, so each only where the other needs one.
+    Rotary embeddings multiply q and k by constant cos and sin tables: they keep the tables,
+    not q and k (measured on 4 gloo ranks, llama-tiny under Megatron on 2 x 2: no q, k or
+    rotate-half copy alive at the end of forward; the tables are). ``a / b`` keeps ``b`` for
+    both gradients and ``a`` only for ``b``'s; by a number (no tensor ``b``), nothing."""
+    if n.target is aten.mul.Tensor:
+        return not any(o in rg for j, o in enumerate(ops) if j != k)
+    if n.target is aten.div.Tensor:
+        return k == 0 and not (len(ops) > 1 and ops[1] in rg)
+    return False
 
 
 def saved_savers(graph: fx.Graph, rg: set, params: set[str], operands: dict | None = None) -> dict:
