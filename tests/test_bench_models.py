@@ -280,7 +280,7 @@ def test_unproven_line_names_each_plan_not_proven_optimal():
 
 
 REPO = Path(__file__).resolve().parent.parent
-KEPT_CHECKPOINT = REPO / "benchmarks" / "data" / "primepar_checkpoint_s44.jsonl"
+KEPT_CHECKPOINT = REPO / "benchmarks" / "data" / "primepar_checkpoint_s46.jsonl"
 
 
 def _section_body(text: str) -> list[str]:
