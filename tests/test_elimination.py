@@ -302,22 +302,41 @@ def test_a_budget_bound_solve_asks_only_whether_anything_fits(monkeypatch):
     assert fits_memory(p) and fits_memory(_backward_edge_problem(20)) and not fits_memory(_backward_edge_problem(19))
 
 
+def _edge_bound_problem(budget):
+    """A backward phase whose memory edge is never 0: the cheap per-phase bound (which
+    leaves the edges out) says 20 bytes, the least peak is 60 (at (1, 1))."""
+    mem_edge = Edge(0, 1, (0, 1), (0, 1), {(0, 0): 50, (0, 1): 40, (1, 0): 40, (1, 1): 40})
+    return Problem(cost=[[1, 5], [1, 5]], mem=[[10, 10], [10, 10]], bwd_mem=[[5, 0], [5, 0]], mem_edges=[mem_edge],
+                   budget=budget)
+
+
 def test_an_unproven_least_peak_is_reported_as_the_range_cp_sat_reached(monkeypatch):
+    p = _edge_bound_problem(30)
+    assert min_memory_bound(p) == 20 and min_memory(p) == 60
+    with pytest.raises(InfeasibleBudget) as err:
+        solve(p)
+    assert (err.value.min_budget, err.value.lower) == (60, 60)   # proven: one figure
     real = solver._least_memory_choice
+    weaker = {"by": 25}
 
     def out_of_time(p, time_limit_s):   # a plan found, its optimality not proven: a weaker bound
         choice, bound = real(p, time_limit_s)
-        return choice, bound - 5
+        return choice, bound - weaker["by"]
     monkeypatch.setattr(solver, "_least_memory_choice", out_of_time)
-    p = _backward_edge_problem(19)
-    assert least_memory(p) == (15, 20)
-    with pytest.raises(SolverTimeout, match="between 15 and 20 bytes"):
+    assert least_memory(p) == (35, 60)
+    with pytest.raises(SolverTimeout, match="between 35 and 60 bytes"):
         min_memory(p)
-    with pytest.raises(InfeasibleBudget, match="between 0.000 and 0.000 GiB [(]15 to 20 bytes") as err:
+    with pytest.raises(InfeasibleBudget, match="between 0.000 and 0.000 GiB [(]35 to 60 bytes") as err:
         solve(p)
-    assert (err.value.min_budget, err.value.lower) == (20, 15)
+    assert (err.value.min_budget, err.value.lower) == (60, 35)
     again = pickle.loads(pickle.dumps(err.value))   # (rank 0's error, as the other ranks get it)
-    assert (again.min_budget, again.lower, str(again)) == (20, 15, str(err.value))
+    assert (again.min_budget, again.lower, str(again)) == (60, 35, str(err.value))
+    # a bound weaker than what is known besides: the budget it failed (30) and the cheap bound
+    weaker["by"] = 45
+    assert least_memory(p) == (15, 60)
+    with pytest.raises(InfeasibleBudget) as err:
+        solve(p)
+    assert (err.value.min_budget, err.value.lower) == (60, 31)
     proven = InfeasibleBudget(19, 20)
     assert proven.lower == 20 and "is 0.000 GiB (20 bytes)" in str(proven)
 

@@ -786,6 +786,11 @@ def test_the_least_budget_stops_at_the_first_bound_that_cannot_win(monkeypatch):
     over = [(60, 2, "c", None, entries[2]), (30, 0, "a", None, entries[0]), (45, 1, "b", None, entries[1])]
     assert mod._least_budget(over, math.inf, rebuild) == (40, 38)
     assert entries[0] == {"min_budget_bytes": 50, "min_budget_lower_bytes": 38} and entries[1] == {"min_budget_bytes": 40}
+    exact["a"] = (20, 50)   # a weaker proof than the point's own cheap bound (30): the bound stands
+    entries[:] = [{}, {}, {}]
+    over = [(60, 2, "c", None, entries[2]), (30, 0, "a", None, entries[0]), (45, 1, "b", None, entries[1])]
+    assert mod._least_budget(over, math.inf, rebuild) == (40, 30)
+    assert entries[0] == {"min_budget_bytes": 50, "min_budget_lower_bytes": 30}
 
 
 class BigLinear(nn.Module):

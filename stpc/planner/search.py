@@ -310,6 +310,7 @@ def _least_budget(over: list, least: float, rebuild: Callable, lower: float = ma
             break
         b, problem = rebuild(s, h)
         low, need = least_memory(b.add_memory_edges(problem))
+        low = min(need, max(low, bound))   # (its cheap bound, over the budget, may be the tighter)
         entry["min_budget_bytes"] = need
         if low < need:
             entry["min_budget_lower_bytes"] = low

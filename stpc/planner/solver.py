@@ -512,7 +512,7 @@ def solve(p: Problem, time_limit_s: float = TIME_LIMIT_S, prune: bool = True, me
     t0 = time.perf_counter()
     if method == "auto":
         if p.budget is not None and min_memory_bound(p) > p.budget:
-            raise InfeasibleBudget(p.budget, *least_memory(p)[::-1])
+            raise _infeasible(p)
         choice, obj, peak = memory_blind_optimum(p)
         if choice is not None:
             if p.cap is not None and obj > p.cap:  # a lower bound of the budgeted optimum too
@@ -528,7 +528,7 @@ def solve(p: Problem, time_limit_s: float = TIME_LIMIT_S, prune: bool = True, me
         # yes-or-no question (``fits_memory``), not the least peak, which only a point that
         # does not fit needs, for its error.
         if not fits_memory(p, time_limit_s):
-            raise InfeasibleBudget(p.budget, *least_memory(p)[::-1])
+            raise _infeasible(p)
     full = p
     if prune:
         p, keep = prune_dominated(p)
@@ -547,7 +547,7 @@ def solve(p: Problem, time_limit_s: float = TIME_LIMIT_S, prune: bool = True, me
     if status == cp_model.INFEASIBLE:
         if p.cap is not None:
             raise NoBetterPlan()
-        raise InfeasibleBudget(p.budget, *least_memory(full)[::-1])
+        raise _infeasible(full)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise SolverTimeout(solver.StatusName(status), time_limit_s)
     choice = [0 if xs is None else next(c for c, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x]
@@ -617,6 +617,15 @@ def least_memory(p: Problem, time_limit_s: float = 60.0) -> tuple[int, int]:
     return least, least
 
 
+def _infeasible(p: Problem) -> InfeasibleBudget:
+    """The error of ``p``, whose budget no assignment fits: its least peak, and where CP-SAT
+    did not prove that, a lower bound raised to what is known besides (over the budget, and
+    at least the cheap per-phase bound)."""
+    lower, upper = least_memory(p)
+    lower = max(lower, min_memory_bound(p), math.floor(p.budget) + 1)
+    return InfeasibleBudget(p.budget, upper, min(lower, upper))
+
+
 def fits_memory(p: Problem, time_limit_s: float = 60.0) -> bool:
     """Whether some assignment's per-device peak fits ``p.budget`` (the memory rows and
     edges alone): CP-SAT asked for any assignment under the budget, not for the least peak.
@@ -665,7 +674,12 @@ def _min_peak_phases(p: Problem, time_limit_s: float) -> tuple[int, int]:
         upper = max(p.phase_peaks(choice))
         if upper == lower:
             return lower, upper
-    choice, bound = _least_memory_choice(p, time_limit_s)
+    try:
+        choice, bound = _least_memory_choice(p, time_limit_s)
+    except SolverTimeout:
+        if upper is None:
+            raise
+        return lower, upper   # (the relaxation's plan and bound stand)
     peak = max(p.phase_peaks(choice))
     return max(lower, bound), peak if upper is None else min(upper, peak)
 
