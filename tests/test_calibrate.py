@@ -147,8 +147,29 @@ def test_amend_measures_the_fresh_allocation_into_an_older_profile(tmp_path, cap
     assert main_calibrate(["--amend", path, "--probe", "fresh_alloc"]) == 1
     assert "measures CPU ranks" in capsys.readouterr().err
     # without --probe: every probe on CPU ranks, all but the fresh allocation's on GPU ranks
-    assert amendable_probes("gloo") == ("batched_gemm", "fresh_alloc", "collectives")
-    assert amendable_probes("nccl") == ("batched_gemm", "collectives")
+    assert amendable_probes("gloo") == ("batched_gemm", "fresh_alloc", "collectives", "overlap")
+    assert amendable_probes("nccl") == ("batched_gemm", "collectives", "overlap")
+
+
+@pytest.mark.multirank
+def test_amend_measures_the_overlap_probes_again_and_fits_them_as_the_planner_costs_a_ring(tmp_path, capsys):
+    """``--amend --probe overlap``: the ring, asynchronous and blocking probes measured on the
+    profile's ranks and fitted as ``CostModel.ring`` costs a ring (a ring of 2 ranks: one
+    step moves a block); the rest of the profile kept, the amendment noted."""
+    from stpc.cost_models import save_profile
+
+    prof = _older_profile()
+    path = str(tmp_path / "old.json")
+    save_profile(prof, path)
+    assert main_calibrate(["--amend", path, "--probe", "overlap"]) == 0
+    assert "overlap: compute beside an asynchronous collective" in capsys.readouterr().out
+    got = json.load(open(path))
+    ov = got.pop("overlap")
+    assert ov["ring_ranks"] == 2 and ov["rounds"] > 0 and ov["ring_slowdown"] >= 0 and ov["ring_step_overhead_s"] >= 0
+    assert [(n["probe"], n["ranks"]) for n in got.pop("amended")] == [("overlap", 2)]
+    assert got == {k: v for k, v in prof.items() if k != "overlap"}
+    cl = get_cluster(path)
+    assert (cl.ring_overlap_slowdown, cl.ring_step_overhead_s) == (ov["ring_slowdown"], ov["ring_step_overhead_s"])
 
 
 def _older_profile() -> dict:

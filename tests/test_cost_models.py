@@ -332,20 +332,55 @@ def test_group_size_bands_cost_the_axes_of_that_size(tmp_path):
     assert pair.reduce_scatter(s, 1) == pytest.approx(old.reduce_scatter(s, 1))
 
 
+def test_blocks_posted_to_two_peers_at_once_share_the_port_unless_each_peer_has_links_of_its_own():
+    """``CostModel.p2p_to_peers`` (a P(2x2) step's two blocks): on the 4-V100 board every pair
+    has NVLinks of its own, so the longer transfer; through a switch (DGX H100), across nodes,
+    or on a calibrated machine (one measured P2P line: loopback TCP here), one message of the
+    bytes together."""
+    mib = 2**20
+    v100 = CostModel(get_cluster("primepar-v100"), (4,))
+    assert v100.own_peer_links(0)
+    assert v100.p2p_to_peers((2 * mib, mib), 0) == pytest.approx(v100.p2p(2 * mib, 0))
+    h100 = CostModel(get_cluster("dgx-h100"), (4,))
+    assert not h100.own_peer_links(0)
+    assert h100.p2p_to_peers((2 * mib, mib), 0) == pytest.approx(h100.p2p(3 * mib, 0))
+    across = CostModel(get_cluster("primepar-v100"), (8, 4))   # axis 0 joins the nodes
+    assert not across.own_peer_links(0) and across.own_peer_links(1)
+    assert across.p2p_to_peers((mib, mib), 0) == pytest.approx(across.p2p(2 * mib, 0))
+    measured = dataclasses.replace(get_cluster("primepar-v100"), collective_links={"p2p": Link(1e-4, 1e9)})
+    assert not CostModel(measured, (4,)).own_peer_links(0)
+    assert h100.p2p_to_peers((0.0,), 0) == 0.0
+
+
 def test_fit_overlap_reads_overhead_from_the_tiny_ring_and_slowdown_from_the_long_one():
+    """The probe's ring is read as the planner costs a ring (``CostModel.ring``): of its W
+    steps all but the last move a block, each step paying the overhead."""
     from stpc.cli.calibrate import fit_overlap
 
-    o, slowdown = 3e-4, 0.8
+    o, slowdown, W = 3e-4, 0.8, 4
     gemm, p2p = 0.010, 0.004  # a long step: the transfer hides behind the GEMM, at the slowdown
     tiny = (1e-6, 1e-4)
-    ranks = [{"long": (gemm, p2p, gemm + slowdown * p2p + o), "tiny": (*tiny, sum(tiny) + o)},
-             {"long": (gemm * 0.9, p2p, gemm * 0.9 + p2p), "tiny": (*tiny, sum(tiny))}]  # a faster rank
-    got = fit_overlap(ranks)  # the slowest rank's times
+
+    def per_step(g, c, moved_step):  # the ring's time over its W steps, as the probe stores it
+        return ((W - 1) * moved_step + g + o) / W
+
+    ranks = [{"long": (gemm, p2p, per_step(gemm, p2p, gemm + slowdown * p2p + o)),
+              "tiny": (*tiny, per_step(*tiny, sum(tiny) + o))},
+             {"long": (gemm * 0.9, p2p, gemm * 0.9 + p2p / 2), "tiny": (*tiny, sum(tiny))},  # a faster rank
+             {"long": (gemm * 0.9, p2p, gemm * 0.9 + p2p / 2), "tiny": (*tiny, sum(tiny))},
+             {"long": (gemm * 0.9, p2p, gemm * 0.9 + p2p / 2), "tiny": (*tiny, sum(tiny))}]
+    got = fit_overlap(ranks)  # the slowest rank's times; a ring of as many ranks as reported
     assert got["ring_step_overhead_s"] == pytest.approx(o)
-    assert got["slowdown"] == pytest.approx(slowdown)
+    assert got["slowdown"] == pytest.approx(slowdown) and got["ring_ranks"] == W
+    # the ring the planner costs with these figures takes the probe's time back
+    cm = CostModel(dataclasses.replace(get_cluster("cpu-local"), ring_overlap_slowdown=got["ring_slowdown"],
+                                       ring_step_overhead_s=got["ring_step_overhead_s"]), (W,))
+    assert cm.ring(gemm, [p2p] * (W - 1) + [0.0]) == pytest.approx(W * ranks[0]["long"][2])
     # noise below the ideal overlap does not make a negative slowdown or overhead
-    quiet = fit_overlap([{"long": (gemm, p2p, gemm * 0.99), "tiny": (*tiny, 0.5 * sum(tiny))}])
+    quiet = fit_overlap([{"long": (gemm, p2p, gemm * 0.99), "tiny": (*tiny, 0.5 * sum(tiny))}], world=W)
     assert quiet["slowdown"] == 0.0 and quiet["ring_step_overhead_s"] == 0.0
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_overlap([ranks[0]])
 
 
 def test_fit_overlap_takes_each_term_per_round_then_the_median():
@@ -357,13 +392,14 @@ def test_fit_overlap_takes_each_term_per_round_then_the_median():
         return tuple(x * load for x in (g, c, max(g, c) + s * min(g, c)))
 
     loads = [1.0, 1.0, 1.6, 1.6, 1.6]
-    ring = [probe(0.010, 0.004, 0.5, f) for f in loads]
-    tiny = [(1e-6, 1e-4, 1e-4 + 1e-6)] * 5
+    # (a ring of two ranks: one step moves a block, the other computes on what is there)
+    ring = [(g, c, (both + g) / 2) for g, c, both in (probe(0.010, 0.004, 0.5, f) for f in loads)]
+    tiny = [(1e-6, 1e-4, (1e-4 + 2e-6) / 2)] * 5
     probes = {"async": [probe(0.28, 0.06, 1.2, f) for f in loads],
               # compute and network loaded apart, round by round; each round's sync is 5 ms
               "blocking": [(0.066 * f, 0.008 * h, 0.066 * f + 0.008 * h + 0.005)
                            for f, h in zip([1.0, 1.6, 1.0, 1.6, 1.3], [1.5, 2.0, 2.0, 1.0, 1.0])]}
-    got = fit_overlap([{"long": ring, "tiny": tiny, "probes": probes}])
+    got = fit_overlap([{"long": ring, "tiny": tiny, "probes": probes}], world=2)
     assert got["ring_slowdown"] == pytest.approx(0.5) and got["slowdown"] == pytest.approx(1.2)
     assert got["collective_sync_s"] == pytest.approx(0.005) and got["rounds"] == 5
     # the parts' medians, taken apart (the old fit's way), would say 1 ms

@@ -51,9 +51,11 @@ planner models):
     P2P alone, and stpc's own AG-ring (``runtime.ops.ring_allgather_matmul``, the
     transfer posted before each step's GEMM and waited after it), once with blocks whose
     GEMM is long and once with tiny blocks. The tiny ring gives the per-step overhead
-    (its step time beyond the P2P), the long one the compute slowdown beside a transfer:
-    step = max(gemm, p2p) + slowdown * min(gemm, p2p) + overhead. Every rank waits on
-    every step, so the figure also holds the ranks' skew at each step;
+    (its time beyond its GEMMs and P2Ps), the long one the compute slowdown beside a
+    transfer: step = max(gemm, p2p) + slowdown * min(gemm, p2p) + overhead, for each of
+    the ring's steps but the last, which moves nothing (``CostModel.ring``, as the planner
+    costs a ring: :func:`fit_overlap`). Every rank waits on every step, so the figure also
+    holds the ranks' skew at each step;
   - an asynchronous collective beside compute (``slowdown``: a data-parallel gradient
     bucket, a ZeRO gather): an all-reduce of ``ASYNC_BYTES`` issued, a block of
     ``ASYNC_GEMMS`` GEMMs run, the all-reduce waited; against the two alone;
@@ -83,7 +85,8 @@ which and why; nothing hangs.
 profile goes to ``--json`` (``--out``, its old name, still works); ``--quiet`` prints only
 the path written. ``--amend PROFILE [--probe NAME ...]`` measures only the probes named
 (``batched_gemm``, ``fresh_alloc``, ``collectives``: the default grid's message sizes,
-where the profile lacks one; default: all, on a profile of NCCL ranks all but
+where the profile lacks one; ``overlap``: the ring, asynchronous and blocking probes,
+fitted as the planner now costs a ring; default: all, on a profile of NCCL ranks all but
 ``fresh_alloc``) into ``PROFILE``, written before they had their present form, on as many
 ranks as it was measured with, writes them in and notes each amendment (probe, date, host,
 torch; the collectives' sizes) under the profile's ``amended``.
@@ -499,13 +502,21 @@ def _async_and_blocking(dev, window_s: float = 0.3) -> dict:
                                 rounds=SYNC_WINDOWS)}
 
 
-def fit_overlap(per_rank: list[dict]) -> dict:
+def fit_overlap(per_rank: list[dict], world: int | None = None) -> dict:
     """The profile's ``overlap`` from every rank's :func:`_overlap`: per round, the slowest
     rank's times (a ring, a collective, waits for its slowest member) and the terms they
     give: the ring's overhead from the tiny ring, its slowdown from the long one, the
     asynchronous collective's slowdown and the blocking one's synchronisation cost from
     their probes, all at least 0; each term the median over rounds, each part too. A
-    part given as one ``(a, b, c)`` is one round."""
+    part given as one ``(a, b, c)`` is one round.
+
+    The ring terms read the probe's ring as the planner costs it (``CostModel.ring``): of
+    its ``world`` steps (default: one per rank given) all but the last move a block, so
+    ``world * step = (world - 1) * ring_step(gemm, p2p) + ring_step(gemm, 0)``; the tiny
+    ring is taken as transfer and GEMM in full, one after the other, plus the overhead."""
+    W = len(per_rank) if world is None else int(world)
+    if W < 2:
+        raise ValueError(f"fit_overlap: a ring of {W} rank(s) moves no block; it needs at least 2")
     def slowest(which, where=None) -> list[tuple[float, float, float]]:
         rows = [r[where][which] if where else r[which] for r in per_rank]
         return slowest_rounds([[row] if isinstance(row[0], (int, float)) else row for row in rows])
@@ -514,10 +525,11 @@ def fit_overlap(per_rank: list[dict]) -> dict:
         return statistics.median(r[i] for r in rounds)
 
     tiny, long = slowest("tiny"), slowest("long")
-    overhead = statistics.median(max(0.0, step - max(g, c) - min(g, c)) for g, c, step in tiny)
-    ring_slowdown = statistics.median(max(0.0, (step - overhead - max(g, c)) / min(g, c)) for g, c, step in long)
+    overhead = statistics.median(max(0.0, (W * step - (W - 1) * (g + c) - g) / W) for g, c, step in tiny)
+    ring_slowdown = statistics.median(
+        max(0.0, (W * step - W * overhead - (W - 1) * max(g, c) - g) / ((W - 1) * min(g, c))) for g, c, step in long)
     out = {"slowdown": ring_slowdown, "ring_slowdown": ring_slowdown, "ring_step_overhead_s": overhead,
-           "rounds": len(long),
+           "rounds": len(long), "ring_ranks": W,
            "long": {"gemm_s": med(long, 0), "p2p_s": med(long, 1), "ring_step_s": med(long, 2),
                     "shape": list(OVERLAP_LONG)},
            "tiny": {"gemm_s": med(tiny, 0), "p2p_s": med(tiny, 1), "ring_step_s": med(tiny, 2),
@@ -734,7 +746,7 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
                "device": device, "matmul": rows, "ops": ops, "batched_gemm": batched,
                **({"fresh_alloc": fresh} if fresh else {}),
                "link": {"alpha_s": alpha, "bw_bytes_per_s": bw, "rel_rms": err},
-               "collectives": collectives, "group_collectives": groups, "overlap": fit_overlap([r["overlap"] for r in per_rank])}
+               "collectives": collectives, "group_collectives": groups, "overlap": fit_overlap([r["overlap"] for r in per_rank], world_size)}
     if out:
         save_profile(profile, out)
     return profile
@@ -755,6 +767,23 @@ def _amend_fresh(profile: dict, per_rank: list) -> str:
     profile["device"]["fresh_page_bw"] = fresh["fresh_page_bw"]
     refit_collectives(profile)  # (their lines: the samples less the fresh outputs, as calibrate fits them)
     return fresh_line(fresh) + "; the collectives' lines fitted again to their samples less it"
+
+
+def overlap_line(ov: dict) -> str:
+    """One line of the profile's ``overlap`` entry (:func:`fit_overlap`)."""
+    return (f"overlap: compute beside an asynchronous collective slows by {ov['slowdown']:.2f} of the "
+            f"collective's time, beside a ring step's transfer by {ov['ring_slowdown']:.2f}; a ring step's overhead "
+            f"{ov['ring_step_overhead_s'] * 1e6:.0f} us; a blocking collective's synchronisation "
+            f"{ov.get('collective_sync_s', 0.0) * 1e3:.2f} ms")
+
+
+def _measure_overlap(dev) -> dict:
+    return _overlap(dev, dist.get_world_size())
+
+
+def _amend_overlap(profile: dict, per_rank: list) -> str:
+    profile["overlap"] = fit_overlap(per_rank)
+    return overlap_line(profile["overlap"])
 
 
 def sampled_sizes(profile: dict) -> list[int]:
@@ -823,7 +852,7 @@ def _size_text(n: int) -> str:
 # profile lacks a size of the default grid, the whole grid (:func:`amend_sizes`) at every kind
 # and group size it has.
 AMENDABLE = {"batched_gemm": (_batched_block, _amend_batched), "fresh_alloc": (_fresh_alloc, _amend_fresh),
-             "collectives": (None, _amend_collectives)}
+             "collectives": (None, _amend_collectives), "overlap": (_measure_overlap, _amend_overlap)}
 
 
 def amendable_probes(backend: str) -> tuple[str, ...]:
@@ -963,11 +992,7 @@ def main_calibrate(argv: list[str]) -> int:
     for op, r in prof["ops"].items():
         print(f"| {op} | {r['measured_s'] * 1e3:.2f} | {r['roofline_s'] * 1e3:.2f} | {r['slowdown']:.2f} |")
     print(batched_line(prof["batched_gemm"]))
-    ov = prof["overlap"]
-    print(f"overlap: compute beside an asynchronous collective slows by {ov['slowdown']:.2f} of the "
-          f"collective's time, beside a ring step's transfer by {ov['ring_slowdown']:.2f}; a ring step's overhead "
-          f"{ov['ring_step_overhead_s'] * 1e6:.0f} us; a blocking collective's synchronisation "
-          f"{ov.get('collective_sync_s', 0.0) * 1e3:.2f} ms")
+    print(overlap_line(prof["overlap"]))
     return 0
 
 

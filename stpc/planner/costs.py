@@ -343,35 +343,47 @@ class NodeTimer:
         n = mesh[a]
         x_local = self._arg_bytes(0) / shard_factor(s.ins[0], mesh)
         out_local = self.out_bytes / shard_factor(s.out, mesh)
+        # Each family as its runtime op runs it (``runtime.ops.ring``): a ring of n blocks moves
+        # n - 1 of them (``CostModel.ring``), blocks posted together share a step.
         if s.kind == "ag_ring":
-            # n steps; each moves one block of x (fwd, and again for dW) or of dI (bwd), and
-            # runs 1/n of the device's GEMMs.
+            # fwd: n steps of 1/n of the device's GEMMs, an x block moving beside each but the
+            # last. bwd + grad: one loop of two rings, the x blocks again (for dW) and the dI
+            # accumulators, to the same peer: step 0 moves an x block, the last step an
+            # accumulator, each step between both.
             fwd, bwd, grad = self.phases(_work_split(s, mesh) * n)
             fwd, bwd = self._batched(s, s.ins[0][a], fwd, bwd)
-            step = cm.p2p(x_local, a)
+            block = cm.p2p(x_local, a)
+            forward = cm.ring(fwd, [block] * (n - 1) + [0.0])
             if forward_only:
-                return n * cm.ring_step(fwd, step)
-            return n * (cm.ring_step(fwd, step) + cm.ring_step(bwd, step) + cm.ring_step(grad, step))
+                return forward
+            both = cm.p2p(2 * x_local, a)
+            return forward + cm.ring(bwd + grad, [block] + [both] * (n - 2) + [block])
         if s.kind == "rs_ring":
-            # fwd: accumulator blocks of the output travel; bwd+grad: one AG ring over dO blocks.
+            # fwd: the output's accumulator blocks travel, from the second step on; bwd + grad:
+            # one AG ring over dO blocks feeding both GEMMs of each step.
             fwd, bwd, grad = self.phases(_work_split(s, mesh) * n)
             fwd, bwd = self._batched(s, s.out[a], fwd, bwd)
-            step = cm.p2p(out_local, a)
+            block = cm.p2p(out_local, a)
+            forward = cm.ring(fwd, [0.0] + [block] * (n - 1))
             if forward_only:
-                return n * cm.ring_step(fwd, step)
-            return n * (cm.ring_step(fwd, step) + cm.ring_step(bwd + grad, step))
+                return forward
+            return forward + cm.ring(bwd + grad, [block] * (n - 1) + [0.0])
         if s.kind == "p2x2":
             g = math.isqrt(n)
             fwd, bwd, grad = self.phases(_work_split(s, mesh) * g)
             w_local = self._arg_bytes(1) / shard_factor(s.ins[1], mesh)
-            # Per step both an activation block and a weight block move (fwd: I and W;
-            # bwd: dO and W; grad: I and dO), on different neighbours, in parallel.
-            step_f = cm.p2p(max(x_local, w_local), a)
-            step_b = cm.p2p(max(out_local, w_local), a)
-            step_g = cm.p2p(max(x_local, out_local), a)
+            # g steps a phase, g - 1 of them moving two blocks to two grid neighbours at once
+            # (fwd: I and W; bwd: dO and W; grad: I and dO). The gradient phase's first step
+            # also carries the dI shift (one x block to a third neighbour, posted as the phase
+            # begins), its last the dW accumulator (a weight block, beside the last GEMM).
+            peers = cm.p2p_to_peers
+            forward = cm.ring(fwd, [peers((x_local, w_local), a)] * (g - 1) + [0.0])
             if forward_only:
-                return g * cm.ring_step(fwd, step_f)
-            return g * (cm.ring_step(fwd, step_f) + cm.ring_step(bwd, step_b) + cm.ring_step(grad, step_g))
+                return forward
+            backward = cm.ring(bwd, [peers((out_local, w_local), a)] * (g - 1) + [0.0])
+            gradient = cm.ring(grad, [peers((x_local, out_local, x_local), a)]
+                               + [peers((x_local, out_local), a)] * (g - 2) + [peers((w_local,), a)])
+            return forward + backward + gradient
         raise ValueError(f"unknown strategy family {s.kind!r}")
 
 
