@@ -77,6 +77,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 
 import numpy as np
 
@@ -235,6 +236,11 @@ def load_profile(path: str) -> Cluster:
     bands.update({(kind, int(n)): _bands(c) for n, kinds in p.get("group_collectives", {}).items()
                   for kind, c in kinds.items() if c.get("bands")})
     overlap = p.get("overlap", {})  # (profiles written before the overlap was measured lack it)
+    if "ring_step_overhead_s" in overlap and "ring_ranks" not in overlap:
+        warnings.warn(f"{path}: its ring figures (overlap.ring_slowdown, ring_step_overhead_s) were fitted before "
+                      f"a ring was costed as its op runs it (n blocks, n - 1 of them moved: CostModel.ring), so "
+                      f"they charge a ring's transfers too little. Fix: python -m stpc calibrate --amend {path} "
+                      f"--probe overlap", UserWarning, stacklevel=2)
     return Cluster(p["name"], device, nodes=1, devices_per_node=int(p["ranks"]), intra=link,
                    inter=link, collective_links=per_kind, collective_bands=bands,
                    overlap_slowdown=overlap.get("slowdown"),

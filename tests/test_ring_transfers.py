@@ -143,11 +143,15 @@ def test_the_ag_rings_backward_moves_two_blocks_a_step_between_its_first_and_las
     assert _posted()["ag_ring"][1] == backward
 
 
-def test_a_p2x2_linear_moves_in_each_phase_the_bytes_its_op_posts():
-    """Per phase the bytes together (the model folds the dI shift into the gradient phase's
-    first step and the dW accumulator into its last, the steps they run beside)."""
+def test_a_p2x2_linear_moves_in_each_step_the_blocks_its_op_posts():
+    """q = 2 steps a phase, the first moving two blocks to two neighbours, the last nothing;
+    the gradient phase's first step also carries the dI shift (posted as the phase begins,
+    one x block) and its last the dW accumulator (a weight block, beside the last GEMM)."""
     forward, backward = _modelled("p2x2")
+    x, w, out = B * S // 2 * IN // 2 * 4, IN // 2 * OUT // 2 * 4, B * S // 2 * OUT // 2 * 4
+    assert forward == [x + w, 0.0]
+    assert backward == [out + w, 0.0, x + out + x, w]
     posted_fwd, posted_bwd = _posted()["p2x2"]
-    assert sum(forward) == sum(posted_fwd) > 0
-    assert sum(backward) == sum(posted_bwd) > 0
-    assert len(forward) == 2 and sum(1 for t in forward if t) == 1   # q = 2 steps, one moves
+    assert posted_fwd == [x + w]
+    # the op's posts: the backward phase's step, the dI shift, the gradient phase's step, the accumulator
+    assert posted_bwd == [out + w, x, x + out, w]
