@@ -1,6 +1,7 @@
 """The model benchmarks (``python -m stpc bench primepar|planner|kernel``): their helpers, and
 each verb on a tiny size (one model cut to 2 layers, one device count, one cluster)."""
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -280,7 +281,7 @@ def test_unproven_line_names_each_plan_not_proven_optimal():
 
 
 REPO = Path(__file__).resolve().parent.parent
-KEPT_CHECKPOINT = REPO / "benchmarks" / "data" / "primepar_checkpoint_s46.jsonl"
+KEPT_CHECKPOINT = REPO / "benchmarks" / "data" / "primepar_checkpoint_s48.jsonl"
 
 
 def _section_body(text: str) -> list[str]:
@@ -305,7 +306,7 @@ def test_results_primepar_section_is_its_kept_checkpoint_rendered(tmp_path):
     assert _section_body(rendered) == _section_body((REPO / "benchmarks" / "RESULTS.md").read_text())
     # the sensitivity cells say which plans were not proven optimal, by their bandwidth
     sensitivity = rendered[rendered.index("### Sensitivity"):rendered.index("### PrimePar's worked example")]
-    assert "stpc's plan for llama2-70b at 12.5 GB/s per node (CP-SAT ran out of time on" in sensitivity
+    assert re.search(r"stpc's plan for llama2-70b at [\d.]+ GB/s per node \(CP-SAT ran out of time on", sensitivity)
 
 
 @pytest.mark.slow  # (221 s in CI when every depth tried was planned; now each is a fits_budget proof, and
