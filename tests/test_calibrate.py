@@ -121,10 +121,7 @@ def test_amend_measures_the_fresh_allocation_into_an_older_profile(tmp_path, cap
     from stpc.cli.calibrate import FRESH_BYTES, amendable_probes, fresh_alloc_threshold
     from stpc.cost_models import save_profile
 
-    prof = _older_profile()
-    path = str(tmp_path / "old.json")
-    save_profile(prof, path)
-    assert main_calibrate(["--amend", path, "--probe", "fresh_alloc"]) == 0
+    prof, path = _amended(tmp_path, "fresh_alloc")
     assert "fresh allocation: 48 MiB cloned" in capsys.readouterr().out
     got = json.load(open(path))
     f = got.pop("fresh_alloc")
@@ -156,12 +153,7 @@ def test_amend_measures_the_overlap_probes_again_and_fits_them_as_the_planner_co
     """``--amend --probe overlap``: the ring, asynchronous and blocking probes measured on the
     profile's ranks and fitted as ``CostModel.ring`` costs a ring (a ring of 2 ranks: one
     step moves a block); the rest of the profile kept, the amendment noted."""
-    from stpc.cost_models import save_profile
-
-    prof = _older_profile()
-    path = str(tmp_path / "old.json")
-    save_profile(prof, path)
-    assert main_calibrate(["--amend", path, "--probe", "overlap"]) == 0
+    prof, path = _amended(tmp_path, "overlap")
     assert "overlap: compute beside an asynchronous collective" in capsys.readouterr().out
     got = json.load(open(path))
     ov = got.pop("overlap")
@@ -170,6 +162,18 @@ def test_amend_measures_the_overlap_probes_again_and_fits_them_as_the_planner_co
     assert got == {k: v for k, v in prof.items() if k != "overlap"}
     cl = get_cluster(path)
     assert (cl.ring_overlap_slowdown, cl.ring_step_overhead_s) == (ov["ring_slowdown"], ov["ring_step_overhead_s"])
+
+
+def _amended(tmp_path, probe: str) -> tuple[dict, str]:
+    """An older profile (``_older_profile``) saved under ``tmp_path`` and ``probe`` amended into
+    it by ``calibrate --amend``; returns the profile as it was and its path."""
+    from stpc.cost_models import save_profile
+
+    prof = _older_profile()
+    path = str(tmp_path / "old.json")
+    save_profile(prof, path)
+    assert main_calibrate(["--amend", path, "--probe", probe]) == 0
+    return prof, path
 
 
 def _older_profile() -> dict:
