@@ -139,3 +139,61 @@ def _cpu_device_type(rank, world):
 def test_spawn_takes_a_per_device_backend():
     # the string init_process_group takes; a CPU world stays a CPU world under it
     assert spawn(_cpu_device_type, 2, backend="cpu:gloo", timeout_s=60) == ["cpu", "cpu"]
+
+
+_LAUNCHER = '''
+import os, sys, time
+from stpc.runtime.launch import spawn
+
+
+def sleeper(rank, world_size, where):
+    with open(os.path.join(where, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    spawn(sleeper, 2, sys.argv[1], timeout_s=600)
+'''
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie not yet reaped counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc (Linux)")
+def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path):
+    """A launcher SIGKILLed mid-run (no clean-up of its own can run) leaves no rank behind:
+    each asked the kernel to kill it when its parent dies."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 120
+        pids = []
+        while time.monotonic() < deadline and len(pids) < 2:
+            pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
+            time.sleep(0.2)
+        assert len(pids) == 2, "the ranks did not start"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+            time.sleep(0.2)
+        assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
+    finally:
+        proc.kill()
+        for p in tmp_path.glob("rank*.pid"):
+            try:
+                os.kill(int(p.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass

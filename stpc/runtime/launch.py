@@ -17,7 +17,9 @@ per-rank return values (picklable), in rank order.
 Guarantees: never hangs (a deadline covers start-up, the run and the
 collection of results; on expiry every child is killed and
 :class:`SpawnTimeout` is raised), never leaves orphans (all children are
-killed before any error propagates), and a failing rank raises
+killed before any error propagates; on Linux a rank is also killed by the
+kernel when the process that spawned it dies, even by a signal no handler
+sees, such as SIGKILL or an uncaught SIGTERM), and a failing rank raises
 :class:`SpawnError` carrying the rank and its traceback. When several ranks
 fail (one rank's exception typically breaks its peers' P2P/collectives), the
 earliest failure is reported and the others are listed as consequences.
@@ -29,6 +31,7 @@ rank on a small machine and buys nothing here.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import faulthandler
 import os
@@ -89,8 +92,28 @@ def _fault_log(fault_dir: str, rank: int) -> str:
     return os.path.join(fault_dir, f"rank{rank}.fault")
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this rank when ``parent_pid`` (the process that spawned it)
+    dies, whatever kills it: its own clean-up of the ranks runs only if it lives to run
+    it. Linux only (elsewhere the parent's clean-up is the one guard). A parent already
+    gone before the request took hold: exit now."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
-            timeout_s: float, results: Any, backend: str, threads: int, fault_dir: str) -> None:
+            timeout_s: float, results: Any, backend: str, threads: int, fault_dir: str,
+            parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     # A native crash (SIGSEGV in a kernel or a communication thread) kills the
     # process before it can report; faulthandler writes every thread's Python
     # stack to a file the parent reads, so the failure says where it happened.
@@ -196,7 +219,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
         for rank in range(world_size):
             p = ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, port, args, timeout_s, results, backend, threads, fault_dir),
+                args=(fn, rank, world_size, port, args, timeout_s, results, backend, threads, fault_dir,
+                      os.getpid()),
                 name=f"stpc-rank{rank}",
             )
             p.start()
