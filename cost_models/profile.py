@@ -241,6 +241,11 @@ def load_profile(path: str) -> Cluster:
                       f"a ring was costed as its op runs it (n blocks, n - 1 of them moved: CostModel.ring), so "
                       f"they charge a ring's transfers too little. Fix: python -m stpc calibrate --amend {path} "
                       f"--probe overlap", UserWarning, stacklevel=2)
+    if "collective_sync_s" in overlap and overlap.get("blocking", {}).get("reference") != "typical rank":
+        warnings.warn(f"{path}: its blocking collective's synchronisation (overlap.collective_sync_s) was measured "
+                      f"against the slowest rank's compute, not the typical rank's the planner charges, so it leaves "
+                      f"out a rank that runs slower all along. Fix: python -m stpc calibrate --amend {path} "
+                      f"--probe overlap", UserWarning, stacklevel=2)
     return Cluster(p["name"], device, nodes=1, devices_per_node=int(p["ranks"]), intra=link,
                    inter=link, collective_links=per_kind, collective_bands=bands,
                    overlap_slowdown=overlap.get("slowdown"),

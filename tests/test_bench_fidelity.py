@@ -1,20 +1,27 @@
 """``python -m stpc bench fidelity``: the judging (Kendall's tau-b, the targets), the report
-on a synthetic run, the phase-split memory measurement against ``bench_runtime``'s, and (slow)
-an end-to-end run on 4 gloo ranks at a tiny size with its JSON schema."""
+on a synthetic run, the phase-split memory measurement against ``bench_runtime``'s, the
+ranks' skew at their collective waits (synthetic, and on 2 gloo ranks one of which comes
+late), and (slow) an end-to-end run on 4 gloo ranks at a tiny size with its JSON schema."""
 from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.profiler import ProfilerActivity, profile
 
 from stpc.cli import bench
 from stpc.cli._stats import sign_test_p
-from stpc.cli.bench_fidelity import (DEFAULT_PLANS, KNOWN_PLANS, _profile_step, json_records, judge, kendall_tau, notes,
-                                     other_ops, param_mismatches, plan_spec, rel_error, report, separated_pairs)
+from stpc.cli.bench_fidelity import (DEFAULT_PLANS, KNOWN_PLANS, _profile_step, arrival_skew, json_records, judge,
+                                     kendall_tau, notes, other_ops, param_mismatches, plan_spec, rel_error, report,
+                                     separated_pairs, waits_ns)
 from stpc.cli.bench_runtime import StpcEngine, _peak_of_step, _step
 from stpc.frontend import models
+from stpc.runtime.launch import spawn
 
 KEYS = ("plan", "predicted_peak_bytes", "measured_peak_bytes", "predicted_step_s", "measured_step_s")
 
@@ -208,14 +215,69 @@ def test_param_mismatches_and_notes():
     assert "the other ops' time most in aten::copy_ 0.200 s (40 calls), aten::cat 0.025 s (3 calls)" in notes(r)
 
 
+def test_arrival_skew_pairs_the_ranks_waits_by_position():
+    """At each meeting the latest arrival less the mean one (the step's loss to skew), and the
+    mean leaving time less the latest arrival (what the collective took after it)."""
+    ms = 1_000_000
+    ranks = [[[0, 30 * ms], [100 * ms, 110 * ms]],        # first everywhere: waits longest
+             [[10 * ms, 30 * ms], [100 * ms, 110 * ms]],
+             [[20 * ms, 30 * ms], [106 * ms, 110 * ms]]]  # latest at both
+    got = arrival_skew([{"waits_ns": w} for w in ranks])
+    assert got["waits"] == got["meetings"] == 2
+    assert got["skew_s"] == pytest.approx((20 - 10 + 106 - 102) * 1e-3)
+    assert got["after_last_s"] == pytest.approx((30 - 20 + 110 - 106) * 1e-3)
+    # a wait on a collective done before the last rank came (issued early) held nobody: no meeting
+    done = [w + [[200 * ms + 10 * k * ms, 201 * ms + 10 * k * ms]] for k, w in enumerate(ranks)]
+    assert arrival_skew([{"waits_ns": w} for w in done]) == pytest.approx(got | {"waits": 3})
+    # no pairing where the ranks' counts differ, nor without the record, nor with no wait
+    assert arrival_skew([{"waits_ns": ranks[0]}, {"waits_ns": ranks[1][:1]}]) is None
+    assert arrival_skew([{"waits_ns": ranks[0]}, {}]) is None
+    assert arrival_skew([{"waits_ns": []}, {"waits_ns": []}]) is None
+
+
+def _late_rank(rank: int, world: int, late_s: float) -> list:
+    """Two all-reduces, each waited on at once; rank 1 reaches the second ``late_s`` late."""
+    x = torch.ones(1024)
+    funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))  # (warm: connections)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+        if rank == 1:
+            time.sleep(late_s)
+        funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+    return waits_ns(prof.profiler.kineto_results.events())
+
+
+def test_arrival_skew_across_real_ranks_sees_the_late_one():
+    """On 2 gloo ranks, one 0.2 s late to the second meeting: the ranks' waits pair by
+    position on the host's shared clock, and the skew is half the delay (the latest arrival
+    less the mean of two), within the scheduler's slack."""
+    got = spawn(_late_rank, 2, 0.2, timeout_s=120)
+    assert [len(w) for w in got] == [2, 2]
+    m = arrival_skew([{"waits_ns": w} for w in got])
+    assert m["waits"] == m["meetings"] == 2 and 0.08 <= m["skew_s"] <= 0.15
+    assert 0.0 <= m["after_last_s"] < 0.1
+    # the early rank waited out the delay at the second meeting; the late one did not
+    early, late = got[0][1], got[1][1]
+    assert early[1] - early[0] >= 0.15e9 and late[1] - late[0] < 0.1e9
+
+
 def test_report_and_json_records():
     recs = [_full_record() | {"measured_cpu_s": 0.6543, "measured_page_faults": 92877.5},
             _full_record("solved", zero=False) | {"predicted_step_s": 0.9, "measured_step_s": 1.2,
                                                   "measured_fwd_bwd_s": 1.0, "plan_hash": "def"}]
     cfg = {"model": "gpt-50m", "d_model": 64, "layers": 1, "heads": 4, "ffn": 256, "batch": 4, "seq": 16,
            "ranks": 2, "warmup": 1, "steps": 3, "cluster": None, "n_params": 1e6}
+    ms = 1_000_000
+    recs[0]["collective_sync_s"] = 0.005
+    recs[0]["profiled"][0]["waits_ns"] = [[0, 40 * ms], [100 * ms, 120 * ms]]
+    recs[0]["profiled"][1]["waits_ns"] = [[20 * ms, 40 * ms], [100 * ms, 120 * ms]]
     v = judge(recs)
     text = report(cfg, recs, v, "machine: test", "python -m stpc bench fidelity", "load average 1 / 1 / 1")
+    # the ranks' meetings beside the model's sync charge for as many (a run without them: dashes)
+    assert "| 2 of 2 | 0.010 / 0.010 | 0.040 |" in text and "| - | - | - |" in text
+    assert ("the ranks met at 2 of their 2 collective waits, where the latest rank's arrival lay 0.010 s after the "
+            "mean one's in all; the model charges a blocking collective 5.0 ms of skew, 0.010 s for as many") in text
     assert "| megatron |" in text and "| solved |" in text
     assert "-23.1% (missed)" in text          # memory 2000 against 2600
     assert "Kendall's tau-b 1.000" in text and v["tau_fwd_bwd"] == pytest.approx(1.0)
@@ -252,6 +314,7 @@ def test_phase_split_peak_is_bench_runtimes_peak():
     # the end of forward holds no gradients (zero_grad freed them) but the saved activations
     assert got["forward_end_bytes"] > got["start_bytes"] - sum(p.numel() * 4 for p in model.parameters())
     assert got["gemm_s"] > 0 and got["forward_s"] > 0 and got["backward_s"] > 0
+    assert got["waits_ns"] == []  # one process, no collective: no meeting
     # what forward left alive, per top-level op: the linears' outputs saved for backward among them
     alive = dict(got["forward_alive_by_op"])
     assert any(b > 0 for b in alive.values()) and any("linear" in op or "mm" in op for op in alive)
@@ -286,6 +349,9 @@ def test_end_to_end_tiny(tmp_path):
         assert len(r["measured_peak_bytes_per_rank"]) == 4 and len(r["steps_s"]) == 2
         assert r["mesh"] and r["families"] and r["cluster"]
         assert r["measured_cpu_s"] > 0 and r["measured_page_faults"] >= 0
+        # the ranks met at the same collective waits (one SPMD program), recorded on each
+        assert len({len(p["waits_ns"]) for p in r["profiled"]}) == 1, r["plan"]
+    assert any(arrival_skew(r["profiled"]) for r in recs)
     fams = {r["plan"]: r["families"] for r in recs}
     assert fams["p2x2"].get("p2x2") and fams["ag_rs"].get("ag_ring") and fams["ag_rs"].get("rs_ring")
     assert fams["grid"].get("p2x2") == fams["p2x2"]["p2x2"]

@@ -51,8 +51,11 @@ def test_calibrate_two_ranks_smoke(tmp_path):
     assert len(rounds) == ov["rounds"] and ov["async"]["both_s"] == statistics.median(r[2] for r in rounds)
     assert ov["slowdown"] == pytest.approx(statistics.median(max(0.0, (both - max(g, c)) / min(g, c))
                                                              for g, c, both in rounds))
-    rounds = ov["blocking"]["rounds_s"]
-    assert ov["collective_sync_s"] == pytest.approx(statistics.median(max(0.0, both - g - c) for g, c, both in rounds))
+    rounds, typical = ov["blocking"]["rounds_s"], ov["blocking"]["typical_gemms_s"]
+    assert ov["blocking"]["reference"] == "typical rank" and len(typical) == len(rounds)
+    assert all(t <= g for t, (g, _, _) in zip(typical, rounds))  # (the median rank's block, the slowest's)
+    assert ov["collective_sync_s"] == pytest.approx(statistics.median(max(0.0, both - t - c)
+                                                                      for (_, c, both), t in zip(rounds, typical)))
     assert cl.collective_sync_s == ov["collective_sync_s"]
     cm = CostModel(cl, (4,))
     assert cm.overlap_slowdown == ov["slowdown"] and cm.ring_overlap_slowdown == ov["ring_slowdown"]

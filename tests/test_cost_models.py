@@ -297,6 +297,16 @@ def test_fit_recovers_alpha_beta_and_roundtrips(tmp_path):
         warnings.simplefilter("error")   # fitted as rings are costed now: nothing to say
         cm = CostModel(get_cluster(path), (n,))
     assert (cm.overlap_slowdown, cm.ring_overlap_slowdown) == (0.1, 1.2)
+    # a blocking collective's synchronisation measured against the slowest rank's compute: said
+    ring = {"slowdown": 0.1, "ring_slowdown": 1.2, "ring_step_overhead_s": 4e-4, "ring_ranks": n}
+    save_profile({**prof, "overlap": {**ring, "collective_sync_s": 3e-3, "blocking": {"gemms_s": 0.07}}}, path)
+    with pytest.warns(UserWarning, match="typical rank's.*--probe overlap"):
+        get_cluster(path)
+    save_profile({**prof, "overlap": {**ring, "collective_sync_s": 3e-3, "blocking": {"reference": "typical rank"}}},
+                 path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert get_cluster(path).collective_sync_s == 3e-3
     with pytest.raises(FileNotFoundError, match="stpc calibrate"):
         load_profile(str(tmp_path / "missing.json"))
     # the GEMM curve a calibration fitted: fp32's ramp for every dtype, each dtype's own where fitted
@@ -411,6 +421,14 @@ def test_fit_overlap_takes_each_term_per_round_then_the_median():
     # the parts' medians, taken apart (the old fit's way), would say 1 ms
     g, c, both = (sorted(r[i] for r in probes["blocking"])[2] for i in range(3))
     assert both - g - c == pytest.approx(0.001)
+    # three ranks, one slower at the block all along: each block beside the collective waits
+    # for it, and the typical rank's compute (what the planner charges) is the median one's
+    ranks = [{"long": ring, "tiny": tiny, "probes": {"async": probes["async"],
+                                                      "blocking": [(g, 0.008, 0.070 + 0.008 + 0.003)] * 5}}
+             for g in (0.060, 0.062, 0.070)]
+    got = fit_overlap(ranks, world=2)
+    assert got["collective_sync_s"] == pytest.approx(0.081 - 0.062 - 0.008)  # not 3 ms, as from the slowest
+    assert got["blocking"]["gemms_typical_s"] == pytest.approx(0.062) and got["blocking"]["gemms_s"] == 0.070
 
 
 def _synthetic_profile(ranks: int = 2, **device) -> dict:

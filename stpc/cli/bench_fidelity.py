@@ -95,7 +95,9 @@ highest level in forward, backward and the optimizer step, beside the model's pa
 (``stpc.planner.summary.breakdown``); each parameter's stored shard beside the placement
 the model charges it at; and the step's CPU time
 per kind of op (GEMM and attention kernels, collectives, ring-op waits, the rest) beside the
-model's compute and exposed communication.
+model's compute and exposed communication; and where the ranks met (``arrival_skew``):
+at every wait on a functional collective, how far the latest rank's arrival lay behind the
+mean one's, on the host's clock, which every rank's profiler shares.
 
 Targets (issue 12): predicted peak within 5% of the measured on every plan, predicted step
 time within 25%, and the model orders the plans as the measurements do (Kendall's tau-b of
@@ -127,7 +129,7 @@ from stpc.cli.bench_runtime import (ALLOCATORS, StpcEngine, _live_bytes, _live_s
                                     memory_timeline, timed_step)
 from stpc.compile import compile as stpc_compile
 from stpc.compile import trace
-from stpc.cost_models.profile import world_cluster
+from stpc.cost_models.profile import get_cluster, world_cluster
 from stpc.frontend import models
 from stpc.planner import Hints, Plan, search
 from stpc.planner.baselines import describe_layout
@@ -198,6 +200,7 @@ def make_plans(cfg: dict, progress: bool = False) -> list[dict]:
             model = models.build(cfg["model"], **model_overrides(cfg))
         tg = trace(model, models.example_inputs(model.cfg, cfg["batch"], cfg["seq"]))
     cluster = cfg.get("cluster") or world_cluster(cfg["ranks"], "cpu")
+    sync_s = (get_cluster(cluster) if isinstance(cluster, str) else cluster).collective_sync_s
     out = []
     for name in cfg["plans"]:
         mesh, hints = plan_spec(name, cfg["ranks"], cfg["layers"])
@@ -221,7 +224,7 @@ def make_plans(cfg: dict, progress: bool = False) -> list[dict]:
                     "families": plan.strategy_counts(), "cluster": plan.cluster, "plan_hash": plan.hash()[:12],
                     "predicted_peak_bytes": float(plan.peak_memory_bytes),
                     "predicted_step_s": float(plan.modelled_step_time_s), "predicted_parts": parts,
-                    "plan_s": plan_s,
+                    "plan_s": plan_s, "collective_sync_s": sync_s,
                     "planned_params": params,
                     "plan_json": plan.to_json()})
     return out
@@ -355,6 +358,7 @@ def judge(records: list[dict], memory_target: float = MEMORY_TARGET, time_target
 # ----------------------------------------------------------------------------- measuring (on every rank)
 
 _GEMM = re.compile(r"^aten::(mm|addmm_?|bmm|baddbmm_?|_addmm_activation)$|scaled_dot_product|flash_attention")
+_WAIT = "_c10d_functional::wait_tensor"  # a functional collective's wait: where the ranks meet
 _RING = re.compile(r"^stpc::|^GeneratedBackwardFor_stpc_")   # ring/PrimePar ops: self time = their P2P waits
 _COMM = re.compile(r"gloo|c10d|nccl|wait|all_?gather|reduce_?scatter|all_?reduce|all_to_all|broadcast|send|recv|"
                    r"barrier|isend|irecv", re.I)
@@ -492,8 +496,50 @@ def _profile_step(engine: StpcEngine, opt) -> dict:
         elif _COMM.search(a.key):
             comm += s
     out.update({"gemm_s": gemm, "comm_s": comm, "ring_s": ring, "other_s": total - gemm - comm - ring,
-                "top_ops": sorted(ops, key=lambda t: -t[1])[:12]})
+                "top_ops": sorted(ops, key=lambda t: -t[1])[:12],
+                "waits_ns": waits_ns(events)})
     return out
+
+
+def waits_ns(events) -> list[list[int]]:
+    """[start, end] (ns) of every wait on a functional collective among a profile's kineto
+    ``events``, in time order, on the host's clock (which every process's profiler reads):
+    where this rank met the others (:func:`arrival_skew`). The outermost only: a wait on an
+    ``AsyncCollectiveTensor`` records the op again inside itself (its subclass dispatch
+    waiting on the tensor it wraps), one meeting."""
+    out: list[list[int]] = []
+    for start, end in sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == _WAIT):
+        if out and start < out[-1][1]:
+            continue  # inside the previous one
+        out.append([start, end])
+    return out
+
+
+def arrival_skew(profiled: list[dict]) -> dict | None:
+    """The ranks' meeting points in one profiled step: every rank's waits on functional
+    collectives (``waits_ns``, one list per rank, in program order: the same collectives on
+    every rank), paired by position. A wait is a meeting where it held the ranks until the
+    last one came (no rank left before the latest arrival; a collective issued early and
+    done by then holds nobody). At each meeting, the latest rank's arrival (the wait's
+    start) less the ranks' mean arrival is the time the step lost to the ranks' skew there:
+    the model's compute is the typical rank's (``calibrate`` rates are medians over ranks)
+    and every rank leaves after the last one came; the mean leaving time less the latest
+    arrival is what the collective took after it (its transfer, where it had not finished).
+    ``waits``: how many waits, ``meetings``: how many held the ranks. None where the ranks'
+    counts differ (then no pairing holds) or no rank recorded any."""
+    per = [p.get("waits_ns") for p in profiled]
+    if not per or any(w is None for w in per) or len({len(w) for w in per}) != 1 or not per[0]:
+        return None
+    skew = after = 0.0
+    held = 0
+    for meets in zip(*per):
+        arrive = [a for a, _ in meets]
+        if min(b for _, b in meets) < max(arrive):
+            continue  # a rank left before the last came: the collective was done, no meeting
+        held += 1
+        skew += max(arrive) - statistics.mean(arrive)
+        after += statistics.mean(b for _, b in meets) - max(arrive)
+    return {"waits": len(per[0]), "meetings": held, "skew_s": skew / 1e9, "after_last_s": after / 1e9}
 
 
 def _state_bytes(engine: StpcEngine, opt) -> dict:
@@ -633,7 +679,8 @@ def contributors(r: dict) -> dict:
             "exposed_predicted_s": pp.get("exposed_s", 0.0),
             "gemm_measured_s": mean["gemm_s"], "comm_measured_s": mean["comm_s"], "ring_measured_s": mean["ring_s"],
             "other_measured_s": mean["other_s"],
-            "optimizer_step_measured_s": r["measured_optimizer_s"], "fwd_bwd_measured_s": r["measured_fwd_bwd_s"]}
+            "optimizer_step_measured_s": r["measured_optimizer_s"], "fwd_bwd_measured_s": r["measured_fwd_bwd_s"],
+            "meetings": arrival_skew(prof), "collective_sync_s": r.get("collective_sync_s")}
 
 
 def _pct(x: float) -> str:
@@ -668,6 +715,18 @@ def other_ops(r: dict, top: int = 3) -> list[tuple[str, float, int]]:
     return [(op, seconds[op], calls[op]) for op in sorted(seconds, key=lambda o: -seconds[o])[:top]]
 
 
+def _meetings(c: dict) -> str:
+    """The ranks' skew at their collective waits (:func:`arrival_skew`) beside what the model
+    charges for as many blocking collectives (its ``collective_sync_s`` each), in words."""
+    m, sync = c.get("meetings"), c.get("collective_sync_s")
+    if not m:
+        return ""
+    charged = "" if sync is None else (f"; the model charges a blocking collective {sync * 1e3:.1f} ms of skew, "
+                                       f"{m['meetings'] * sync:.3f} s for as many")
+    return (f"the ranks met at {m['meetings']} of their {m['waits']} collective waits, where the latest rank's "
+            f"arrival lay {m['skew_s']:.3f} s after the mean one's in all{charged}")
+
+
 def notes(r: dict) -> str:
     """One plan's biggest contributors to its two errors, in words."""
     c = contributors(r)
@@ -700,6 +759,8 @@ def notes(r: dict) -> str:
              c["optimizer_step_predicted_s"] - c["optimizer_step_measured_s"])]
     gaps.sort(key=lambda t: -abs(t[1]))
     time_ = [f"{what} {gap:+.3f} s" for what, gap in gaps]
+    if meet := _meetings(c):
+        time_.append(meet)
     other = other_ops(r)
     if other:  # (what the roofline of the non-GEMM ops is held against, by op)
         time_.append("the other ops' time most in " + ", ".join(f"{op} {s:.3f} s ({n} calls)" for op, s, n in other))
@@ -769,11 +830,19 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
               "exposed communication "
               "against the profiled step's self CPU time (the mean over ranks; the profiler slows a step a little) "
               "in GEMM and attention kernels, in every other op, in collectives and their waits, and in the ring / "
-              "PrimePar ops' own bodies (their P2P waits), and the measured optimizer step.", "",
+              "PrimePar ops' own bodies (their P2P waits), and the measured optimizer step. Where the ranks meet: "
+              "in the profiled step, every rank's waits on functional collectives (the activations' reshards, the "
+              "loss's sums; not a ring's P2P, not the gradient buckets' waits), paired by position across ranks on "
+              "the host's clock; a meeting, a wait that held every rank until the last one came (no rank left "
+              "before the latest arrival); at each, the latest rank's arrival less the mean arrival (the step's "
+              "loss to the ranks' skew there, which the model's typical-rank compute does not hold), summed, beside "
+              "the `collective_sync_s` the model charges each blocking collective times as many meetings, and what "
+              "the collectives took after the last rank came.", "",
               "| plan | state MiB model / measured | activations + transient MiB model / forward added, "
               "measured | optimizer step MiB model / measured | peak phase, model (fwd / bwd / opt MiB) | measured peak phase (fwd / bwd / opt MiB) | compute s model | GEMM + attention s | other ops s | "
-              "exposed comm s model | collectives s | ring ops s | optimizer step s model / measured |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "exposed comm s model | collectives s | ring ops s | optimizer step s model / measured | "
+              "meetings of collective waits | arrival skew s measured / model | after the last arrival s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         c = contributors(r)
         pm = c["phase_max"]
@@ -785,12 +854,22 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
                      f"({_mib(pm['forward'])} / {_mib(pm['backward'])} / {_mib(pm['optimizer'])}) | "
                      f"{c['compute_predicted_s']:.3f} | {c['gemm_measured_s']:.3f} | {c['other_measured_s']:.3f} | "
                      f"{c['exposed_predicted_s']:.3f} | {c['comm_measured_s']:.3f} | {c['ring_measured_s']:.3f} | "
-                     f"{c['optimizer_step_predicted_s']:.3f} / {c['optimizer_step_measured_s']:.3f} |")
+                     f"{c['optimizer_step_predicted_s']:.3f} / {c['optimizer_step_measured_s']:.3f} | "
+                     + _meeting_cells(c) + " |")
     lines += ["", "Per plan, the biggest contributors found:", ""]
     lines += [f"- {notes(r)}" for r in records]
     losses = [r["first_loss"] for r in records]
     lines += ["", f"First-step losses of all plans: {min(losses):.6f} .. {max(losses):.6f}."]
     return "\n".join(lines) + "\n"
+
+
+def _meeting_cells(c: dict) -> str:
+    """The three cells of the ranks' meetings (``-`` for a run that did not record them)."""
+    m, sync = c.get("meetings"), c.get("collective_sync_s")
+    if not m:
+        return "- | - | -"
+    model = "-" if sync is None else f"{m['meetings'] * sync:.3f}"
+    return f"{m['meetings']} of {m['waits']} | {m['skew_s']:.3f} / {model} | {m['after_last_s']:.3f}"
 
 
 def _work(r: dict, key: str, fmt: str) -> str:

@@ -61,9 +61,11 @@ planner models):
     ``ASYNC_GEMMS`` GEMMs run, the all-reduce waited; against the two alone;
   - a blocking collective after compute (``collective_sync_s``, an activation's
     reshard): a block of ``SYNC_GEMMS`` GEMMs then an all-reduce of ``SYNC_BYTES``,
-    against the two alone: what the ranks' skew in reaching the collective adds (on a
-    CPU shared by more ranks than cores, the scheduler's time slices; on GPUs, launch
-    jitter). The noisiest figure here: ``SYNC_WINDOWS`` rounds.
+    against the collective alone and the block alone as the typical rank (the median over
+    ranks) runs it: what the ranks' skew in reaching the collective adds to the typical
+    rank's compute, the compute the planner charges (on a CPU shared by more ranks than
+    cores, the scheduler's time slices; on GPUs, launch jitter). The noisiest figure
+    here: ``SYNC_WINDOWS`` rounds.
 
   Each probe's parts are timed in rounds, one window of each part per round, and every
   term is the median of its per-round values (``_rounds``): a term is a difference of
@@ -508,7 +510,10 @@ def fit_overlap(per_rank: list[dict], world: int | None = None) -> dict:
     give: the ring's overhead from the tiny ring, its slowdown from the long one, the
     asynchronous collective's slowdown and the blocking one's synchronisation cost from
     their probes, all at least 0; each term the median over rounds, each part too. A
-    part given as one ``(a, b, c)`` is one round.
+    part given as one ``(a, b, c)`` is one round. The blocking probe's synchronisation is
+    the block + collective less the collective (the slowest rank's) and less the block alone
+    as the typical rank (the median over ranks) ran it, the rank the planner's compute
+    speaks for: the ranks' skew in reaching the collective, a rank slower all along included.
 
     The ring terms read the probe's ring as the planner costs it (``CostModel.ring``): of
     its ``world`` steps (default: one per rank given) all but the last move a block, so
@@ -542,9 +547,17 @@ def fit_overlap(per_rank: list[dict], world: int | None = None) -> dict:
         out["async"] = {"gemms_s": med(rounds, 0), "all_reduce_s": med(rounds, 1), "both_s": med(rounds, 2),
                         "bytes": ASYNC_BYTES, "gemms": ASYNC_GEMMS, "rounds_s": [list(r) for r in rounds]}
         rounds = slowest("blocking", "probes")
-        out["collective_sync_s"] = statistics.median(max(0.0, both - g - c) for g, c, both in rounds)
+        # the block alone as the typical rank ran it (the median over ranks, per round): the
+        # planner's compute is the typical rank's (the GEMM rates are medians over ranks), and
+        # the block beside the collective waits each time for the slowest; measured against the
+        # slowest rank's block alone, a rank that ran slower all window long went unseen
+        per = [[row] if isinstance(row[0], (int, float)) else row for row in (r["probes"]["blocking"] for r in per_rank)]
+        typical = [statistics.median(row[i][0] for row in per) for i in range(len(rounds))]
+        out["collective_sync_s"] = statistics.median(max(0.0, both - t - c) for (_, c, both), t in zip(rounds, typical))
         out["blocking"] = {"gemms_s": med(rounds, 0), "all_reduce_s": med(rounds, 1), "both_s": med(rounds, 2),
-                           "bytes": SYNC_BYTES, "gemms": SYNC_GEMMS, "rounds_s": [list(r) for r in rounds]}
+                           "gemms_typical_s": statistics.median(typical), "reference": "typical rank",
+                           "bytes": SYNC_BYTES, "gemms": SYNC_GEMMS, "rounds_s": [list(r) for r in rounds],
+                           "typical_gemms_s": typical}
     return out
 
 
