@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from stpc.cli import bench
 from stpc.cli._stats import sign_test_p
@@ -216,23 +216,61 @@ def test_param_mismatches_and_notes():
 
 
 def test_arrival_skew_pairs_the_ranks_waits_by_position():
-    """At each meeting the latest arrival less the mean one (the step's loss to skew), and the
-    mean leaving time less the latest arrival (what the collective took after it)."""
+    """At each meeting the latest arrival less the typical (median) one (the step's loss to
+    skew), and the mean leaving time less the latest arrival (what the collective took after it)."""
     ms = 1_000_000
     ranks = [[[0, 30 * ms], [100 * ms, 110 * ms]],        # first everywhere: waits longest
              [[10 * ms, 30 * ms], [100 * ms, 110 * ms]],
              [[20 * ms, 30 * ms], [106 * ms, 110 * ms]]]  # latest at both
     got = arrival_skew([{"waits_ns": w} for w in ranks])
     assert got["waits"] == got["meetings"] == 2
-    assert got["skew_s"] == pytest.approx((20 - 10 + 106 - 102) * 1e-3)
+    assert got["skew_s"] == pytest.approx((20 - 10 + 106 - 100) * 1e-3)  # (the mean would say 102)
     assert got["after_last_s"] == pytest.approx((30 - 20 + 110 - 106) * 1e-3)
     # a wait on a collective done before the last rank came (issued early) held nobody: no meeting
     done = [w + [[200 * ms + 10 * k * ms, 201 * ms + 10 * k * ms]] for k, w in enumerate(ranks)]
     assert arrival_skew([{"waits_ns": w} for w in done]) == pytest.approx(got | {"waits": 3})
+    # (a limit, named in the docstring: ranks reaching a done collective's wait within moments
+    # of each other count as meeting there, at a skew of those moments)
+    us = 1_000
+    close = [w + [[300 * ms + k * us, 300 * ms + 10 * us + k * us]] for k, w in enumerate(ranks)]
+    m = arrival_skew([{"waits_ns": w} for w in close])
+    assert m["meetings"] == 3 and m["skew_s"] == pytest.approx(got["skew_s"] + 1e-6)
     # no pairing where the ranks' counts differ, nor without the record, nor with no wait
     assert arrival_skew([{"waits_ns": ranks[0]}, {"waits_ns": ranks[1][:1]}]) is None
     assert arrival_skew([{"waits_ns": ranks[0]}, {}]) is None
     assert arrival_skew([{"waits_ns": []}, {"waits_ns": []}]) is None
+
+
+class _Event:
+    """A kineto event's face, as ``waits_ns`` reads it."""
+
+    def __init__(self, name, start, end, thread=1):
+        self._name, self._start, self._end, self._thread = name, start, end, thread
+
+    def name(self):
+        return self._name
+
+    def start_ns(self):
+        return self._start
+
+    def end_ns(self):
+        return self._end
+
+    def start_thread_id(self):
+        return self._thread
+
+
+def test_waits_ns_keeps_the_outermost_waits_of_one_thread_in_order():
+    """A wait recorded again inside itself (an ``AsyncCollectiveTensor``'s) is one meeting,
+    the outer one kept even where both start together; another thread's waits and other ops
+    are not this thread's meetings."""
+    w = "_c10d_functional::wait_tensor"
+    events = [_Event(w, 50, 60), _Event(w, 10, 40), _Event(w, 12, 30), _Event(w, 40, 41),
+              _Event(w, 70, 75), _Event(w, 70, 90),             # a tie: the outer (70, 90) kept
+              _Event(w, 20, 80, thread=2),                      # another thread's
+              _Event("aten::mm", 0, 100)]
+    assert waits_ns(events, 1) == [[10, 40], [40, 41], [50, 60], [70, 90]]
+    assert waits_ns(events, 2) == [[20, 80]] and waits_ns(events, 3) == []
 
 
 def _late_rank(rank: int, world: int, late_s: float) -> list:
@@ -241,11 +279,13 @@ def _late_rank(rank: int, world: int, late_s: float) -> list:
     funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))  # (warm: connections)
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
-        if rank == 1:
-            time.sleep(late_s)
-        funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
-    return waits_ns(prof.profiler.kineto_results.events())
+        with record_function("main"):
+            funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+            if rank == 1:
+                time.sleep(late_s)
+            funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+    events = prof.profiler.kineto_results.events()
+    return waits_ns(events, next(e.start_thread_id() for e in events if e.name() == "main"))
 
 
 def test_arrival_skew_across_real_ranks_sees_the_late_one():
@@ -277,7 +317,8 @@ def test_report_and_json_records():
     # the ranks' meetings beside the model's sync charge for as many (a run without them: dashes)
     assert "| 2 of 2 | 0.010 / 0.010 | 0.040 |" in text and "| - | - | - |" in text
     assert ("the ranks met at 2 of their 2 collective waits, where the latest rank's arrival lay 0.010 s after the "
-            "mean one's in all; the model charges a blocking collective 5.0 ms of skew, 0.010 s for as many") in text
+            "typical (median) one's in all; the model's skew for a blocking collective, 5.0 ms, gives 0.010 s for "
+            "as many") in text
     assert "| megatron |" in text and "| solved |" in text
     assert "-23.1% (missed)" in text          # memory 2000 against 2600
     assert "Kendall's tau-b 1.000" in text and v["tau_fwd_bwd"] == pytest.approx(1.0)

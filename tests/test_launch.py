@@ -1,6 +1,9 @@
 """stpc.runtime.launch.spawn: results in rank order, failures named, never a hang or an orphan."""
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -170,10 +173,6 @@ def _gone(pid: int) -> bool:
 def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path):
     """A launcher SIGKILLed mid-run (no clean-up of its own can run) leaves no rank behind:
     each asked the kernel to kill it when its parent dies."""
-    import signal
-    import subprocess
-    import sys
-
     script = tmp_path / "launcher.py"
     script.write_text(_LAUNCHER)
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
@@ -192,8 +191,20 @@ def test_ranks_die_with_a_launcher_killed_by_a_signal(tmp_path):
         assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
     finally:
         proc.kill()
-        for p in tmp_path.glob("rank*.pid"):
-            try:
-                os.kill(int(p.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        for p in tmp_path.glob("rank*.pid"):  # (only a rank still there: a pid reused since is not ours)
+            pid = int(p.read_text() or 0)
+            if pid and not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_rank_whose_launcher_is_gone_exits_at_once():
+    """A rank whose parent died before it asked to die with it (its parent is another
+    process by then) exits at once, with code 1."""
+    code = ("from stpc.runtime.launch import _die_with_parent; import os; "
+            "_die_with_parent(os.getppid() + 1 if os.getppid() != 1 else 2); print('still here')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "still here" not in done.stdout
+    # and with its launcher alive, it goes on
+    code = "from stpc.runtime.launch import _die_with_parent; import os; _die_with_parent(os.getppid()); print('on')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "on", done.stderr

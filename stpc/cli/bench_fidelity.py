@@ -200,7 +200,8 @@ def make_plans(cfg: dict, progress: bool = False) -> list[dict]:
             model = models.build(cfg["model"], **model_overrides(cfg))
         tg = trace(model, models.example_inputs(model.cfg, cfg["batch"], cfg["seq"]))
     cluster = cfg.get("cluster") or world_cluster(cfg["ranks"], "cpu")
-    sync_s = (get_cluster(cluster) if isinstance(cluster, str) else cluster).collective_sync_s
+    cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster  # (loaded once: its warnings once)
+    sync_s = cluster.collective_sync_s
     out = []
     for name in cfg["plans"]:
         mesh, hints = plan_spec(name, cfg["ranks"], cfg["layers"])
@@ -497,18 +498,23 @@ def _profile_step(engine: StpcEngine, opt) -> dict:
             comm += s
     out.update({"gemm_s": gemm, "comm_s": comm, "ring_s": ring, "other_s": total - gemm - comm - ring,
                 "top_ops": sorted(ops, key=lambda t: -t[1])[:12],
-                "waits_ns": waits_ns(events)})
+                "waits_ns": waits_ns(events, next(e.start_thread_id() for e in events
+                                                  if e.name() == "fidelity::forward"))})
     return out
 
 
-def waits_ns(events) -> list[list[int]]:
-    """[start, end] (ns) of every wait on a functional collective among a profile's kineto
-    ``events``, in time order, on the host's clock (which every process's profiler reads):
-    where this rank met the others (:func:`arrival_skew`). The outermost only: a wait on an
-    ``AsyncCollectiveTensor`` records the op again inside itself (its subclass dispatch
-    waiting on the tensor it wraps), one meeting."""
+def waits_ns(events, thread: int) -> list[list[int]]:
+    """[start, end] (ns) of every wait on a functional collective that profiler thread
+    ``thread`` (``start_thread_id``: the step's, where forward and the CPU backward run)
+    recorded among a profile's kineto ``events``, in its program order, on the host's clock
+    (which every process's profiler reads): where this rank met the others
+    (:func:`arrival_skew`). The outermost only: a wait on an ``AsyncCollectiveTensor``
+    records the op again inside itself (its subclass dispatch waiting on the tensor it
+    wraps), one meeting. (Host-side: a CUDA wait returns to the host at once, so on GPUs
+    these are not where the ranks meet.)"""
     out: list[list[int]] = []
-    for start, end in sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == _WAIT):
+    mine = ((e.start_ns(), e.end_ns()) for e in events if e.name() == _WAIT and e.start_thread_id() == thread)
+    for start, end in sorted(mine, key=lambda t: (t[0], -t[1])):  # (an outer one first at a tie)
         if out and start < out[-1][1]:
             continue  # inside the previous one
         out.append([start, end])
@@ -521,12 +527,20 @@ def arrival_skew(profiled: list[dict]) -> dict | None:
     every rank), paired by position. A wait is a meeting where it held the ranks until the
     last one came (no rank left before the latest arrival; a collective issued early and
     done by then holds nobody). At each meeting, the latest rank's arrival (the wait's
-    start) less the ranks' mean arrival is the time the step lost to the ranks' skew there:
-    the model's compute is the typical rank's (``calibrate`` rates are medians over ranks)
-    and every rank leaves after the last one came; the mean leaving time less the latest
-    arrival is what the collective took after it (its transfer, where it had not finished).
-    ``waits``: how many waits, ``meetings``: how many held the ranks. None where the ranks'
-    counts differ (then no pairing holds) or no rank recorded any."""
+    start) less the typical rank's (the median arrival) is the time the step lost to the
+    ranks' skew there: the model's compute is the typical rank's (``calibrate`` rates are
+    medians over ranks, as its blocking probe's synchronisation is read against the median
+    rank) and every rank leaves after the last one came; the mean leaving time less the
+    latest arrival is what the collective took after it (its transfer, where it had not
+    finished). ``waits``: how many waits, ``meetings``: how many held the ranks.
+    None where the ranks' counts differ (then no pairing holds) or no rank recorded any.
+
+    Two limits of reading meetings off the waits alone: ranks that reach a wait on an
+    already finished collective within moments of each other pass the test and count as a
+    meeting (with a skew of those moments: the count, not the skew, is what grows), and a
+    rank held at a wait by a peer that *issued* the collective late (a gather issued ahead
+    of its use, as the ZeRO-3 plans prefetch) is not seen as held where their waits start
+    apart."""
     per = [p.get("waits_ns") for p in profiled]
     if not per or any(w is None for w in per) or len({len(w) for w in per}) != 1 or not per[0]:
         return None
@@ -537,7 +551,7 @@ def arrival_skew(profiled: list[dict]) -> dict | None:
         if min(b for _, b in meets) < max(arrive):
             continue  # a rank left before the last came: the collective was done, no meeting
         held += 1
-        skew += max(arrive) - statistics.mean(arrive)
+        skew += max(arrive) - statistics.median(arrive)
         after += statistics.mean(b for _, b in meets) - max(arrive)
     return {"waits": len(per[0]), "meetings": held, "skew_s": skew / 1e9, "after_last_s": after / 1e9}
 
@@ -715,16 +729,16 @@ def other_ops(r: dict, top: int = 3) -> list[tuple[str, float, int]]:
     return [(op, seconds[op], calls[op]) for op in sorted(seconds, key=lambda o: -seconds[o])[:top]]
 
 
-def _meetings(c: dict) -> str:
+def _meetings_note(c: dict) -> str:
     """The ranks' skew at their collective waits (:func:`arrival_skew`) beside what the model
     charges for as many blocking collectives (its ``collective_sync_s`` each), in words."""
     m, sync = c.get("meetings"), c.get("collective_sync_s")
     if not m:
         return ""
-    charged = "" if sync is None else (f"; the model charges a blocking collective {sync * 1e3:.1f} ms of skew, "
+    charged = "" if sync is None else (f"; the model's skew for a blocking collective, {sync * 1e3:.1f} ms, gives "
                                        f"{m['meetings'] * sync:.3f} s for as many")
     return (f"the ranks met at {m['meetings']} of their {m['waits']} collective waits, where the latest rank's "
-            f"arrival lay {m['skew_s']:.3f} s after the mean one's in all{charged}")
+            f"arrival lay {m['skew_s']:.3f} s after the typical (median) one's in all{charged}")
 
 
 def notes(r: dict) -> str:
@@ -759,7 +773,7 @@ def notes(r: dict) -> str:
              c["optimizer_step_predicted_s"] - c["optimizer_step_measured_s"])]
     gaps.sort(key=lambda t: -abs(t[1]))
     time_ = [f"{what} {gap:+.3f} s" for what, gap in gaps]
-    if meet := _meetings(c):
+    if meet := _meetings_note(c):
         time_.append(meet)
     other = other_ops(r)
     if other:  # (what the roofline of the non-GEMM ops is held against, by op)
@@ -834,14 +848,16 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
               "in the profiled step, every rank's waits on functional collectives (the activations' reshards, the "
               "loss's sums; not a ring's P2P, not the gradient buckets' waits), paired by position across ranks on "
               "the host's clock; a meeting, a wait that held every rank until the last one came (no rank left "
-              "before the latest arrival); at each, the latest rank's arrival less the mean arrival (the step's "
+              "before the latest arrival); at each, the latest rank's arrival less the median arrival (the step's "
               "loss to the ranks' skew there, which the model's typical-rank compute does not hold), summed, beside "
-              "the `collective_sync_s` the model charges each blocking collective times as many meetings, and what "
-              "the collectives took after the last rank came.", "",
+              "the `collective_sync_s` the model charges each blocking collective times as many meetings (not the "
+              "plan's own count of blocking collectives), and what the collectives took after the last rank came; "
+              "one profiled step each.", "",
               "| plan | state MiB model / measured | activations + transient MiB model / forward added, "
               "measured | optimizer step MiB model / measured | peak phase, model (fwd / bwd / opt MiB) | measured peak phase (fwd / bwd / opt MiB) | compute s model | GEMM + attention s | other ops s | "
               "exposed comm s model | collectives s | ring ops s | optimizer step s model / measured | "
-              "meetings of collective waits | arrival skew s measured / model | after the last arrival s |",
+              "meetings of collective waits | arrival skew s measured / the model's per collective x meetings | "
+              "after the last arrival s |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         c = contributors(r)
@@ -855,7 +871,7 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
                      f"{c['compute_predicted_s']:.3f} | {c['gemm_measured_s']:.3f} | {c['other_measured_s']:.3f} | "
                      f"{c['exposed_predicted_s']:.3f} | {c['comm_measured_s']:.3f} | {c['ring_measured_s']:.3f} | "
                      f"{c['optimizer_step_predicted_s']:.3f} / {c['optimizer_step_measured_s']:.3f} | "
-                     + _meeting_cells(c) + " |")
+                     + _meetings_cells(c) + " |")
     lines += ["", "Per plan, the biggest contributors found:", ""]
     lines += [f"- {notes(r)}" for r in records]
     losses = [r["first_loss"] for r in records]
@@ -863,7 +879,7 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
     return "\n".join(lines) + "\n"
 
 
-def _meeting_cells(c: dict) -> str:
+def _meetings_cells(c: dict) -> str:
     """The three cells of the ranks' meetings (``-`` for a run that did not record them)."""
     m, sync = c.get("meetings"), c.get("collective_sync_s")
     if not m:

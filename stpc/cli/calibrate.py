@@ -522,9 +522,12 @@ def fit_overlap(per_rank: list[dict], world: int | None = None) -> dict:
     W = len(per_rank) if world is None else int(world)
     if W < 2:
         raise ValueError(f"fit_overlap: a ring of {W} rank(s) moves no block; it needs at least 2")
-    def slowest(which, where=None) -> list[tuple[float, float, float]]:
+    def per_rank_rounds(which, where=None) -> list[list[tuple[float, float, float]]]:
         rows = [r[where][which] if where else r[which] for r in per_rank]
-        return slowest_rounds([[row] if isinstance(row[0], (int, float)) else row for row in rows])
+        return [[row] if isinstance(row[0], (int, float)) else row for row in rows]  # (one round given bare)
+
+    def slowest(which, where=None) -> list[tuple[float, float, float]]:
+        return slowest_rounds(per_rank_rounds(which, where))
 
     def med(rounds, i):
         return statistics.median(r[i] for r in rounds)
@@ -551,13 +554,16 @@ def fit_overlap(per_rank: list[dict], world: int | None = None) -> dict:
         # planner's compute is the typical rank's (the GEMM rates are medians over ranks), and
         # the block beside the collective waits each time for the slowest; measured against the
         # slowest rank's block alone, a rank that ran slower all window long went unseen
-        per = [[row] if isinstance(row[0], (int, float)) else row for row in (r["probes"]["blocking"] for r in per_rank)]
+        # (the figure is the skew at this probe's block, SYNC_GEMMS GEMMs between collectives:
+        # a rank's lag grows with the compute between two meetings, which the planner's one
+        # figure per blocking collective does not follow)
+        per = per_rank_rounds("blocking", "probes")
         typical = [statistics.median(row[i][0] for row in per) for i in range(len(rounds))]
         out["collective_sync_s"] = statistics.median(max(0.0, both - t - c) for (_, c, both), t in zip(rounds, typical))
         out["blocking"] = {"gemms_s": med(rounds, 0), "all_reduce_s": med(rounds, 1), "both_s": med(rounds, 2),
                            "gemms_typical_s": statistics.median(typical), "reference": "typical rank",
                            "bytes": SYNC_BYTES, "gemms": SYNC_GEMMS, "rounds_s": [list(r) for r in rounds],
-                           "typical_gemms_s": typical}
+                           "typical_gemms_rounds_s": typical}
     return out
 
 

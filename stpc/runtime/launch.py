@@ -19,7 +19,8 @@ collection of results; on expiry every child is killed and
 :class:`SpawnTimeout` is raised), never leaves orphans (all children are
 killed before any error propagates; on Linux a rank is also killed by the
 kernel when the process that spawned it dies, even by a signal no handler
-sees, such as SIGKILL or an uncaught SIGTERM), and a failing rank raises
+sees, such as SIGKILL or an uncaught SIGTERM; a rank's own children, such as
+inductor's compile workers, are theirs to end), and a failing rank raises
 :class:`SpawnError` carrying the rank and its traceback. When several ranks
 fail (one rank's exception typically breaks its peers' P2P/collectives), the
 earliest failure is reported and the others are listed as consequences.
@@ -44,6 +45,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -98,13 +100,23 @@ _PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent 
 def _die_with_parent(parent_pid: int) -> None:
     """Have the kernel SIGKILL this rank when ``parent_pid`` (the process that spawned it)
     dies, whatever kills it: its own clean-up of the ranks runs only if it lives to run
-    it. Linux only (elsewhere the parent's clean-up is the one guard). A parent already
-    gone before the request took hold: exit now."""
+    it. Linux only (elsewhere the parent's clean-up is the one guard; where the request
+    fails, a warning says so). The kernel sends the signal when the parent *thread* that
+    started the rank ends, which is the parent's end here: :func:`spawn` starts and waits
+    for its ranks on one thread. Ranks are started with the "spawn" method, so a rank's
+    parent is :func:`spawn`'s process; one that is gone already (it died before the
+    request took hold: the rank is someone else's now): exit at once."""
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            libc = ctypes.CDLL(None, use_errno=True)
+            # (prctl is variadic: every argument passed as the unsigned long the kernel reads)
+            got = libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL),
+                             ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
         except (OSError, AttributeError):
-            return
+            got = -1
+        if got != 0:
+            warnings.warn(f"spawn: rank {os.getpid()} could not ask to die with its launcher (prctl errno "
+                          f"{ctypes.get_errno()}); it is left to the launcher's own clean-up", RuntimeWarning)
     if os.getppid() != parent_pid:
         os._exit(1)
 
