@@ -123,9 +123,8 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
             timeout_s: float, results: Any, backend: str, threads: int, fault_dir: str,
-            parent_pid: int | None = None) -> None:
-    if parent_pid is not None:
-        _die_with_parent(parent_pid)
+            parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
     # A native crash (SIGSEGV in a kernel or a communication thread) kills the
     # process before it can report; faulthandler writes every thread's Python
     # stack to a file the parent reads, so the failure says where it happened.
