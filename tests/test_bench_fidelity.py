@@ -17,8 +17,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from stpc.cli import bench
 from stpc.cli._stats import sign_test_p
 from stpc.cli.bench_fidelity import (DEFAULT_PLANS, KNOWN_PLANS, _profile_step, arrival_skew, json_records, judge,
-                                     kendall_tau, notes, other_ops, param_mismatches, plan_spec, rel_error, report,
-                                     separated_pairs, waits_ns)
+                                     kendall_tau, machine_speed, notes, other_ops, param_mismatches, plan_spec,
+                                     reference_gemm_s, rel_error, report, separated_pairs, waits_ns)
 from stpc.cli.bench_runtime import StpcEngine, _peak_of_step, _step
 from stpc.frontend import models
 from stpc.runtime.launch import spawn
@@ -334,6 +334,38 @@ def test_report_and_json_records():
     json.dumps(out)  # serialisable
 
 
+def _reference_on(rank: int, world: int, big: int) -> float:
+    """``reference_gemm_s`` with rank 0's GEMM ``big`` times the others' side: the figure is
+    the median over ranks, so the one slow rank does not move it."""
+    n = big if rank == 0 else 32
+    return reference_gemm_s(torch.randn(n, n), torch.randn(n, n), rank, world)
+
+
+def test_reference_gemm_is_the_typical_ranks_and_every_rank_gets_it():
+    got = spawn(_reference_on, 3, 384, timeout_s=120)
+    assert len(set(got)) == 1                       # one figure, the same on every rank
+    alone = spawn(_reference_on, 3, 32, timeout_s=120)[0]
+    big = min(spawn(_reference_on, 1, 384, timeout_s=120)[0] for _ in range(2))
+    assert got[0] < big / 4 and got[0] < 100 * max(alone, 1e-5), (got, alone, big)
+
+
+def test_machine_speed_against_the_model_in_the_report():
+    recs = [_full_record() | {"reference_gemm_s": [0.020, 0.022, 0.030], "reference_gemm_model_s": 0.020}]
+    m = machine_speed(recs)
+    assert m["measured_s"] == pytest.approx(0.022) and m["ratio"] == pytest.approx(1.1)
+    assert (m["min_s"], m["max_s"]) == (0.020, 0.030)
+    cfg = {"model": "gpt-50m", "d_model": 64, "layers": 1, "heads": 4, "ffn": 256, "batch": 4, "seq": 16,
+           "ranks": 2, "warmup": 1, "steps": 3, "cluster": None}
+    text = report(cfg, recs, judge(recs), "machine: test", "cmd")
+    assert "took 22.0 ms a GEMM (the median over rounds; 20.0 .. 30.0 ms), where the cost model charges 20.0 ms: " \
+           "the machine ran 10.0% slower than the profile says" in text
+    fast = [recs[0] | {"reference_gemm_model_s": 0.0275}]
+    assert "ran 20.0% faster" in report(cfg, fast, judge(fast), "machine: test", "cmd")
+    # a run that did not time it says nothing of it
+    old = [{k: v for k, v in recs[0].items() if k != "reference_gemm_s"}]
+    assert machine_speed(old) is None and "machine's speed" not in report(cfg, old, judge(old), "machine: test", "cmd")
+
+
 # ----------------------------------------------------------------------------- the measurement
 
 
@@ -390,6 +422,7 @@ def test_end_to_end_tiny(tmp_path):
         assert len(r["measured_peak_bytes_per_rank"]) == 4 and len(r["steps_s"]) == 2
         assert r["mesh"] and r["families"] and r["cluster"]
         assert r["measured_cpu_s"] > 0 and r["measured_page_faults"] >= 0
+        assert len(r["reference_gemm_s"]) == 2 and r["reference_gemm_model_s"] > 0
         # the ranks met at the same collective waits (one SPMD program), recorded on each
         assert len({len(p["waits_ns"]) for p in r["profiled"]}) == 1, r["plan"]
     assert any(arrival_skew(r["profiled"]) for r in recs)
@@ -405,4 +438,5 @@ def test_end_to_end_tiny(tmp_path):
     text = md.read_text()
     assert text.count("<!-- bench:fidelity -->") == 1 and "the old section" not in text and text.rstrip().endswith("tail")
     assert "| p2x2 |" in text and "Kendall's tau-b" in text and "MALLOC_TRIM_THRESHOLD_" in text
+    assert "The machine's speed during the run" in text
     assert data["config"]["allocator"] == "keep"

@@ -124,11 +124,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from stpc.cli._common import Parser, add_flags, verb, write_json
 from stpc.cli._progress import SearchStatus, Status
 from stpc.cli._stats import SIGN_TEST_P, paired_rounds
+from stpc.cli.calibrate import OVERLAP_LONG
 from stpc.cli.bench_runtime import (ALLOCATORS, StpcEngine, _live_bytes, _live_storages, _peak_of_step,
                                     add_allocator_flag, allocator_env, check_malloc_env, interleaved, malloc_env,
                                     memory_timeline, timed_step)
 from stpc.compile import compile as stpc_compile
 from stpc.compile import trace
+from stpc.cost_models.comm import CostModel
 from stpc.cost_models.profile import get_cluster, world_cluster
 from stpc.frontend import models
 from stpc.planner import Hints, Plan, search
@@ -147,6 +149,14 @@ KNOWN_PLANS = DEFAULT_PLANS + ("partial", "ag_ring", "rs_ring", "dp", "spatial")
 # The default model: a GPT of d 1024, 4 layers, seq 512 (issue 12's size) at batch 4.
 DEFAULTS = {"model": "gpt-50m", "layers": 4, "d_model": 1024, "heads": 16, "ffn": 4096, "batch": 4, "seq": 512,
             "ranks": 4, "steps": 10, "warmup": 2}
+
+# The machine's speed during the run: every timed round ends with every rank running
+# ``REFERENCE_CALLS`` GEMMs of ``calibrate``'s ring probe shape (OVERLAP_LONG: rows, n, k) at
+# once, beside what the cost model charges for one. The profile was measured at one moment;
+# on a shared VM the host's speed drifts (the forty-ninth session saw this GEMM take 24 ms,
+# then 27-32 ms for an hour, on the same machine), and every plan's modelled compute carries
+# the profile's moment, not the run's.
+REFERENCE_CALLS = 3
 
 COLUMN = r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj)$"
 ROW = r"(o_proj|fc2|down_proj)$"
@@ -202,6 +212,8 @@ def make_plans(cfg: dict, progress: bool = False) -> list[dict]:
     cluster = cfg.get("cluster") or world_cluster(cfg["ranks"], "cpu")
     cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster  # (loaded once: its warnings once)
     sync_s = cluster.collective_sync_s
+    rows, n, k = OVERLAP_LONG
+    reference_model_s = CostModel(cluster, (cfg["ranks"],)).gemm(2.0 * rows * n * k, 4.0 * (rows * n + n * k + rows * k))
     out = []
     for name in cfg["plans"]:
         mesh, hints = plan_spec(name, cfg["ranks"], cfg["layers"])
@@ -225,7 +237,7 @@ def make_plans(cfg: dict, progress: bool = False) -> list[dict]:
                     "families": plan.strategy_counts(), "cluster": plan.cluster, "plan_hash": plan.hash()[:12],
                     "predicted_peak_bytes": float(plan.peak_memory_bytes),
                     "predicted_step_s": float(plan.modelled_step_time_s), "predicted_parts": parts,
-                    "plan_s": plan_s, "collective_sync_s": sync_s,
+                    "plan_s": plan_s, "collective_sync_s": sync_s, "reference_gemm_model_s": reference_model_s,
                     "planned_params": params,
                     "plan_json": plan.to_json()})
     return out
@@ -580,6 +592,20 @@ def _state_bytes(engine: StpcEngine, opt) -> dict:
 # ``unprimed_peak_bytes``) shows the two agree.
 
 
+def reference_gemm_s(x: torch.Tensor, w: torch.Tensor, rank: int, world: int) -> float:
+    """Seconds of one ``x @ w`` with every rank running ``REFERENCE_CALLS`` of them at once
+    from a barrier (each rank's own mean), the median over ranks: the typical rank, whose
+    GEMM rate the profile holds. Every rank must call it."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(REFERENCE_CALLS):
+        torch.mm(x, w)
+    mine = torch.zeros(world, dtype=torch.float64)
+    mine[rank] = (time.perf_counter() - t0) / REFERENCE_CALLS
+    dist.all_reduce(mine)
+    return statistics.median(mine.tolist())
+
+
 def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
     torch.manual_seed(0)
     base = models.build(cfg["model"], **model_overrides(cfg))
@@ -595,13 +621,17 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
     opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for e in engines]
     times = [[] for _ in engines]       # per round: [step, fwd+bwd, optimizer] (slowest rank), [CPU s, faults] (mean)
     first_loss = [None] * len(engines)
-    for r, i in interleaved(len(engines), cfg["warmup"], cfg["steps"], "[bench fidelity] rounds",
-                            bool(cfg.get("progress")) and rank == 0):
+    reference = []                      # per timed round: the reference GEMM, the median over ranks
+    ref_x, ref_w = torch.randn(OVERLAP_LONG[:2]), torch.randn(OVERLAP_LONG[1:])
+    for done, (r, i) in enumerate(interleaved(len(engines), cfg["warmup"], cfg["steps"], "[bench fidelity] rounds",
+                                              bool(cfg.get("progress")) and rank == 0), start=1):
         loss, dt = timed_step(engines[i], opts[i])
         if r == 0:
             first_loss[i] = float(loss)
         if r >= cfg["warmup"]:
             times[i].append(dt)
+            if done % len(engines) == 0:  # the round's last step
+                reference.append(reference_gemm_s(ref_x, ref_w, rank, world))
     held = [{k: (str(tuple(t.placements)) if hasattr(t, "placements") else "plain",
                  (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes())
              for k, t in ((k, p.detach()) for k, p in e.model.named_parameters())} for e in engines]
@@ -631,7 +661,8 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
                     "measured_page_faults": statistics.median(t[4] for t in times[i]),
                     "measured_peak_bytes": max(peaks[i]), "measured_peak_bytes_per_rank": peaks[i],
                     "unprimed_peak_bytes": max(first_peaks[i]),
-                    "profiled": phases[i], "first_loss": first_loss[i], "held_params": held[i]})
+                    "profiled": phases[i], "first_loss": first_loss[i], "held_params": held[i],
+                    "reference_gemm_s": reference})
     return {"records": out, "malloc_env": malloc_env()}
 
 
@@ -833,7 +864,7 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
               f"({sum(r['memory_met'] for r in verdict['rows'])} of {len(verdict['rows'])}); step time within "
               f"{verdict['time_target']:.0%}: {met[verdict['time_met']]} ({sum(r['time_met'] for r in verdict['rows'])} "
               f"of {len(verdict['rows'])}); the same order (tau = 1): {met[verdict['order_met']]}"
-              + _separated_line(verdict) + ".", "",
+              + _separated_line(verdict) + ".", ""] + _speed_lines(records) + [
               "Where the errors come from. Memory: the model's weights + gradients + optimizer state against the "
               "measured state (the highest rank), its activations + largest transient against what forward added "
               "on top of the state (measured live level at the end of forward, less the state), its optimizer-step "
@@ -877,6 +908,33 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
     losses = [r["first_loss"] for r in records]
     lines += ["", f"First-step losses of all plans: {min(losses):.6f} .. {max(losses):.6f}."]
     return "\n".join(lines) + "\n"
+
+
+def machine_speed(records: list[dict]) -> dict | None:
+    """The reference GEMM over the run's timed rounds (``reference_gemm_s``) against the
+    cost model's figure for it: {measured_s (median), min_s, max_s, model_s, ratio
+    (measured / model)}; None for a run that did not time it."""
+    r = next((r for r in records if r.get("reference_gemm_s") and r.get("reference_gemm_model_s")), None)
+    if r is None:
+        return None
+    ref, model = r["reference_gemm_s"], r["reference_gemm_model_s"]
+    med = statistics.median(ref)
+    return {"measured_s": med, "min_s": min(ref), "max_s": max(ref), "model_s": model, "ratio": med / model}
+
+
+def _speed_lines(records: list[dict]) -> list[str]:
+    """The report's paragraph on the machine's speed during the run (none without it)."""
+    m = machine_speed(records)
+    if m is None:
+        return []
+    rows, n, k = OVERLAP_LONG
+    how = "slower" if m["ratio"] > 1 else "faster"
+    return [f"The machine's speed during the run: after every timed round, every rank ran {REFERENCE_CALLS} GEMMs "
+            f"of {rows} x {n} x {k} (fp32; `calibrate`'s ring probe's) at once; the typical rank's took "
+            f"{m['measured_s'] * 1e3:.1f} ms a GEMM (the median over rounds; {m['min_s'] * 1e3:.1f} .. "
+            f"{m['max_s'] * 1e3:.1f} ms), where the cost model charges {m['model_s'] * 1e3:.1f} ms: the machine ran "
+            f"{abs(m['ratio'] - 1):.1%} {how} than the profile says, a drift every plan's modelled compute carries "
+            f"(the model is not rescaled to it).", ""]
 
 
 def _meetings_cells(c: dict) -> str:
@@ -962,4 +1020,4 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
 
 
 __all__ = ["main_fidelity", "make_plans", "plan_spec", "kendall_tau", "separated_pairs", "judge",
-           "distinct_plans", "rel_error", "report", "run", "contributors", "param_mismatches", "notes", "other_ops", "json_records", "MEMORY_TARGET", "TIME_TARGET", "DEFAULT_PLANS"]
+           "distinct_plans", "rel_error", "report", "run", "machine_speed", "reference_gemm_s", "contributors", "param_mismatches", "notes", "other_ops", "json_records", "MEMORY_TARGET", "TIME_TARGET", "DEFAULT_PLANS"]

@@ -312,7 +312,12 @@ def _ring_times(dev, world: int, rows: int, n: int, k: int, window_s: float) -> 
     return [(g, c, ring / world) for g, c, ring in rounds]
 
 
-OVERLAP_ROUNDS = 5
+# Rounds of each overlap probe. At 5, two calibrations of the development VM minutes apart
+# (the fiftieth session) gave ring slowdowns of 1.56 and 2.40, the asynchronous one 1.34 and
+# 1.04, the blocking sync 13.2 and 8.5 ms, where stpc::primepar_linear's fwd + bwd on the
+# fidelity GPT's blocks paid 2.0-2.4x its transfers over its GEMMs alone: a median of five
+# differences of parts on a shared 2-core machine is still one unlucky round from another.
+OVERLAP_ROUNDS = 15
 
 # The batched-block probe: (batch, rows per element, n, k) of one ring step's GEMM whose
 # block does not fold to rows (module docstring).
@@ -475,7 +480,7 @@ def _overlap(dev, world: int, window_s: float = 0.2) -> dict:
 # Blocking: a 4 MiB all-reduce (an activation's) after 4 GEMMs (a layer's share of compute
 # between two activation collectives).
 ASYNC_BYTES, ASYNC_GEMMS = 32 * 2**20, 16
-SYNC_BYTES, SYNC_GEMMS, SYNC_WINDOWS = 4 * 2**20, 4, 7
+SYNC_BYTES, SYNC_GEMMS, SYNC_WINDOWS = 4 * 2**20, 4, OVERLAP_ROUNDS
 
 
 def _async_and_blocking(dev, window_s: float = 0.3) -> dict:
