@@ -33,8 +33,11 @@ GEMM and its P2P (launching the step's kernels and waiting on its transfer); and
 ``collective_sync_s``, what a blocking collective on the critical path (an activation's
 reshard) costs beyond its isolated time because the ranks reach it at different moments
 (0 on the presets: their alpha is the collective's whole latency, no straggler is
-modelled, a named assumption). A calibration profile measures all four on its machine;
-the presets name theirs below.
+modelled, a named assumption); ``ring_sync_s``, the same for a transfer that runs right
+after a ring op's backward (the gradient relaid out of a P(2^k x 2^k) op's skewed input or
+weight layout), where the ranks met at the ring's last exchange one step of GEMM before,
+not a whole stretch of compute (None: ``collective_sync_s``). A calibration profile
+measures all five on its machine; the presets name theirs below.
 """
 from __future__ import annotations
 
@@ -102,6 +105,7 @@ class Cluster:
     ring_step_overhead_s: float = RING_STEP_OVERHEAD_S
     ring_overlap_slowdown: float | None = None
     collective_sync_s: float = 0.0
+    ring_sync_s: float | None = None
     usable_memory_fraction: float = USABLE_MEMORY_FRACTION
     intra_peer: Link | None = None   # one neighbour's share of the intra-node links (None: all of them)
     # Extra copies of an all-gather's output the backend allocates while it is in flight:
@@ -114,9 +118,10 @@ class Cluster:
         if self.nodes < 1 or self.devices_per_node < 1:
             raise ValueError(f"Cluster {self.name!r}: nodes and devices_per_node must be >= 1")
         if self.ring_step_overhead_s < 0 or self.collective_sync_s < 0 or any(
-                x is not None and x < 0 for x in (self.overlap_slowdown, self.ring_overlap_slowdown)):
+                x is not None and x < 0 for x in (self.overlap_slowdown, self.ring_overlap_slowdown,
+                                                  self.ring_sync_s)):
             raise ValueError(f"Cluster {self.name!r}: overlap_slowdown, ring_overlap_slowdown, "
-                             f"ring_step_overhead_s and collective_sync_s must be >= 0")
+                             f"ring_step_overhead_s, collective_sync_s and ring_sync_s must be >= 0")
         if not 0 < self.usable_memory_fraction <= 1:
             raise ValueError(f"Cluster {self.name!r}: usable_memory_fraction must be in (0, 1], "
                              f"got {self.usable_memory_fraction}")

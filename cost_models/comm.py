@@ -84,6 +84,7 @@ class CostModel:
         self.ring_overlap_slowdown = (self.overlap_slowdown if cluster.ring_overlap_slowdown is None
                                       else float(cluster.ring_overlap_slowdown))
         self.collective_sync_s = cluster.collective_sync_s
+        self.ring_sync_s = cluster.collective_sync_s if cluster.ring_sync_s is None else cluster.ring_sync_s
         self.device = cluster.device
         D = cluster.devices_per_node
         self._axes = []  # per axis: (n, crosses, n_in, n_out)
@@ -303,11 +304,15 @@ class CostModel:
         (``overlap.exposed`` with this model's slowdown; numpy arrays broadcast)."""
         return exposed(comm_s, window_s, self.overlap_slowdown)
 
-    def blocking(self, collective_s: float) -> float:
+    def blocking(self, collective_s: float, after_ring: bool = False) -> float:
         """Seconds a collective of ``collective_s`` adds where every rank waits on it at once
         (an activation's reshard): its own time and the ranks' skew in reaching it
-        (``Cluster.collective_sync_s``); 0 for no collective."""
-        return collective_s + self.collective_sync_s if collective_s > 0 else 0.0
+        (``Cluster.collective_sync_s``), or where it runs right after a ring op's backward
+        (``after_ring``: the ranks met at the ring's last exchange, one GEMM step before;
+        ``Cluster.ring_sync_s``); 0 for no collective."""
+        if collective_s <= 0:
+            return 0.0
+        return collective_s + (self.ring_sync_s if after_ring else self.collective_sync_s)
 
     def ring_step(self, compute_s: float, transfer_s: float) -> float:
         """One double-buffered ring step: the longer of its GEMM and its transfer, the

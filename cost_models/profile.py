@@ -51,7 +51,8 @@ compute running beside it loses (``cost_models.overlap``: a parameter's gradient
 gather), ``ring_slowdown`` the same beside a ring step's P2P, ``ring_step_overhead_s`` one
 ring step's time beyond its GEMM and its P2P, and ``collective_sync_s`` what a blocking
 collective after a stretch of compute costs beyond its isolated time (the ranks' skew;
-profiles written before it was measured lack it: 0).
+profiles written before it was measured lack it: 0), ``ring_sync_s`` the same right after
+a ring (profiles written before it was measured lack it: ``collective_sync_s``).
 Profiles written before ``ring_slowdown`` was measured apart have the ring's figure under
 ``slowdown``; they keep it for both.
 
@@ -253,6 +254,7 @@ def load_profile(path: str) -> Cluster:
                    # (profiles written before the two were told apart measured one slowdown, on a ring)
                    ring_overlap_slowdown=overlap.get("ring_slowdown", overlap.get("slowdown")),
                    collective_sync_s=float(overlap.get("collective_sync_s", 0.0)),
+                   ring_sync_s=float(overlap["ring_sync_s"]) if "ring_sync_s" in overlap else None,
                    gather_staging=int(p.get("gather_staging", 1)))  # (calibrate runs gloo ranks)
 
 

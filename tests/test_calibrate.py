@@ -55,6 +55,9 @@ def test_calibrate_two_ranks_smoke(tmp_path):
     assert ov["blocking"]["reference"] == "typical rank" and len(typical) == len(rounds) == SYNC_WINDOWS
     assert ov["collective_sync_s"] >= 0
     assert cl.collective_sync_s == ov["collective_sync_s"]
+    # ... and the same collective right after a ring (its own probe, its own rounds)
+    assert len(ov["after_ring"]["rounds_s"]) == SYNC_WINDOWS and ov["after_ring"]["ring_s"] > 0
+    assert cl.ring_sync_s == ov["ring_sync_s"] >= 0
     cm = CostModel(cl, (4,))
     assert cm.overlap_slowdown == ov["slowdown"] and cm.ring_overlap_slowdown == ov["ring_slowdown"]
     # every probed op's measured slowdown reaches the device the planner costs with

@@ -17,7 +17,7 @@ from stpc.cost_models import (CLUSTERS, OVERLAP_COMPUTE_SLOWDOWN, Cluster, CostM
                               save_profile)
 from stpc.cost_models.cluster import RING_STEP_OVERHEAD_S, USABLE_MEMORY_FRACTION
 from stpc.cost_models.devices import HOPPER_GEMM_EFFICIENCY, HOPPER_GEMM_RAMP_S
-from stpc.planner.costs import axis_reshard
+from stpc.planner.costs import axis_reshard, grid_relayout_s
 from stpc.cost_models.estimator import closed_form_memory
 from stpc.cost_models.memory import adamw_step_transient_bytes, training_step_peak
 from stpc.cost_models.profile import fit_bands, predict
@@ -307,6 +307,10 @@ def test_fit_recovers_alpha_beta_and_roundtrips(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert get_cluster(path).collective_sync_s == 3e-3
+        assert get_cluster(path).ring_sync_s is None     # (measured before it was: the stretch's)
+    save_profile({**prof, "overlap": {**ring, "collective_sync_s": 3e-3, "ring_sync_s": 1e-3,
+                                      "blocking": {"reference": "typical rank"}}}, path)
+    assert CostModel(get_cluster(path), (n,)).ring_sync_s == 1e-3
     with pytest.raises(FileNotFoundError, match="stpc calibrate"):
         load_profile(str(tmp_path / "missing.json"))
     # the GEMM curve a calibration fitted: fp32's ramp for every dtype, each dtype's own where fitted
@@ -418,6 +422,11 @@ def test_fit_overlap_takes_each_term_per_round_then_the_median():
     got = fit_overlap([{"long": ring, "tiny": tiny, "probes": probes}], world=2)
     assert got["ring_slowdown"] == pytest.approx(0.5) and got["slowdown"] == pytest.approx(1.2)
     assert got["collective_sync_s"] == pytest.approx(0.005) and got["rounds"] == 5
+    assert "ring_sync_s" not in got    # (a run without the after-ring probe: none fitted)
+    # the same collective right after a ring: 2 ms a round over the ring and the collective
+    after = [(0.070 * f, 0.008 * h, 0.070 * f + 0.008 * h + 0.002) for f, h in zip(loads, [1.0, 2.0, 1.0, 1.5, 1.0])]
+    got = fit_overlap([{"long": ring, "tiny": tiny, "probes": {**probes, "after_ring": after}}], world=2)
+    assert got["ring_sync_s"] == pytest.approx(0.002) and got["after_ring"]["ring_typical_s"] == pytest.approx(0.112)
     # the parts' medians, taken apart (the old fit's way), would say 1 ms
     g, c, both = (sorted(r[i] for r in probes["blocking"])[2] for i in range(3))
     assert both - g - c == pytest.approx(0.001)
@@ -743,3 +752,32 @@ def test_a_blocking_collective_pays_the_ranks_skew_once():
     assert axis_reshard(cm, 0, "S0", "S0", nbytes, True, True) == 0.0
     with pytest.raises(ValueError, match="collective_sync_s"):
         dataclasses.replace(cl, collective_sync_s=-1.0)
+
+
+def test_a_transfer_right_after_a_ring_pays_the_skew_of_one_step_not_of_a_stretch():
+    """Where a transfer runs right after a P(2^k x 2^k) op's backward (the gradient relaid
+    out of its skewed input or weight layout), the ranks met at the op's last exchange, one
+    GEMM step before: it pays ``ring_sync_s`` (None: ``collective_sync_s``), every other
+    blocking collective the skew of a stretch of compute."""
+    cl = get_cluster("primepar-v100")
+    skewed = dataclasses.replace(cl, collective_sync_s=5e-3)
+    assert CostModel(skewed, (4,)).ring_sync_s == 5e-3           # (not measured: the stretch's)
+    met = dataclasses.replace(skewed, ring_sync_s=1e-3)
+    cm, base = CostModel(met, (4,)), CostModel(cl, (4,))
+    assert cm.blocking(2e-3, after_ring=True) == pytest.approx(3e-3) and cm.blocking(2e-3) == pytest.approx(7e-3)
+    assert cm.blocking(0.0, after_ring=True) == 0.0
+    nbytes = 8e6
+    step = base.p2p(nbytes / 4, 0)
+    # a grid block into the same dims' skew: one P2P step forward (after a stretch: the
+    # producer's family is not the edge's to know), its dual right after the P2x2's backward
+    assert axis_reshard(cm, 0, "B0.1", "X0.1", nbytes, True, True) == pytest.approx(2 * step + 5e-3 + 1e-3)
+    # into a plain split: both directions after a stretch
+    a2a = base.all_to_all(nbytes, 0, 0.75)
+    assert axis_reshard(cm, 0, "S0", "S1", nbytes, True, True) == pytest.approx(2 * (a2a + 5e-3))
+    # a skewed weight's relayout: forward in the feed (its transfer alone), its gradient's
+    # exchange where the P2x2's backward hands it back
+    w = 4e6
+    assert grid_relayout_s(cm, ("W0.1",), w, True) == pytest.approx(2 * base.p2p(w / 4, 0) + 1e-3)
+    assert grid_relayout_s(cm, ("W0.1",), w, False) == pytest.approx(base.p2p(w / 4, 0))
+    with pytest.raises(ValueError, match="ring_sync_s"):
+        dataclasses.replace(cl, ring_sync_s=-1.0)

@@ -65,7 +65,14 @@ planner models):
     ranks) runs it: what the ranks' skew in reaching the collective adds to the typical
     rank's compute, the compute the planner charges (on a CPU shared by more ranks than
     cores, the scheduler's time slices; on GPUs, launch jitter). The noisiest figure
-    here: ``SYNC_WINDOWS`` rounds.
+    here: ``SYNC_WINDOWS`` rounds. The skew grows with the compute since the ranks last
+    met (on the development VM, the fiftieth session's scratch probe: 4.7, 6.4, 10.6 and
+    18.4 ms after 18, 35, 71 and 263 ms of GEMMs, about its square root);
+  - the same collective right after a ring (``ring_sync_s``): an AG ring of the long blocks
+    then the all-reduce, against the two alone (the ring as the typical rank ran it): where
+    the ranks met at the ring's last exchange one GEMM step before, as a transfer right
+    after a P(2^k x 2^k) op's backward does (on the development VM, 3-5 ms after a P(2x2)
+    op of 8 ms steps, 5-7 ms after the same GEMMs as a plain block).
 
   Each probe's parts are timed in rounds, one window of each part per round, and every
   term is the median of its per-round values (``_rounds``): a term is a difference of
@@ -503,10 +510,15 @@ def _async_and_blocking(dev, window_s: float = 0.3) -> dict:
     # (each part timed alike, a window of the same call count on every rank from a barrier:
     # a GEMM block timed by each rank's own clock instead came out slower than the block
     # beside the collective, and the slowdown 0)
+    def ring():
+        ring_allgather_matmul(x, w, 0, dist.group.WORLD)
+
     return {"async": _rounds([lambda: block(ASYNC_GEMMS), lambda: dist.all_reduce(big), beside], dev, window_s),
             "blocking": _rounds([lambda: block(SYNC_GEMMS), lambda: dist.all_reduce(small),
                                  lambda: (block(SYNC_GEMMS), dist.all_reduce(small))], dev, window_s / 2,
-                                rounds=SYNC_WINDOWS)}
+                                rounds=SYNC_WINDOWS),
+            "after_ring": _rounds([ring, lambda: dist.all_reduce(small), lambda: (ring(), dist.all_reduce(small))],
+                                  dev, window_s / 2, rounds=SYNC_WINDOWS)}
 
 
 def fit_overlap(per_rank: list[dict], world: int | None = None) -> dict:
@@ -569,6 +581,18 @@ def fit_overlap(per_rank: list[dict], world: int | None = None) -> dict:
                            "gemms_typical_s": statistics.median(typical), "reference": "typical rank",
                            "bytes": SYNC_BYTES, "gemms": SYNC_GEMMS, "rounds_s": [list(r) for r in rounds],
                            "typical_gemms_rounds_s": typical}
+    if all("after_ring" in r.get("probes", {}) for r in per_rank):
+        # the same collective right after an AG ring of the long blocks, against the ring alone
+        # as the typical rank ran it: the skew left where the ranks met at the ring's last
+        # exchange, one GEMM step before (``CostModel.blocking``'s ``after_ring``)
+        rounds = slowest("after_ring", "probes")
+        per = per_rank_rounds("after_ring", "probes")
+        typical = [statistics.median(row[i][0] for row in per) for i in range(len(rounds))]
+        out["ring_sync_s"] = statistics.median(max(0.0, both - t - c) for (_, c, both), t in zip(rounds, typical))
+        out["after_ring"] = {"ring_s": med(rounds, 0), "all_reduce_s": med(rounds, 1), "both_s": med(rounds, 2),
+                             "ring_typical_s": statistics.median(typical), "bytes": SYNC_BYTES,
+                             "shape": list(OVERLAP_LONG), "rounds_s": [list(r) for r in rounds],
+                             "typical_ring_rounds_s": typical}
     return out
 
 
@@ -798,7 +822,8 @@ def overlap_line(ov: dict) -> str:
     return (f"overlap: compute beside an asynchronous collective slows by {ov['slowdown']:.2f} of the "
             f"collective's time, beside a ring step's transfer by {ov['ring_slowdown']:.2f}; a ring step's overhead "
             f"{ov['ring_step_overhead_s'] * 1e6:.0f} us; a blocking collective's synchronisation "
-            f"{ov.get('collective_sync_s', 0.0) * 1e3:.2f} ms")
+            f"{ov.get('collective_sync_s', 0.0) * 1e3:.2f} ms"
+            + (f", right after a ring {ov['ring_sync_s'] * 1e3:.2f} ms" if "ring_sync_s" in ov else ""))
 
 
 def _measure_overlap(dev) -> dict:

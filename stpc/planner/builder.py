@@ -961,7 +961,7 @@ class Builder:
                             if gathered or waited:  # (exposed: counted with the copies, not overlapped)
                                 f, b = axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=True,
                                                            messages=(GRAD_BUCKET_BYTES, 0.0))
-                                c = (0.0, 0.0), copy + self.cm.blocking(f) + self.cm.blocking(b)
+                                c = (0.0, 0.0), copy + self.cm.blocking(f) + self.cm.blocking(b, after_ring=q[0] in "XW")
                             else:
                                 c = (axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg,
                                                          regather=again, messages=(GRAD_BUCKET_BYTES, layer / sf)),

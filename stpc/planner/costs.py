@@ -136,20 +136,25 @@ def grid_relayout_s(cm: CostModel, placement: tuple[str, ...], nbytes: float, ne
     by one P2P exchange per such axis before the program runs
     (``runtime.dtensors.to_plan_layout``), and its gradient back where backward makes it.
     The forward exchanges run back to back in the call's feed, where the ranks meet once:
-    charged their transfers alone. Each backward one stands between two ops' compute, and
-    every rank waits on it there (``CostModel.blocking``)."""
+    charged their transfers alone. Each backward one runs where the P(2^k x 2^k) op that
+    read the weight hands back its gradient, and every rank waits on it there; the ranks
+    met at that op's last exchange, one gradient step before (``CostModel.blocking``
+    ``after_ring``)."""
     local = nbytes / shard_factor(placement, cm.mesh_shape)
     steps = [cm.p2p(local, a) for a, tok in enumerate(placement) if tok[0] in "XW"]
-    return sum(steps) + (sum(map(cm.blocking, steps)) if needs_grad else 0.0)
+    return sum(steps) + (sum(cm.blocking(t, after_ring=True) for t in steps) if needs_grad else 0.0)
 
 
 def axis_reshard(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
                  needs_grad: bool, replayed: bool = False) -> float:
     """Seconds to turn token ``p`` into ``q`` on one axis, forward plus backward dual: an
     activation's, which every rank waits on where it runs (``CostModel.blocking``).
-    ``replayed``: inside a recomputed layer, whose forward runs again in backward."""
+    ``replayed``: inside a recomputed layer, whose forward runs again in backward. Into a
+    skewed grid token (X, W: only a P(2^k x 2^k) op reads one), the dual runs where that
+    op's backward hands back the gradient, the ranks having met at its last exchange
+    (``after_ring``)."""
     fwd, bwd = axis_reshard_phases(cm, axis, p, q, nbytes, consumer_split, needs_grad)
-    return cm.blocking(fwd) * (2 if replayed else 1) + cm.blocking(bwd)
+    return cm.blocking(fwd) * (2 if replayed else 1) + cm.blocking(bwd, after_ring=q[0] in "XW")
 
 
 def reshard_cost(cm: CostModel, src: tuple[str, ...], dst: tuple[str, ...], full_bytes: float,
