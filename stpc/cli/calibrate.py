@@ -65,14 +65,14 @@ planner models):
     ranks) runs it: what the ranks' skew in reaching the collective adds to the typical
     rank's compute, the compute the planner charges (on a CPU shared by more ranks than
     cores, the scheduler's time slices; on GPUs, launch jitter). The noisiest figure
-    here: ``SYNC_WINDOWS`` rounds. The skew grows with the compute since the ranks last
-    met (on the development VM, the fiftieth session's scratch probe: 4.7, 6.4, 10.6 and
-    18.4 ms after 18, 35, 71 and 263 ms of GEMMs, about its square root);
+    here: ``SYNC_WINDOWS`` rounds. The skew depends on the compute since the ranks last
+    met, which this one block does not follow (``benchmarks/skew_check.py`` measures it
+    after several);
   - the same collective right after a ring (``ring_sync_s``): an AG ring of the long blocks
     then the all-reduce, against the two alone (the ring as the typical rank ran it): where
     the ranks met at the ring's last exchange one GEMM step before, as a transfer right
-    after a P(2^k x 2^k) op's backward does (on the development VM, 3-5 ms after a P(2x2)
-    op of 8 ms steps, 5-7 ms after the same GEMMs as a plain block).
+    after a P(2^k x 2^k) op's backward does (``benchmarks/skew_check.py`` sets a P(2x2)
+    op beside its GEMMs as a plain block).
 
   Each probe's parts are timed in rounds, one window of each part per round, and every
   term is the median of its per-round values (``_rounds``): a term is a difference of
@@ -321,9 +321,10 @@ def _ring_times(dev, world: int, rows: int, n: int, k: int, window_s: float) -> 
 
 # Rounds of each overlap probe. At 5, two calibrations of the development VM minutes apart
 # (the fiftieth session) gave ring slowdowns of 1.56 and 2.40, the asynchronous one 1.34 and
-# 1.04, the blocking sync 13.2 and 8.5 ms, where stpc::primepar_linear's fwd + bwd on the
-# fidelity GPT's blocks paid 2.0-2.4x its transfers over its GEMMs alone: a median of five
-# differences of parts on a shared 2-core machine is still one unlucky round from another.
+# 1.04, the blocking sync 13.2 and 8.5 ms (a scratch run of stpc::primepar_linear's fwd + bwd
+# on the fidelity GPT's blocks paid 1.8-2.4x its modelled transfers over its GEMMs alone): a
+# median of five differences of parts on a shared 2-core machine is still one unlucky round
+# from another. At 15, four calibrations that session gave 1.87-2.43, 0.97-1.15, 7.4-12.3 ms.
 OVERLAP_ROUNDS = 15
 
 # The batched-block probe: (batch, rows per element, n, k) of one ring step's GEMM whose
