@@ -1,15 +1,17 @@
 """The ranks' skew at a blocking collective, against the compute since they last met.
 
-    .venv/bin/python benchmarks/skew_check.py [--ranks 4] [--rounds 15] [--cluster PROFILE]
-                                              [--json FILE] [--results benchmarks/RESULTS.md]
+    .venv/bin/python benchmarks/skew_check.py [--ranks 4] [--rounds 15] [--blocks 1,2,4,16]
+                                              [--cluster PROFILE] [--json FILE]
+                                              [--results benchmarks/RESULTS.md]
 
 The cost model charges a collective every rank waits on where it runs (an activation's
 reshard) its own time plus the ranks' skew in reaching it: ``Cluster.collective_sync_s``,
 which ``calibrate`` measures after one block of GEMMs, and ``Cluster.ring_sync_s`` where the
 transfer runs right after a P(2^k x 2^k) op's backward, the ranks having met at its last
 exchange (``CostModel.blocking``). This script measures the skew after several lengths of
-compute, and after a P(2x2) op against the same GEMMs as a plain block, to show how the
-skew grows with the compute since the ranks met, which the model's two figures stand for.
+compute, and (on 4 ranks) after a P(2x2) op against the same GEMMs as a plain block: how
+the skew depends on the compute since the ranks met, which the model's two figures stand
+for.
 
 Each case, every rank at once from a barrier, ``REPS`` calls a window, in interleaved
 rounds (one window of every part a round): the compute alone, the collective alone (a
@@ -40,7 +42,7 @@ from stpc.cost_models.profile import read_profile
 from stpc.runtime.launch import spawn
 from stpc.runtime.ops import primepar_linear
 
-BLOCKS = (1, 2, 4, 16)        # GEMMs of OVERLAP_LONG's shape before the collective
+BLOCKS = (1, 2, 4, 16)        # GEMMs of OVERLAP_LONG's shape before the collective (--blocks)
 # The P(2x2) op's blocks: the fidelity bench GPT's q/k/v projection on 4 ranks (2048 tokens,
 # d 1024): x [1024, 512] and w [512, 512] per rank, two steps of one 1024 x 512 x 512 GEMM.
 P2X2_BLOCKS = ((1024, 512), (512, 512))
@@ -69,7 +71,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     def collective():
         dist.all_reduce(small)
 
-    cases = {f"{k} GEMM{'s' if k > 1 else ''}": block(k) for k in BLOCKS}
+    cases = {f"{k} GEMM{'s' if k > 1 else ''}": block(k) for k in cfg["blocks"]}
     if world == 4:
         px, pw = torch.randn(P2X2_BLOCKS[0]), torch.randn(P2X2_BLOCKS[1])
         cases["P(2x2) op, 2 steps"] = lambda: primepar_linear(px, pw, dist.group.WORLD, 1)
@@ -140,13 +142,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--blocks", default=",".join(map(str, BLOCKS)),
+                    help="GEMMs before the collective, comma-separated (default: %(default)s)")
     ap.add_argument("--cluster", default="benchmarks/data/calibration_cpu_vm_s50.json",
                     help="the calibration profile whose figures the table sets beside the measurement")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json")
     ap.add_argument("--results", help="write the skew section of this markdown file (benchmarks/RESULTS.md)")
     args = ap.parse_args(argv)
-    cfg = {"ranks": args.ranks, "rounds": args.rounds, "cluster": args.cluster}
+    cfg = {"ranks": args.ranks, "rounds": args.rounds, "cluster": args.cluster,
+           "blocks": [int(k) for k in args.blocks.split(",") if k.strip()]}
     profile = read_profile(args.cluster) if args.cluster else None
     res = spawn(_worker, args.ranks, cfg, timeout_s=args.timeout)[0]
     rows = skew_rows(res["per_rank"])

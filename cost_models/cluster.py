@@ -34,8 +34,8 @@ GEMM and its P2P (launching the step's kernels and waiting on its transfer); and
 reshard) costs beyond its isolated time because the ranks reach it at different moments
 (0 on the presets: their alpha is the collective's whole latency, no straggler is
 modelled, a named assumption); ``ring_sync_s``, the same for a transfer that runs right
-after a ring op's backward (the gradient relaid out of a P(2^k x 2^k) op's skewed input or
-weight layout), where the ranks met at the ring's last exchange one step of GEMM before,
+after a ring op's backward (the gradient relaid out of a P(2^k x 2^k) op's skewed input
+layout), where the ranks met at the ring's last exchange one step of GEMM before,
 not a whole stretch of compute (None: ``collective_sync_s``). A calibration profile
 measures all five on its machine; the presets name theirs below.
 """

@@ -843,14 +843,14 @@ def test_weight_gradient_reduction_overlaps_the_backward_compute(mesh):
     assert blind.nodes[lin].comm_s == pytest.approx(whole, rel=1e-9)
 
 
-def _linear_plan(read, weight_token, overlap_slowdown=None):
+def _linear_plan(read, weight_token, overlap_slowdown=None, cluster=None):
     """BigLinear on 4 devices, its linear forced to ``read`` (a strategy predicate), its
-    weight stored as ``weight_token``."""
+    weight stored as ``weight_token``; costed on ``cluster`` (default: primepar-v100)."""
     with torch.device("meta"):
         m = BigLinear()
     tg = trace(m, (torch.empty(64, 1024, device="meta"),))
     hints = Hints(force=[(r"^linear", read)], param_force=[(r".", lambda p, t=weight_token: p == (t,))])
-    cm = CostModel(get_cluster("primepar-v100"), (4,), overlap_slowdown)
+    cm = CostModel(cluster or get_cluster("primepar-v100"), (4,), overlap_slowdown)
     plan = plan_graph(tg, cm, hints=hints)
     lin = next(k for k, v in plan.nodes.items() if v.op == "linear.default")
     w = next(k for k, v in plan.nodes.items() if v.role == "param")
@@ -861,14 +861,16 @@ def _linear_plan(read, weight_token, overlap_slowdown=None):
 def test_a_skewed_grid_weight_pays_its_relayout_every_step(monkeypatch):
     """A P2x2 weight planned in the skewed layout W is stored as plain blocks (no DTensor
     placement says a skew) and relaid by one P2P exchange per call, its gradient back in
-    backward (``runtime.dtensors.to_plan_layout``): charged on the parameter, forward's
-    transfer alone (the feed's exchanges run back to back), backward's waited where it
-    stands; the optimizer step stays the parameter's compute."""
-    cm, plan, lin, w = _linear_plan(lambda s: s.kind == "p2x2", "W0.1")
+    backward (``runtime.dtensors.to_plan_layout``): charged on the parameter, each
+    transfer alone (the feed's exchanges run back to back, and so do their backward nodes,
+    last: no skew charged even where the cluster has one); the optimizer step stays the
+    parameter's compute."""
+    skewed = dataclasses.replace(get_cluster("primepar-v100"), collective_sync_s=5e-3, ring_sync_s=1e-3)
+    cm, plan, lin, w = _linear_plan(lambda s: s.kind == "p2x2", "W0.1", cluster=skewed)
     assert lin.kind == "p2x2"
     block = 1024 * 1024 * 4 / 4
-    relay = cm.p2p(block, 0) + cm.blocking(cm.p2p(block, 0), after_ring=True)
-    assert relay > cm.p2p(block, 0) > 0
+    relay = 2 * cm.p2p(block, 0)
+    assert relay > 0
     assert w.comm_s == pytest.approx(relay, rel=1e-9)
     assert w.time_s == pytest.approx(optimizer_step_time(cm.device, 1024 * 1024 / 4), rel=1e-9)
     assert lin.comm_s == 0  # (the linear reads the weight as the feed relays it)
@@ -877,13 +879,27 @@ def test_a_skewed_grid_weight_pays_its_relayout_every_step(monkeypatch):
     assert bd["step_s"] == pytest.approx(bd["compute_s"] + bd["exposed_s"], rel=1e-6)
     # the same plan with the relayout free: the breakdown differs by it, in exposed reshards alone
     monkeypatch.setattr("stpc.planner.builder.grid_relayout_s", lambda *a: 0.0)
-    _, free_plan, _, free_w = _linear_plan(lambda s: s.kind == "p2x2", "W0.1")
+    _, free_plan, _, free_w = _linear_plan(lambda s: s.kind == "p2x2", "W0.1", cluster=skewed)
     free = breakdown(free_plan)
     assert free_w.comm_s == 0
     assert bd["exposed_reshard_s"] - free["exposed_reshard_s"] == pytest.approx(relay, rel=1e-6)
     assert bd["step_s"] - free["step_s"] == pytest.approx(relay, rel=1e-6)
     for part in ("compute_s", "optimizer_step_s", "exposed_ring_s", "exposed_param_sync_s"):
         assert bd[part] == pytest.approx(free[part], rel=1e-9, abs=1e-15), part
+
+
+def test_a_weight_re_cut_for_a_p2x2_reader_waits_its_gradient_right_after_the_ring():
+    """A weight stored as plain rows (S0) and read by a P2x2 linear in the skewed W block is
+    redistributed where it stands, forward and backward: forward after whatever compute
+    came before (the cluster's ``collective_sync_s``), backward right where the P2x2's
+    backward hands back its gradient, the ranks having met at its last exchange
+    (``ring_sync_s``)."""
+    skewed = dataclasses.replace(get_cluster("primepar-v100"), collective_sync_s=5e-3, ring_sync_s=1e-3)
+    cm, plan, lin, w = _linear_plan(lambda s: s.kind == "p2x2", "S0", cluster=skewed)
+    assert lin.kind == "p2x2" and w.comm_s == 0
+    a2a = cm.all_to_all(1024 * 1024 * 4, 0, received_fraction("S0", "W0.1", 4))
+    assert a2a > 0
+    assert lin.comm_s == pytest.approx(2 * a2a + 5e-3 + 1e-3, rel=1e-9)
 
 
 def test_a_weight_re_cut_for_its_reader_is_waited_not_overlapped():

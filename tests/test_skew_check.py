@@ -17,13 +17,13 @@ def _case(compute, collective, both):
 
 def test_skew_is_the_pair_less_the_typical_compute_and_the_collective():
     # three ranks, one slow at its compute all along: the pair waits for it, the typical
-    # rank's compute is the median one's; 5 ms of skew each round on top
-    ranks = [{"4 GEMMs": _case([c] * 3, [0.008, 0.009, 0.008], [0.070 + 0.008 + 0.005, 0.070 + 0.009 + 0.005,
-                                                                  0.070 + 0.008 + 0.005])}
-             for c in (0.060, 0.062, 0.070)]
+    # rank's compute is the median one's; 5 ms of skew each round on top; the pair and the
+    # collective end when their slowest member does (the slow rank's collective is slower too)
+    ranks = [{"4 GEMMs": _case([c] * 3, [0.008 + d] * 3, [0.070 + 0.008 + d + 0.005] * 3)}
+             for c, d in ((0.060, 0.0), (0.062, 0.0), (0.070, 0.002))]
     (row,) = skew_check.skew_rows(ranks)
     assert row["compute_s"] == pytest.approx(0.062) and row["rounds"] == 3
-    assert row["skew_s"] == pytest.approx(0.070 + 0.005 - 0.062)
+    assert row["skew_s"] == pytest.approx(0.070 + 0.005 - 0.062)   # (the medians over ranks would say 8 ms)
     prof = {"overlap": {"collective_sync_s": 0.004, "ring_sync_s": 0.002, "blocking": {"gemms_typical_s": 0.0155}}}
     rows = [row, {"case": "P(2x2) op, 2 steps", "compute_s": 0.02, "skew_s": 0.003, "min_s": 0.0, "max_s": 0.006,
                   "rounds": 3},
@@ -31,7 +31,7 @@ def test_skew_is_the_pair_less_the_typical_compute_and_the_collective():
              "rounds": 3}]
     text = skew_check.report({"ranks": 3, "rounds": 3, "cluster": "p.json"}, rows, prof, "machine: test", "cmd")
     # the square-root law through the profile's figure: 4 ms x sqrt(62 / 15.5) = 8 ms
-    assert "| 4 GEMMs | 62.0 | 13.00 | 13.0 .. 13.0 | 8.0 |" in text
+    assert "| 4 GEMMs | 62.0 | 13.00 | 13.0 .. 13.0 | 8.0 |" in text, text
     assert "After the P(2x2) op the skew was 3.00 ms, after its GEMMs as a plain block 5.00 ms" in text
     assert "`ring_sync_s`" in text and "2.00 ms" in text
 
@@ -40,11 +40,16 @@ def test_skew_is_the_pair_less_the_typical_compute_and_the_collective():
 def test_short_run_writes_its_section(tmp_path):
     js, md = tmp_path / "skew.json", tmp_path / "RESULTS.md"
     md.write_text("# R\n\n<!-- bench:skew -->\nold\n<!-- /bench:skew -->\n")
-    assert skew_check.main(["--ranks", "2", "--rounds", "2", "--json", str(js), "--results", str(md)]) == 0
+    profile = str(ROOT / "benchmarks" / "data" / "calibration_cpu_vm_s50.json")
+    assert skew_check.main(["--ranks", "4", "--rounds", "2", "--blocks", "1,8", "--cluster", profile,
+                            "--json", str(js), "--results", str(md)]) == 0
     res = json.loads(js.read_text())
-    assert [r["case"] for r in res["rows"]] == [f"{k} GEMM{'s' if k > 1 else ''}" for k in skew_check.BLOCKS]
-    # more compute before the collective takes longer on the typical rank
-    times = [r["compute_s"] for r in res["rows"]]
-    assert times == sorted(times) and times[-1] > 4 * times[0]
+    cases = [r["case"] for r in res["rows"]]
+    assert cases == ["1 GEMM", "8 GEMMs", "P(2x2) op, 2 steps", "its 2 GEMMs as a block"]
+    # eight GEMMs before the collective take longer on the typical rank than one
+    times = {r["case"]: r["compute_s"] for r in res["rows"]}
+    assert times["8 GEMMs"] > 3 * times["1 GEMM"]
+    assert all(r["rounds"] == 2 for r in res["rows"])
     text = md.read_text()
-    assert "old" not in text and "| 16 GEMMs |" in text and "P(2x2)" in text
+    assert "old" not in text and "| 8 GEMMs |" in text and "| P(2x2) op, 2 steps |" in text
+    assert "After the P(2x2) op the skew was" in text and "`ring_sync_s`" in text

@@ -532,6 +532,8 @@ def fit_overlap(per_rank: list[dict], world: int | None = None) -> dict:
     the block + collective less the collective (the slowest rank's) and less the block alone
     as the typical rank (the median over ranks) ran it, the rank the planner's compute
     speaks for: the ranks' skew in reaching the collective, a rank slower all along included.
+    Where the ranks ran the after-ring probe, ``ring_sync_s`` is read the same way from the
+    collective right after the ring, against the ring alone as the typical rank ran it.
 
     The ring terms read the probe's ring as the planner costs it (``CostModel.ring``): of
     its ``world`` steps (default: one per rank given) all but the last move a block, so

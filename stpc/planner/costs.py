@@ -134,15 +134,15 @@ def grid_relayout_s(cm: CostModel, placement: tuple[str, ...], nbytes: float, ne
     is stored as the plain blocks B over the same dims (no DTensor placement says a skew,
     ``runtime.dtensors.stored``), and every call relays this rank's block to the skewed one
     by one P2P exchange per such axis before the program runs
-    (``runtime.dtensors.to_plan_layout``), and its gradient back where backward makes it.
+    (``runtime.dtensors.to_plan_layout``), and its gradient back in backward.
     The forward exchanges run back to back in the call's feed, where the ranks meet once:
-    charged their transfers alone. Each backward one runs where the P(2^k x 2^k) op that
-    read the weight hands back its gradient, and every rank waits on it there; the ranks
-    met at that op's last exchange, one gradient step before (``CostModel.blocking``
-    ``after_ring``)."""
+    charged their transfers alone. So do the backward ones: the feed made their autograd
+    nodes before every op of the program, and autograd runs the newest ready node first,
+    so they run last, back to back, after the rest of backward (the ranks' one meeting
+    there, at the first of them, left out: a named simplification)."""
     local = nbytes / shard_factor(placement, cm.mesh_shape)
     steps = [cm.p2p(local, a) for a, tok in enumerate(placement) if tok[0] in "XW"]
-    return sum(steps) + (sum(cm.blocking(t, after_ring=True) for t in steps) if needs_grad else 0.0)
+    return sum(steps) * (2 if needs_grad else 1)
 
 
 def axis_reshard(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
