@@ -291,11 +291,16 @@ def _late_rank(rank: int, world: int, late_s: float) -> list:
 def test_arrival_skew_across_real_ranks_sees_the_late_one():
     """On 2 gloo ranks, one 0.2 s late to the second meeting: the ranks' waits pair by
     position on the host's shared clock, and the skew is half the delay (the latest arrival
-    less the mean of two), within the scheduler's slack."""
+    less the mean of two), within the scheduler's slack. The first meeting (right after a
+    barrier) may not count as one on a loaded machine: a rank that issued its all-reduce and
+    was descheduled before its wait began lets the other finish first (``arrival_skew``'s
+    rule, seen once in CI beside another job); the late one always does."""
     got = spawn(_late_rank, 2, 0.2, timeout_s=120)
     assert [len(w) for w in got] == [2, 2]
     m = arrival_skew([{"waits_ns": w} for w in got])
-    assert m["waits"] == m["meetings"] == 2 and 0.08 <= m["skew_s"] <= 0.15
+    second = arrival_skew([{"waits_ns": w[1:]} for w in got])
+    assert second["meetings"] == 1 and 0.08 <= second["skew_s"] <= 0.15, second
+    assert m["waits"] == 2 and m["meetings"] in (1, 2) and 0.08 <= m["skew_s"] <= 0.15, m
     assert 0.0 <= m["after_last_s"] < 0.1
     # the early rank waited out the delay at the second meeting; the late one did not
     early, late = got[0][1], got[1][1]

@@ -114,6 +114,9 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "only with --amend" in err and "Fix:" in err
     assert main_calibrate(["--amend", os.devnull, "--probe", "nonesuch"]) == 2
     assert "invalid choice" in capsys.readouterr().err
+    assert main_calibrate(["--rounds", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--rounds 0: give 1 or more" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.multirank
@@ -156,27 +159,28 @@ def test_amend_measures_the_fresh_allocation_into_an_older_profile(tmp_path, cap
 def test_amend_measures_the_overlap_probes_again_and_fits_them_as_the_planner_costs_a_ring(tmp_path, capsys):
     """``--amend --probe overlap``: the ring, asynchronous and blocking probes measured on the
     profile's ranks and fitted as ``CostModel.ring`` costs a ring (a ring of 2 ranks: one
-    step moves a block); the rest of the profile kept, the amendment noted."""
-    prof, path = _amended(tmp_path, "overlap")
+    step moves a block); the rest of the profile kept, the amendment noted. In 4 rounds
+    (``--rounds``; a calibration's 15 took 46 s of the default run)."""
+    prof, path = _amended(tmp_path, "overlap", "--rounds", "4")
     assert "overlap: compute beside an asynchronous collective" in capsys.readouterr().out
     got = json.load(open(path))
     ov = got.pop("overlap")
-    assert ov["ring_ranks"] == 2 and ov["rounds"] > 0 and ov["ring_slowdown"] >= 0 and ov["ring_step_overhead_s"] >= 0
+    assert ov["ring_ranks"] == 2 and ov["rounds"] == 4 and len(ov["blocking"]["rounds_s"]) == 4 and ov["ring_slowdown"] >= 0 and ov["ring_step_overhead_s"] >= 0
     assert [(n["probe"], n["ranks"]) for n in got.pop("amended")] == [("overlap", 2)]
     assert got == {k: v for k, v in prof.items() if k != "overlap"}
     cl = get_cluster(path)
     assert (cl.ring_overlap_slowdown, cl.ring_step_overhead_s) == (ov["ring_slowdown"], ov["ring_step_overhead_s"])
 
 
-def _amended(tmp_path, probe: str) -> tuple[dict, str]:
+def _amended(tmp_path, probe: str, *flags: str) -> tuple[dict, str]:
     """An older profile (``_older_profile``) saved under ``tmp_path`` and ``probe`` amended into
-    it by ``calibrate --amend``; returns the profile as it was and its path."""
+    it by ``calibrate --amend`` (and ``flags``); returns the profile as it was and its path."""
     from stpc.cost_models import save_profile
 
     prof = _older_profile()
     path = str(tmp_path / "old.json")
     save_profile(prof, path)
-    assert main_calibrate(["--amend", path, "--probe", probe]) == 0
+    assert main_calibrate(["--amend", path, "--probe", probe, *flags]) == 0
     return prof, path
 
 
@@ -199,11 +203,11 @@ def test_amend_measures_the_batched_block_into_an_older_profile(tmp_path, capsys
     path = str(tmp_path / "old.json")
     save_profile(prof, path)
     assert get_cluster(path).device.batch_reread_bw is None
-    assert main_calibrate(["--amend", path, "--probe", "batched_gemm"]) == 0
+    assert main_calibrate(["--amend", path, "--probe", "batched_gemm", "--rounds", "5"]) == 0
     assert "amended" in capsys.readouterr().out
     got = json.load(open(path))
     b = got.pop("batched_gemm")
-    assert b["shape"] == list(BATCHED_BLOCK) and b["batched_s"] > 0 and b["rows_s"] > 0
+    assert b["shape"] == list(BATCHED_BLOCK) and b["batched_s"] > 0 and b["rows_s"] > 0 and b["rounds"] == 5
     assert b["small"]["shape"] == list(BATCHED_SMALL) and b["small"]["batched_s"] > 0
     # (the VM decides whether the batched GEMMs were slower: the fit of what it measured)
     assert (b["batch_reread_bw"], b["batch_reread_cached_bytes"]) == reread_fit(

@@ -61,6 +61,11 @@ Measured, per plan, on all ranks at once (``bench_runtime``'s measures, reused):
   with its defaults a block of 32 MiB or more (a whole tied embedding table of this GPT)
   is mapped fresh and faulted in page by page at every allocation, a cost a device's
   caching allocator does not have and the model does not charge.
+* the machine's speed: after every timed round every rank runs ``REFERENCE_CALLS`` GEMMs of
+  ``calibrate``'s ring-probe shape (``OVERLAP_LONG``) at once (``reference_gemm_s``); the
+  report sets the typical rank's median beside ``CostModel.gemm`` of the same shape, so a
+  run on a host slower or faster than its profile says by how much before its steps are
+  compared with the model's.
 * peak memory: ``bench_runtime._peak_of_step``: the bytes of the distinct storages live at
   the step's start (parameter shards, their gradients from the previous step, optimizer
   state, buffers) plus the highest level the CPU allocator climbed to during the step

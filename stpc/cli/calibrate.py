@@ -77,7 +77,8 @@ planner models):
   Each probe's parts are timed in rounds, one window of each part per round, and every
   term is the median of its per-round values (``_rounds``): a term is a difference of
   parts, and parts timed one after the other carried the machine's drift between them
-  into it.
+  into it. ``--rounds N`` sets every such probe's number of rounds (each has its own
+  default): fewer is quicker and noisier.
 
   On a CPU whose cores the ranks share, gloo's transfers take the same cores the GEMM
   needs, and the slowdowns come out near 1 (no overlap); on GPUs they are small.
@@ -306,17 +307,18 @@ OVERLAP_LONG = (512, 1024, 1024)
 OVERLAP_TINY = (8, 64, 64)
 
 
-def _ring_times(dev, world: int, rows: int, n: int, k: int, window_s: float) -> list[tuple[float, float, float]]:
+def _ring_times(dev, world: int, rows: int, n: int, k: int, window_s: float,
+                rounds: int) -> list[tuple[float, float, float]]:
     """(GEMM, P2P, ring step) seconds of one AG-ring step, every rank at once (the step: the
-    ring's whole time over its ``world`` steps), in :func:`_rounds`."""
+    ring's whole time over its ``world`` steps), in ``rounds`` :func:`_rounds`."""
     x = torch.randn(rows, n, device=dev)
     w = torch.randn(n, k, device=dev)
     # (a P2P or a ring needs every rank in every call: the same number of calls on each rank,
     # not a window each rank ends by its own clock)
     p2p = _collective_fn("p2p", x.numel() * x.element_size(), dist.get_rank(), world, dev)
-    rounds = _rounds([lambda: torch.mm(x, w), p2p, lambda: ring_allgather_matmul(x, w, 0, dist.group.WORLD)],
-                     dev, window_s)
-    return [(g, c, ring / world) for g, c, ring in rounds]
+    times = _rounds([lambda: torch.mm(x, w), p2p, lambda: ring_allgather_matmul(x, w, 0, dist.group.WORLD)],
+                    dev, window_s, rounds)
+    return [(g, c, ring / world) for g, c, ring in times]
 
 
 # Rounds of each overlap probe. At 5, two calibrations of the development VM minutes apart
@@ -352,11 +354,11 @@ def _block_pair(shape: tuple[int, int, int, int], dev) -> list:
             lambda: ring_step_matmul(flat, w, out2, accumulate=False)]
 
 
-def _batched_block(dev, window_s: float = 0.2) -> list[tuple[float, float, float, float]]:
+def _batched_block(dev, rounds: int | None = None, window_s: float = 0.2) -> list[tuple[float, float, float, float]]:
     """(batched, 2-D) seconds of ``BATCHED_BLOCK``'s step, then ``BATCHED_SMALL``'s, every rank
-    at once, in :func:`_rounds` (:func:`_block_pair`)."""
+    at once, in ``rounds`` (default ``BATCHED_ROUNDS``) :func:`_rounds` (:func:`_block_pair`)."""
     return _rounds(_block_pair(BATCHED_BLOCK, dev) + _block_pair(BATCHED_SMALL, dev), dev, window_s,
-                   BATCHED_ROUNDS)
+                   rounds or BATCHED_ROUNDS)
 
 
 def reread_fit(batch: int, big: tuple[float, float], small: tuple[float, float]) -> tuple[float | None, float]:
@@ -422,12 +424,12 @@ def fresh_alloc_threshold() -> int | None:
     return int(fixed) if fixed else GLIBC_MMAP_THRESHOLD_MAX
 
 
-def _fresh_alloc(dev, window_s: float = 0.2) -> list[tuple[float, float]]:
+def _fresh_alloc(dev, rounds: int | None = None, window_s: float = 0.2) -> list[tuple[float, float]]:
     """(clone, copy into a warm buffer) seconds of ``FRESH_BYTES``, every rank at once, in
-    :func:`_rounds`."""
+    ``rounds`` (default ``FRESH_ROUNDS``) :func:`_rounds`."""
     x = torch.ones(FRESH_BYTES // 4, device=dev)
     warm = torch.empty_like(x)
-    return _rounds([lambda: x.clone(), lambda: warm.copy_(x)], dev, window_s, FRESH_ROUNDS)
+    return _rounds([lambda: x.clone(), lambda: warm.copy_(x)], dev, window_s, rounds or FRESH_ROUNDS)
 
 
 def fit_fresh(per_rank: list[list[tuple[float, float]]], threshold: int | None) -> dict:
@@ -474,12 +476,14 @@ def _rounds(fns: list, dev, window_s: float, rounds: int = OVERLAP_ROUNDS) -> li
     return [tuple(_window(fn, r, dev) for fn, r in zip(fns, reps)) for _ in range(rounds)]
 
 
-def _overlap(dev, world: int, window_s: float = 0.2) -> dict:
+def _overlap(dev, world: int, rounds: int | None = None, window_s: float = 0.2) -> dict:
     """This rank's ring-step times, long and tiny blocks, and its asynchronous and blocking
-    collective probes (see the module docstring), each a list of :func:`_rounds`."""
-    return {"long": _ring_times(dev, world, *OVERLAP_LONG, window_s),
-            "tiny": _ring_times(dev, world, *OVERLAP_TINY, window_s / 2),
-            "probes": _async_and_blocking(dev)}
+    collective probes (see the module docstring), each a list of ``rounds`` (default
+    ``OVERLAP_ROUNDS``) :func:`_rounds`."""
+    rounds = rounds or OVERLAP_ROUNDS
+    return {"long": _ring_times(dev, world, *OVERLAP_LONG, window_s, rounds),
+            "tiny": _ring_times(dev, world, *OVERLAP_TINY, window_s / 2, rounds),
+            "probes": _async_and_blocking(dev, rounds)}
 
 
 # The asynchronous and blocking probes (see the module docstring): GEMM blocks of
@@ -491,7 +495,7 @@ ASYNC_BYTES, ASYNC_GEMMS = 32 * 2**20, 16
 SYNC_BYTES, SYNC_GEMMS, SYNC_WINDOWS = 4 * 2**20, 4, OVERLAP_ROUNDS
 
 
-def _async_and_blocking(dev, window_s: float = 0.3) -> dict:
+def _async_and_blocking(dev, rounds: int = SYNC_WINDOWS, window_s: float = 0.3) -> dict:
     """This rank's (GEMM block, collective, both) seconds of the asynchronous and the
     blocking probe (see the module docstring), in :func:`_rounds`."""
     x = torch.randn(OVERLAP_LONG[0], OVERLAP_LONG[1], device=dev)
@@ -514,12 +518,13 @@ def _async_and_blocking(dev, window_s: float = 0.3) -> dict:
     def ring():
         ring_allgather_matmul(x, w, 0, dist.group.WORLD)
 
-    return {"async": _rounds([lambda: block(ASYNC_GEMMS), lambda: dist.all_reduce(big), beside], dev, window_s),
+    return {"async": _rounds([lambda: block(ASYNC_GEMMS), lambda: dist.all_reduce(big), beside], dev, window_s,
+                             rounds),
             "blocking": _rounds([lambda: block(SYNC_GEMMS), lambda: dist.all_reduce(small),
                                  lambda: (block(SYNC_GEMMS), dist.all_reduce(small))], dev, window_s / 2,
-                                rounds=SYNC_WINDOWS),
+                                rounds=rounds),
             "after_ring": _rounds([ring, lambda: dist.all_reduce(small), lambda: (ring(), dist.all_reduce(small))],
-                                  dev, window_s / 2, rounds=SYNC_WINDOWS)}
+                                  dev, window_s / 2, rounds=rounds)}
 
 
 def fit_overlap(per_rank: list[dict], world: int | None = None) -> dict:
@@ -611,14 +616,14 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
                 got[probe] = _time_collectives(task, rank, world, dev)
                 continue
             gathered = [None] * world
-            dist.all_gather_object(gathered, AMENDABLE[probe][0](dev))
+            dist.all_gather_object(gathered, AMENDABLE[probe][0](dev, task.get("rounds")))
             got[probe] = gathered
         return got if rank == 0 else None
     if task.get("matmul"):
         dist.barrier()
         rates = _matmul_rates(dev)
         bw = _mem_bw(dev)
-        overlap = _overlap(dev, world)
+        overlap = _overlap(dev, world, task.get("rounds"))
         ops = {}
         # CPU profiles only: on a GPU a probe this size times its launch, not its kernel, and
         # the caching allocator hands a copy warm blocks
@@ -626,8 +631,8 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
             ops = {p.op: _sustained(probe_step(p, dev), dev, window_s=0.3) for p in PROBES}
             ops[COPY_OP] = _fresh_copy(dev)
             ops[OPTIMIZER_OP] = _optimizer_step(dev)
-        batched = _batched_block(dev)
-        fresh = _fresh_alloc(dev) if dev.type == "cpu" else None  # (CUDA's caching allocator keeps blocks)
+        batched = _batched_block(dev, task.get("rounds"))
+        fresh = _fresh_alloc(dev, task.get("rounds")) if dev.type == "cpu" else None  # (CUDA's caching allocator keeps blocks)
         gathered = [None] * world
         dist.all_gather_object(gathered, {"matmul": rates, "mem_bw": bw, "overlap": overlap, "ops": ops,
                                           "batched": batched, "fresh": fresh})
@@ -732,8 +737,9 @@ def _default_backend(world_size: int) -> str:
 
 def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAULT_SIZES,
               kinds=KINDS, iters: int = COLLECTIVE_ITERS, backend: str | None = None,
-              timeout_s: float = 600.0) -> dict:
-    """Measure, fit and (if ``out``) write a calibration profile; returns the profile dict."""
+              timeout_s: float = 600.0, rounds: int | None = None) -> dict:
+    """Measure, fit and (if ``out``) write a calibration profile; returns the profile dict.
+    ``rounds``: of every probe timed in rounds (default: each probe's own)."""
     if world_size < 2:
         raise ValueError("calibration needs at least 2 ranks to time collectives")
     if len(sizes) < 2:
@@ -741,7 +747,7 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     backend = backend or _default_backend(world_size)
     facts = {p.op: probe_facts(p) for p in PROBES}  # (first: a probe torch traces otherwise fails at once)
     task = {"backend": backend, "kinds": list(kinds), "sizes": [int(s) for s in sizes],
-            "iters": iters, "matmul": True, "group_sizes": sub_group_sizes(world_size)}
+            "iters": iters, "matmul": True, "group_sizes": sub_group_sizes(world_size), "rounds": rounds}
     res = run_spawned(world_size, task, timeout_s)
     samples = [tuple(s) for s in res["samples"]]
 
@@ -829,8 +835,8 @@ def overlap_line(ov: dict) -> str:
             + (f", right after a ring {ov['ring_sync_s'] * 1e3:.2f} ms" if "ring_sync_s" in ov else ""))
 
 
-def _measure_overlap(dev) -> dict:
-    return _overlap(dev, dist.get_world_size())
+def _measure_overlap(dev, rounds: int | None = None) -> dict:
+    return _overlap(dev, dist.get_world_size(), rounds)
 
 
 def _amend_overlap(profile: dict, per_rank: list) -> str:
@@ -914,14 +920,14 @@ def amendable_probes(backend: str) -> tuple[str, ...]:
     return tuple(p for p in AMENDABLE if backend == "gloo" or p != "fresh_alloc")
 
 
-def amend(path: str, probes=None, timeout_s: float = 600.0) -> list[str]:
+def amend(path: str, probes=None, timeout_s: float = 600.0, rounds: int | None = None) -> list[str]:
     """Measure ``probes`` (names in :data:`AMENDABLE`; None: :func:`amendable_probes` of the
     profile's backend) into the profile at ``path``, written before they had their present
     form, on as many ranks as it was measured with, and note the amendment of each; returns
     a line per probe saying what it wrote. The fresh allocation probe measures a CPU profile
     only; the collectives probe, where the profile lacks a size of the default grid, times
     the whole grid again (:func:`amend_sizes`) on every kind and group size it has and fits
-    its lines again (:func:`merge_samples`)."""
+    its lines again (:func:`merge_samples`). ``rounds``: as :func:`calibrate`'s."""
     profile = read_profile(path)
     world = int(profile["ranks"])
     backend = profile.get("backend", "gloo")
@@ -935,7 +941,7 @@ def amend(path: str, probes=None, timeout_s: float = 600.0) -> list[str]:
     kinds = list(profile["collectives"])
     measured = [p for p in probes if p != "collectives" or sizes]  # (the grid complete: nothing to time)
     task = {"backend": backend, "amend": measured, "kinds": kinds, "sizes": sizes, "iters": COLLECTIVE_ITERS,
-            "group_sizes": [int(n) for n in profile.get("group_collectives", {})]}
+            "group_sizes": [int(n) for n in profile.get("group_collectives", {})], "rounds": rounds}
     got = run_spawned(world, task, timeout_s) if measured else {}
     got.setdefault("collectives", {"samples": [], "group_samples": {}})
     lines = []
@@ -991,7 +997,13 @@ def main_calibrate(argv: list[str]) -> int:
     ap.add_argument("--probe", action="append", choices=sorted(AMENDABLE), default=None,
                     help="with --amend: a probe to measure (repeatable; default: all of them, on an NCCL "
                          "profile all but fresh_alloc)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help=f"rounds of each probe timed in rounds, the overlap, batched-block and fresh-allocation "
+                         f"probes (default: their own, {OVERLAP_ROUNDS}, {BATCHED_ROUNDS} and {FRESH_ROUNDS}; "
+                         f"fewer: quicker and noisier)")
     args = ap.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give 1 or more")
     if args.probe and not args.amend:
         ap.error("--probe: only with --amend PROFILE. Fix: add --amend PROFILE, or drop --probe (a full "
                  "calibration measures every probe)")
@@ -1002,7 +1014,7 @@ def main_calibrate(argv: list[str]) -> int:
         with Status(f"calibrate: measuring {', '.join(probes or ['the amendable probes'])} into {args.amend}",
                     not args.quiet):
             try:
-                lines = amend(args.amend, probes, timeout_s=args.timeout)
+                lines = amend(args.amend, probes, timeout_s=args.timeout, rounds=args.rounds)
             except ValueError as exc:
                 raise Failure(str(exc).rstrip("."), "amend a profile calibrate measured on gloo ranks") from None
         print(args.amend if args.quiet else "\n".join(f"amended {args.amend}: {line}" for line in lines))
@@ -1021,7 +1033,7 @@ def main_calibrate(argv: list[str]) -> int:
     try:
         with Status(f"calibrate: {args.ranks} ranks measuring", not args.quiet):
             prof = calibrate(args.ranks, args.json, sizes=sizes, iters=args.iters, backend=args.backend,
-                             timeout_s=args.timeout)
+                             timeout_s=args.timeout, rounds=args.rounds)
     except ValueError as exc:  # e.g. nccl asked for with too few GPUs
         raise Failure(str(exc).rstrip("."), "see `python -m stpc calibrate --help`") from None
     if args.quiet:

@@ -461,18 +461,28 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             for hr, layout_r in _rungs(h, layout, facts):
                 build(idx, s, hr, layout_r, lazy=True)
     best = None  # (objective ns, shape index, plan): the fastest wins, ties (``_better``) to the smaller
-    # candidates cheapest bound first (ties: the earlier point, then the earlier built); a lazy
-    # one reached and not pruned is built whole and goes back in with its own bound
-    queue = [(c.bound, c.index, seq, c) for seq, c in enumerate(candidates)]
+
+    def queued(c: _Shape, seq: int) -> tuple:
+        # Cheapest bound first (ties: the earlier point, then the earlier built), but every
+        # candidate that needs CP-SAT (its memory-blind optimum over the budget, or none)
+        # after all that do not: those end in milliseconds (elimination's optimum fits: it is
+        # the point's answer; a lazy one is built and goes back in with its own bound), and
+        # the incumbent they leave prunes or caps the CP-SAT ones. In bound order alone,
+        # llama-tiny on 4 under a budget just above selective recomputation's peak solved
+        # the two points without recomputation first (15 s of CP-SAT, each optimum 3-5x its
+        # bound) before the rung whose elimination optimum fits and beats both.
+        return (not c.lazy and not c.fits(), c.bound, c.index, seq, c)
+
+    queue = [queued(c, seq) for seq, c in enumerate(candidates)]
     heapq.heapify(queue)
     i = -1
     while queue:
-        _, _, seq, c = heapq.heappop(queue)
+        *_, seq, c = heapq.heappop(queue)
         i += 1
         incumbent = None if best is None else best[0]
         # (elimination's bounds and the lazy ones' group sums; None: too wide to eliminate)
         rest = [c.bound if c.choice is not None or c.lazy else None] + [
-            x.bound if x.choice is not None or x.lazy else None for _, _, _, x in sorted(queue)]
+            x[-1].bound if x[-1].choice is not None or x[-1].lazy else None for x in sorted(queue)]
         report("solve", _name(c.layout), i, incumbent, _lower_bound(incumbent, rest))
         entry = {"mesh": list(c.mesh), "layout": c.layout, "lower_bound_s": c.bound / NS, "build_time_s": c.build_s}
         if best is not None and (c.bound, c.index) >= best[:2] and c.bound > best[0] * (1 + TIE_TOLERANCE):
@@ -486,7 +496,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             c.choice, c.bound, c.peak = memory_blind_optimum(c.problem)
             c.build_s += t_built - t_edges
             c.bound_s, c.lazy = time.perf_counter() - t_built, False
-            heapq.heappush(queue, (c.bound, c.index, seq, c))
+            heapq.heappush(queue, queued(c, seq))
             continue
         t_solve = time.perf_counter()
         if c.fits():
