@@ -28,6 +28,12 @@ COPY_OP = "aten.clone.default"
 # a mask runs flash or cuDNN's), so its measured slowdown goes under a name of its own;
 # where a device has none for it, the plain op's applies (``slowdown``).
 MASKED_ATTENTION_OP = "aten.scaled_dot_product_attention.default[attn_mask]"
+# GPT-2's gelu (``approximate="tanh"``, stpc's GPT models) and the exact one (erf) trace to
+# the same aten op but run other kernels: on a CPU core tanh's polynomial and erf's cost
+# differently (the fifty-first session's profile of the Megatron plan put gelu at 3.5x its
+# modelled time under the erf probe's factor). Its own name; the plain op's factor where a
+# device has none for it.
+GELU_TANH_OP = "aten.gelu.default[tanh]"
 
 
 def slowdown(device: DeviceSpec, op: str) -> float:

@@ -151,7 +151,7 @@ def test_amend_measures_the_fresh_allocation_into_an_older_profile(tmp_path, cap
     assert main_calibrate(["--amend", path, "--probe", "fresh_alloc"]) == 1
     assert "measures CPU ranks" in capsys.readouterr().err
     # without --probe: every probe on CPU ranks, all but the fresh allocation's on GPU ranks
-    assert amendable_probes("gloo") == ("batched_gemm", "fresh_alloc", "collectives", "overlap")
+    assert amendable_probes("gloo") == ("batched_gemm", "fresh_alloc", "collectives", "overlap", "ops")
     assert amendable_probes("nccl") == ("batched_gemm", "collectives", "overlap")
 
 
@@ -193,19 +193,27 @@ def _older_profile() -> dict:
 
 
 @pytest.mark.multirank
-def test_amend_measures_the_batched_block_into_an_older_profile(tmp_path, capsys):
-    """``--amend``: a profile written before the batched-block probe gets it, measured on its
-    own number of ranks, with a note of the amendment; the rest of the profile is kept."""
+def test_amend_measures_the_batched_block_and_the_op_probes_into_an_older_profile(tmp_path, capsys):
+    """``--amend``: a profile written before the batched-block probe and the op probes gets
+    them, measured on its own number of ranks, with a note of each amendment; the rest of the
+    profile is kept."""
     from stpc.cli.calibrate import BATCHED_BLOCK, BATCHED_SMALL, reread_fit
+    from stpc.cli.calibrate_ops import PROBES
     from stpc.cost_models import save_profile
 
     prof = _older_profile()
     path = str(tmp_path / "old.json")
     save_profile(prof, path)
     assert get_cluster(path).device.batch_reread_bw is None
-    assert main_calibrate(["--amend", path, "--probe", "batched_gemm", "--rounds", "5"]) == 0
-    assert "amended" in capsys.readouterr().out
+    assert main_calibrate(["--amend", path, "--probe", "batched_gemm", "--probe", "ops", "--rounds", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "amended" in out and f"{len(PROBES)} probes timed again (new: " in out
     got = json.load(open(path))
+    ops = got.pop("ops")
+    assert set(ops) == {p.op for p in PROBES}
+    assert all(r["measured_s"] > 0 and r["slowdown"] == pytest.approx(r["measured_s"] / r["roofline_s"])
+               for r in ops.values())
+    assert got["device"].pop("op_slowdown") == {op: r["slowdown"] for op, r in ops.items()}
     b = got.pop("batched_gemm")
     assert b["shape"] == list(BATCHED_BLOCK) and b["batched_s"] > 0 and b["rows_s"] > 0 and b["rounds"] == 5
     assert b["small"]["shape"] == list(BATCHED_SMALL) and b["small"]["batched_s"] > 0
@@ -213,13 +221,37 @@ def test_amend_measures_the_batched_block_into_an_older_profile(tmp_path, capsys
     assert (b["batch_reread_bw"], b["batch_reread_cached_bytes"]) == reread_fit(
         BATCHED_BLOCK[0], (b["weight_bytes"], b["extra_s"]), (b["small"]["weight_bytes"], b["small"]["extra_s"]))
     note = got.pop("amended")
-    assert [(n["probe"], n["ranks"]) for n in note] == [("batched_gemm", 2)] and note[0]["date"]
+    assert [(n["probe"], n["ranks"]) for n in note] == [("batched_gemm", 2), ("ops", 2)] and note[0]["date"]
     device = got.pop("device")
     assert device.pop("batch_reread_bw") == b["batch_reread_bw"]
     assert device.pop("batch_reread_cached_bytes") == b["batch_reread_cached_bytes"]
     assert got == {k: v for k, v in prof.items() if k != "device"} and device == prof["device"]
     assert get_cluster(path).device.batch_reread_bw == b["batch_reread_bw"]
     assert get_cluster(path).device.batch_reread_cached_bytes == b["batch_reread_cached_bytes"]
+
+
+def test_amend_ops_fits_every_probe_again_and_keeps_the_copy_and_optimizer_figures():
+    """The op probes' amendment: each op's median over ranks against the roofline of the
+    profile's device, written over the old figure; a probe the profile lacked is named new;
+    the copies' and the optimizer step's figures (probes of their own) are kept."""
+    from stpc.cli.calibrate import _amend_ops
+    from stpc.cli.calibrate_ops import PROBES, probe_facts, roofline_seconds
+    from stpc.cost_models import DeviceSpec
+    from stpc.cost_models.compute import COPY_OP, GELU_TANH_OP
+
+    prof = _older_profile()
+    kept = {COPY_OP: {"measured_s": 1.0, "roofline_s": 0.5, "slowdown": 2.0}}
+    old = {p.op: {"measured_s": 1.0, "roofline_s": 1.0, "slowdown": 1.0} for p in PROBES if p.op != GELU_TANH_OP}
+    prof["ops"] = {**old, **kept}
+    prof["device"]["op_slowdown"] = {op: r["slowdown"] for op, r in prof["ops"].items()}
+    per_rank = [{p.op: (i + 1) * 1e-3 for p in PROBES} for i in range(3)]   # medians: 2 ms
+    line = _amend_ops(prof, per_rank)
+    assert line.startswith(f"ops that are not GEMMs: {len(PROBES)} probes timed again (new: {GELU_TANH_OP})")
+    dev = DeviceSpec("cpu-x", prof["device"]["peak_flops"], 1e10, 1e10, 1.0)
+    for p in PROBES:
+        want = 2e-3 / roofline_seconds(dev, *probe_facts(p))
+        assert prof["ops"][p.op]["slowdown"] == pytest.approx(want) == prof["device"]["op_slowdown"][p.op]
+    assert prof["ops"][COPY_OP] == kept[COPY_OP] and prof["device"]["op_slowdown"][COPY_OP] == 2.0
 
 
 def _sampled_profile(sizes, kinds=("all_gather", "p2p"), groups=()) -> dict:

@@ -6,11 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn as nn
 
 from stpc.cli.calibrate import OPTIMIZER_NUMEL, OPTIMIZER_SHAPES
 from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_step, roofline_seconds
 from stpc.cost_models import CostModel, get_cluster
-from stpc.cost_models.compute import (COPY_OP, MASKED_ATTENTION_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES,
+from stpc.cost_models.compute import (COPY_OP, GELU_TANH_OP, MASKED_ATTENTION_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES,
                                       optimizer_step_time, roofline, slowdown)
 from stpc.frontend import models
 from stpc.frontend.trace import trace
@@ -91,7 +92,33 @@ def test_masked_attention_has_its_own_slowdown_and_falls_back_to_attentions():
     assert slowdown(get_cluster("primepar-v100").device, MASKED_ATTENTION_OP) == 1.0  # unmeasured: the roofline
 
 
-@pytest.mark.parametrize("probe", [p for p in PROBES if p.op in ("aten.gelu.default", "aten.layer_norm.default",
+def test_gelus_tanh_approximation_has_its_own_slowdown_and_falls_back_to_gelus():
+    """GPT-2's gelu (tanh, stpc's GPT models) and the exact one (erf) are one aten op run by
+    other kernels: each node is charged its own variant's factor where the device has one,
+    the plain op's where it has only that; the probe times the variant the models run."""
+    gelu = "aten.gelu.default"
+    nodes = {}
+    for approximate in ("tanh", "none"):
+        tg = trace(nn.GELU(approximate=approximate).to("meta"), (torch.empty(2, 8, device="meta"),))
+        nodes[approximate] = next(n for n in tg.gm.graph.nodes if str(n.target) == gelu)
+    assert slowdown_key(nodes["tanh"]) == GELU_TANH_OP and slowdown_key(nodes["none"]) == gelu
+    with torch.device("meta"):
+        m = models.build("gpt-tiny")
+    tg = trace(m, models.example_inputs("gpt-tiny", 2, 16))
+    assert {slowdown_key(n) for n in tg.gm.graph.nodes if str(n.target) == gelu} == {GELU_TANH_OP}
+    assert GELU_TANH_OP in {p.op for p in PROBES}
+    base = get_cluster("cpu-local")
+    both = dataclasses.replace(base, device=dataclasses.replace(base.device, op_slowdown={gelu: 2.0, GELU_TANH_OP: 5.0}))
+    plain = dataclasses.replace(base, device=dataclasses.replace(base.device, op_slowdown={gelu: 2.0}))
+    for approximate, want_both in (("tanh", 5.0), ("none", 2.0)):
+        node = nodes[approximate]
+        t = {label: sum(NodeTimer(node, CostModel(cl, (1,)), [True]).phases(1))
+             for label, cl in (("base", base), ("both", both), ("plain", plain))}
+        assert t["base"] > 0
+        assert t["both"] == pytest.approx(want_both * t["base"]) and t["plain"] == pytest.approx(2.0 * t["base"])
+
+
+@pytest.mark.parametrize("probe", [p for p in PROBES if p.op in ("aten.gelu.default", GELU_TANH_OP, "aten.layer_norm.default",
                                                                  "aten.scaled_dot_product_attention.default")],
                          ids=lambda p: p.op)
 def test_the_roofline_a_probe_is_divided_by_is_what_the_planner_charges_its_node(probe):
@@ -99,7 +126,7 @@ def test_the_roofline_a_probe_is_divided_by_is_what_the_planner_charges_its_node
     # its bytes, backward over twice them): held to the planner's own timer on the traced node
     meta = torch.device("meta")
     tg = trace(probe.module().to(meta), probe.inputs(meta))
-    node = next(n for n in tg.gm.graph.nodes if n.op == "call_function" and str(n.target) == probe.op)
+    node = next(n for n in tg.gm.graph.nodes if n.op == "call_function" and slowdown_key(n) == probe.op)
     cl = get_cluster("cpu-local")
     fwd, bwd, grad = NodeTimer(node, CostModel(cl, (1,)), [True] * len(node.all_input_nodes)).phases(1)
     assert fwd + bwd + grad == pytest.approx(roofline_seconds(cl.device, *probe_facts(probe)), rel=1e-12)

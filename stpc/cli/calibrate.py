@@ -96,8 +96,9 @@ profile goes to ``--json`` (``--out``, its old name, still works); ``--quiet`` p
 the path written. ``--amend PROFILE [--probe NAME ...]`` measures only the probes named
 (``batched_gemm``, ``fresh_alloc``, ``collectives``: the default grid's message sizes,
 where the profile lacks one; ``overlap``: the ring, asynchronous and blocking probes,
-fitted as the planner now costs a ring; default: all, on a profile of NCCL ranks all but
-``fresh_alloc``) into ``PROFILE``, written before they had their present form, on as many
+fitted as the planner now costs a ring; ``ops``: the op probes' slowdowns, a probe added
+since included; default: all, on a profile of NCCL ranks all but ``fresh_alloc`` and
+``ops``) into ``PROFILE``, written before they had their present form, on as many
 ranks as it was measured with, writes them in and notes each amendment (probe, date, host,
 torch; the collectives' sizes) under the profile's ``amended``.
 Exit codes: 0 written, 1 the measurement failed, 2 a usage error.
@@ -628,7 +629,7 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
         # CPU profiles only: on a GPU a probe this size times its launch, not its kernel, and
         # the caching allocator hands a copy warm blocks
         if dev.type == "cpu":
-            ops = {p.op: _sustained(probe_step(p, dev), dev, window_s=0.3) for p in PROBES}
+            ops = _op_times(dev)
             ops[COPY_OP] = _fresh_copy(dev)
             ops[OPTIMIZER_OP] = _optimizer_step(dev)
         batched = _batched_block(dev, task.get("rounds"))
@@ -839,6 +840,29 @@ def _measure_overlap(dev, rounds: int | None = None) -> dict:
     return _overlap(dev, dist.get_world_size(), rounds)
 
 
+def _op_times(dev, rounds: int | None = None) -> dict[str, float]:
+    """Seconds of each op probe's forward + backward (``calibrate_ops.PROBES``), every rank at
+    once, each kept busy for its window (``rounds`` is not used: a window, not rounds)."""
+    return {p.op: _sustained(probe_step(p, dev), dev, window_s=0.3) for p in PROBES}
+
+
+def _amend_ops(profile: dict, per_rank: list) -> str:
+    """Every op probe's slowdown fitted again (the median over ranks against the roofline of
+    the profile's device) and written over the profile's: a probe added since the profile was
+    measured (gelu's tanh approximation, the fifty-second session) gets its figure. The
+    runtime's copies and the optimizer step keep theirs (probes of their own)."""
+    measured = {op: statistics.median(r[op] for r in per_rank) for op in per_rank[0]}
+    dev = profile["device"]
+    ops = fit_op_slowdown(measured, {p.op: probe_facts(p) for p in PROBES},
+                          DeviceSpec(dev["name"], dev["peak_flops"], dev["mem_bw"], dev["mem_bytes"], 1.0))
+    new = [op for op in ops if op not in profile.get("ops", {})]
+    profile.setdefault("ops", {}).update(ops)
+    dev.setdefault("op_slowdown", {}).update({op: r["slowdown"] for op, r in ops.items()})
+    return (f"ops that are not GEMMs: {len(ops)} probes timed again"
+            + (f" (new: {', '.join(new)})" if new else "") + "; slowdown over the roofline "
+            + ", ".join(f"{op.removeprefix('aten.')} {r['slowdown']:.2f}" for op, r in ops.items()))
+
+
 def _amend_overlap(profile: dict, per_rank: list) -> str:
     profile["overlap"] = fit_overlap(per_rank)
     return overlap_line(profile["overlap"])
@@ -910,14 +934,17 @@ def _size_text(n: int) -> str:
 # profile lacks a size of the default grid, the whole grid (:func:`amend_sizes`) at every kind
 # and group size it has.
 AMENDABLE = {"batched_gemm": (_batched_block, _amend_batched), "fresh_alloc": (_fresh_alloc, _amend_fresh),
-             "collectives": (None, _amend_collectives), "overlap": (_measure_overlap, _amend_overlap)}
+             "collectives": (None, _amend_collectives), "overlap": (_measure_overlap, _amend_overlap),
+             "ops": (_op_times, _amend_ops)}
+# The probes that measure CPU ranks only: a GPU's caching allocator keeps blocks (fresh_alloc),
+# and an op probe this size times its kernel's launch, not the kernel (ops).
+CPU_ONLY = ("fresh_alloc", "ops")
 
 
 def amendable_probes(backend: str) -> tuple[str, ...]:
     """The probes ``--amend`` measures into a profile of ``backend``'s ranks unless told which:
-    all of them on CPU (gloo) ranks; on GPU (NCCL) ranks all but the fresh allocation's (a
-    GPU's caching allocator keeps blocks)."""
-    return tuple(p for p in AMENDABLE if backend == "gloo" or p != "fresh_alloc")
+    all of them on CPU (gloo) ranks; on GPU (NCCL) ranks all but :data:`CPU_ONLY`."""
+    return tuple(p for p in AMENDABLE if backend == "gloo" or p not in CPU_ONLY)
 
 
 def amend(path: str, probes=None, timeout_s: float = 600.0, rounds: int | None = None) -> list[str]:
@@ -935,8 +962,10 @@ def amend(path: str, probes=None, timeout_s: float = 600.0, rounds: int | None =
     unknown = [p for p in probes if p not in AMENDABLE]
     if unknown:
         raise ValueError(f"unknown probe(s) {unknown}: choose from {sorted(AMENDABLE)}")
-    if "fresh_alloc" in probes and backend != "gloo":
-        raise ValueError(f"{path} was measured on {backend} ranks: the fresh allocation probe measures CPU ranks")
+    cpu_only = [p for p in probes if p in CPU_ONLY]
+    if cpu_only and backend != "gloo":
+        raise ValueError(f"{path} was measured on {backend} ranks: the {' and '.join(cpu_only)} probe "
+                         "measures CPU ranks. Fix: leave it out (--probe NAME for the others)")
     sizes = amend_sizes(profile) if "collectives" in probes else []
     kinds = list(profile["collectives"])
     measured = [p for p in probes if p != "collectives" or sizes]  # (the grid complete: nothing to time)
@@ -996,7 +1025,7 @@ def main_calibrate(argv: list[str]) -> int:
                          "had their present form, on its number of ranks")
     ap.add_argument("--probe", action="append", choices=sorted(AMENDABLE), default=None,
                     help="with --amend: a probe to measure (repeatable; default: all of them, on an NCCL "
-                         "profile all but fresh_alloc)")
+                         "profile all but fresh_alloc and ops)")
     ap.add_argument("--rounds", type=int, default=None,
                     help=f"rounds of each probe timed in rounds, the overlap, batched-block and fresh-allocation "
                          f"probes (default: their own, {OVERLAP_ROUNDS}, {BATCHED_ROUNDS} and {FRESH_ROUNDS}; "

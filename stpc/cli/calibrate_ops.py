@@ -3,10 +3,11 @@
 The planner charges an op that is not a GEMM its roofline time: forward ``max(flops /
 rate, bytes / mem_bw)``, backward the same over twice the bytes (``NodeTimer.phases``;
 a follower's forward and backward together over three times the bytes). On a GPU an
-elementwise kernel streams at close to its memory bandwidth. A CPU core runs erf (gelu),
-exp (softmax, the loss's log-probabilities), attention's blocked softmax and the
-embedding's scatter-add backward far below it. Measured on the fidelity bench's plans
-before this calibration existed, these ops took 0.5 s of a 3 s step the model put at 0.2 s.
+elementwise kernel streams at close to its memory bandwidth. A CPU core runs erf (gelu;
+its tanh approximation, GPT-2's, is probed on its own), exp (softmax, the loss's
+log-probabilities), attention's blocked softmax and the embedding's scatter-add backward
+far below it. Measured on the fidelity bench's plans before this calibration existed, these
+ops took 0.5 s of a 3 s step the model put at 0.2 s.
 
 ``calibrate`` times each probe below, forward and backward, on every rank at once (as a
 step runs them) and divides by the roofline time the planner charges the same call, with
@@ -30,8 +31,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from stpc.cost_models import DeviceSpec
-from stpc.cost_models.compute import roofline
+from stpc.cost_models.compute import GELU_TANH_OP, roofline
 from stpc.frontend.trace import trace
+from stpc.planner.costs import slowdown_key
 
 ACTIVATION = (2, 512, 1024)      # [batch, seq, d_model]: one activation of the probe size
 HEADS = (2, 8, 512, 64)          # [batch, heads, seq, head_dim] of attention's q, k, v
@@ -56,8 +58,8 @@ def _act(dev, positive: bool = False) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Probe:
-    """One aten op (``op``, as ``str(node.target)`` reads in the planner's graph), made by
-    ``module()`` from ``inputs(device)``."""
+    """One aten op (``op``, as ``slowdown_key(node)`` names it in the planner's graph: the op,
+    or its variant), made by ``module()`` from ``inputs(device)``."""
 
     op: str
     module: Callable[[], nn.Module]
@@ -67,6 +69,7 @@ class Probe:
 PROBES = (
     Probe("aten.layer_norm.default", lambda: nn.LayerNorm(ACTIVATION[-1]), lambda d: (_act(d),)),
     Probe("aten.gelu.default", lambda: _Fn(F.gelu), lambda d: (_act(d),)),
+    Probe(GELU_TANH_OP, lambda: nn.GELU(approximate="tanh"), lambda d: (_act(d),)),
     Probe("aten.silu.default", lambda: _Fn(F.silu), lambda d: (_act(d),)),
     Probe("aten.add.Tensor", lambda: _Fn(torch.add), lambda d: (_act(d), _act(d))),
     Probe("aten.mul.Tensor", lambda: _Fn(torch.mul), lambda d: (_act(d), _act(d))),
@@ -103,9 +106,9 @@ def probe_facts(probe: Probe) -> tuple[float, float]:
     trace of the probe on meta tensors (nothing allocated)."""
     meta = torch.device("meta")
     tg = trace(probe.module().to(meta), probe.inputs(meta))
-    nodes = [n for n in tg.gm.graph.nodes if n.op == "call_function" and str(n.target) == probe.op]
+    nodes = [n for n in tg.gm.graph.nodes if n.op == "call_function" and slowdown_key(n) == probe.op]
     if len(nodes) != 1:
-        found = sorted({str(n.target) for n in tg.gm.graph.nodes if n.op == "call_function"})
+        found = sorted({slowdown_key(n) for n in tg.gm.graph.nodes if n.op == "call_function"})
         raise RuntimeError(f"calibrate: the probe for {probe.op} traced to {found}, not one {probe.op} "
                            "(torch's decomposition changed?). Fix: update stpc.cli.calibrate_ops.PROBES.")
     m = nodes[0].meta

@@ -55,7 +55,7 @@ import math
 import torch
 
 from stpc.cost_models import CostModel, MemoryModel
-from stpc.cost_models.compute import MASKED_ATTENTION_OP
+from stpc.cost_models.compute import GELU_TANH_OP, MASKED_ATTENTION_OP
 from stpc.placement import REPLICATE, dims_split, local_shape, parse, received_fraction, shard_factor
 from stpc.planner.strategies import Strategy, aten, tensor_operands
 
@@ -190,10 +190,14 @@ def _work_split(s: Strategy, mesh) -> int:
 
 def slowdown_key(node) -> str:
     """The name ``node``'s measured slowdown goes under (``DeviceSpec.op_slowdown``): its aten
-    op, or ``MASKED_ATTENTION_OP`` for attention given a mask (other kernels run it)."""
+    op, or a variant that runs other kernels: ``MASKED_ATTENTION_OP`` for attention given a
+    mask, ``GELU_TANH_OP`` for gelu's tanh approximation."""
     if node.target is aten.scaled_dot_product_attention.default and (
             (len(node.args) > 3 and node.args[3] is not None) or node.kwargs.get("attn_mask") is not None):
         return MASKED_ATTENTION_OP
+    if node.target is aten.gelu.default and (
+            node.args[1] if len(node.args) > 1 else node.kwargs.get("approximate", "none")) == "tanh":
+        return GELU_TANH_OP
     return str(node.target)
 
 
