@@ -69,7 +69,9 @@ class DeviceSpec:
                  efficiency curve over GEMM size; module docstring)
     gemm_ramps:  dtype name -> its own ramp, where measured (a calibration profile fits one
                  per dtype); other dtypes use ``gemm_ramp_s``
-    op_slowdown: aten op name (``str(node.target)``, e.g. ``"aten.gelu.default"``) -> its
+    op_slowdown: aten op name (``planner.costs.slowdown_key``: ``str(node.target)``, e.g.
+                 ``"aten.gelu.default"``, or a variant run by other kernels, e.g.
+                 ``"aten.gelu.default[tanh]"``, which falls back to its op's) -> its
                  measured time over its roofline time, where measured (``calibrate`` times
                  each op the built-in models use, forward + backward, on its own machine:
                  a CPU runs erf, exp and attention's softmax far below its memory

@@ -47,22 +47,26 @@ def test_fit_op_slowdown_divides_the_measurement_by_the_roofline_the_planner_cha
 
 
 def test_a_measured_slowdown_scales_the_planned_time_of_that_op_only():
+    """Each op's factor reaches the plan's time of its nodes and no other's; gpt-tiny's gelu
+    (tanh, a follower of the planner) takes its variant's factor where the device has one,
+    gelu's where it has only that."""
     base = get_cluster("cpu-local")
-    slow = dataclasses.replace(base, device=dataclasses.replace(
-        base.device, op_slowdown={"aten.gelu.default": 5.0, "aten.scaled_dot_product_attention.default": 3.0}))
+    factors = {"aten.gelu.default": 5.0, "aten.scaled_dot_product_attention.default": 3.0}
+    slow = dataclasses.replace(base, device=dataclasses.replace(base.device, op_slowdown=factors))
+    tanh = dataclasses.replace(base, device=dataclasses.replace(base.device, op_slowdown={**factors, GELU_TANH_OP: 7.0}))
     assert roofline(slow.device, 0, 1e6, op="aten.gelu.default") == pytest.approx(5 * roofline(base.device, 0, 1e6))
     assert CostModel(slow, (2,)).compute(0, 1e6, op="aten.mul.Tensor") == CostModel(base, (2,)).compute(0, 1e6)
     with torch.device("meta"):
         m = models.build("gpt-tiny")
     tg = trace(m, models.example_inputs(models.get_config("gpt-tiny"), 4, 16))
     times = {}
-    for name, cl in (("base", base), ("slow", slow)):  # one plan (the dp preset), costed on both
+    for name, cl in (("base", base), ("slow", slow), ("tanh", tanh)):  # one plan (the dp preset), costed on each
         p = plan_graph(tg, CostModel(cl, (2,)), hints=preset("dp", (2,)))
         times[name] = {n: (np_.op, np_.time_s) for n, np_ in p.nodes.items()}
-    for node, (op, t) in times["base"].items():
-        t_slow = times["slow"][node][1]
-        factor = {"gelu.default": 5.0, "scaled_dot_product_attention.default": 3.0}.get(op, 1.0)
-        assert t_slow == pytest.approx(factor * t, rel=1e-9, abs=1e-15), (node, op)
+    for name, gelu in (("slow", 5.0), ("tanh", 7.0)):
+        for node, (op, t) in times["base"].items():
+            factor = {"gelu.default": gelu, "scaled_dot_product_attention.default": 3.0}.get(op, 1.0)
+            assert times[name][node][1] == pytest.approx(factor * t, rel=1e-9, abs=1e-15), (name, node, op)
     assert any(op == "gelu.default" and t > 0 for op, t in times["base"].values())  # a follower, charged
 
 

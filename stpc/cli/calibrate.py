@@ -964,8 +964,10 @@ def amend(path: str, probes=None, timeout_s: float = 600.0, rounds: int | None =
         raise ValueError(f"unknown probe(s) {unknown}: choose from {sorted(AMENDABLE)}")
     cpu_only = [p for p in probes if p in CPU_ONLY]
     if cpu_only and backend != "gloo":
-        raise ValueError(f"{path} was measured on {backend} ranks: the {' and '.join(cpu_only)} probe "
-                         "measures CPU ranks. Fix: leave it out (--probe NAME for the others)")
+        what = f"the {cpu_only[0]} probe measures" if len(cpu_only) == 1 else \
+            f"the {' and '.join(cpu_only)} probes measure"
+        raise ValueError(f"{path} was measured on {backend} ranks: {what} CPU ranks. "
+                         "Fix: leave them out (--probe NAME for the others)")
     sizes = amend_sizes(profile) if "collectives" in probes else []
     kinds = list(profile["collectives"])
     measured = [p for p in probes if p != "collectives" or sizes]  # (the grid complete: nothing to time)

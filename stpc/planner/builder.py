@@ -77,7 +77,7 @@ from stpc.planner import grad_sum
 from stpc.planner.analysis import GraphFacts, Item, analyse, kept_when_selective, layer_of, layer_param_bytes
 from stpc.planner.costs import (RESHARD_COPIES, NodeTimer, axis_reshard, axis_reshard_phases, dtype_name, grad_bytes,
                                grad_reduction_bytes, grid_relayout_s, kept_gathered_bytes, param_copy_phases,
-                               reshard_cost, ring_backward_bytes, stash_bytes, transient_bytes)
+                               reshard_cost, ring_backward_bytes, slowdown_key, stash_bytes, transient_bytes)
 from stpc.planner.hints import HintUnsatisfiable, Hints, sequence_parallel_nodes
 from stpc.planner.plan import NodePlan, Plan
 from stpc.planner.sharing import Share
@@ -508,9 +508,10 @@ class Builder:
                     # (its output, and in backward its input's gradient, of the output's local size
                     # (an elementwise op), each a new tensor: ``CostModel.fresh``)
                     made = self.cm.fresh(val.numel() * val.element_size() / split)
+                    op = slowdown_key(node)  # (gelu's tanh approximation: its own slowdown)
                     cost += self.cm.compute(node.meta["flops"] / split, moved * (3 if rg else 1), dt,
-                                            str(node.target)) + made * (2 if rg else 1)
-                    fwd = self.cm.compute(node.meta["flops"] / split, moved, dt, str(node.target)) + made
+                                            op) + made * (2 if rg else 1)
+                    fwd = self.cm.compute(node.meta["flops"] / split, moved, dt, op) + made
                 by_input[p] = (q, cost, via, fwd)
             return ([by_input[p][0] for p in source], np.array([by_input[p][1] for p in source]),
                     [by_input[p][2] for p in source], np.array([by_input[p][3] for p in source]))

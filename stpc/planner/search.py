@@ -35,15 +35,17 @@ cheap lower bound of its smallest feasible memory checked against the budget (on
 is out; its exact least memory, a CP-SAT solve, is found only if no candidate gives a
 plan, for the error's smallest feasible budget), and its objective minimised without the
 memory rows (variable elimination: milliseconds). That optimum is a lower bound of the
-candidate's budgeted optimum. Then candidates are visited cheapest bound first: one whose
-memory-blind optimum fits the budget is solved; one where the budget binds goes to CP-SAT,
+candidate's budgeted optimum. Then candidates are visited cheapest bound first, those
+that need CP-SAT after all that do not (the cheap ones leave an incumbent that prunes or
+caps them): one whose memory-blind optimum fits the budget is solved; one where the
+budget binds goes to CP-SAT,
 capped by the best plan so far, unless its Lagrangian bound (its memory rows priced into
 the objective, ``stpc.planner.lagrangian``: eliminations, no CP-SAT) already proves it
 cannot beat that plan. The same relaxation's minimisers that fit the budget are plans in
 hand: the best of them caps CP-SAT further (it has only to beat it, or prove nothing does)
 and stands for its candidate where CP-SAT runs out of time (not proven optimal), so a
-loaded machine still gets a plan. Once a bound cannot beat the best plan, no later
-candidate can, and the rest are discarded unsolved.
+loaded machine still gets a plan. A candidate whose bound cannot beat the best plan is
+discarded unsolved.
 
 ``progress=`` takes a callable that receives a :class:`SearchProgress` as each candidate
 is taken up in either phase (and, while CP-SAT runs, at each better solution or bound it
