@@ -31,6 +31,12 @@ groups in buckets, launched asynchronously as they become ready during backward 
 waited on at its end, as DDP's reducer does. A parameter that any consumer reads
 without splitting on ``a`` (its gradient there is already complete) keeps its
 synchronous reduction: summing a complete gradient over the axis would multiply it.
+So does a parameter *stored split* on ``a`` (ZeRO/FSDP): read through a gather whose
+backward keeps this rank's slice of a gradient it takes as complete (GPT's position
+embedding, gathered whole and looked up on every rank before its ``f``), its local
+gradient is a slice of a partial sum, and summing slices over the axis adds different
+rows of the parameter together: only the ``f`` ahead of the gather makes that gradient
+complete first.
 
 A parameter that keeps its ``f`` (a consumer reads it whole, or a tied copy does) still
 has its gradient read only where autograd sums its uses: late in backward, at its
@@ -52,6 +58,7 @@ import torch.fx as fx
 
 from ._common import finish, is_random
 from stpc import runtime
+from stpc.placement import REPLICATE
 
 
 def _param_derived(gm: fx.GraphModule) -> set[fx.Node]:
@@ -127,7 +134,10 @@ def defer_grad_sync(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
         paths = list(_paths(ph, through))
         if not paths or paths == [()]:
             continue
+        stored = ph.meta.get("placement")
         for a, g in enumerate(groups):
+            if stored is not None and stored[a] != REPLICATE:
+                continue  # stored split on the axis: its gradient is a slice, not a partial sum
             on_a = [[n for n in p if n.target is runtime.grad_all_reduce and n.kwargs.get("group") == g]
                     for p in paths]
             if all(len(x) == 1 for x in on_a):

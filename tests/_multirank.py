@@ -174,6 +174,16 @@ def family_hints(family: str):
         return Hints(force=[(r"^linear", lambda s: s.kind == "spatial" and all(t == "R" for t in s.ins[1])
                              and all(t == "S0" for t in s.ins[0]))],
                      param_force=[(r".", lambda p: all(t[0] == "S" for t in p))], temporal=False, name="zero")
+    if family == "megatron-zero-whole-positions":  # data parallel with the distributed optimizer (ZeRO-2),
+        # GPT's position embedding looked up whole on every rank: its weight, stored split, is
+        # gathered whole for the lookup, and the lookup's output reaches batch-split work through
+        # an f (the plan the VM's calibrated profile picks for gpt-50m's megatron dp 4 x tp 1)
+        import dataclasses
+
+        from stpc.planner.hints import megatron
+        hints = megatron((4,), 0, None, distributed_optimizer=True)
+        return dataclasses.replace(hints, force=list(hints.force) + [
+            (r"^wpe$", lambda s: all(t == "R" for t in s.ins[0] + s.ins[1]))])
     if family == "fsdp-tp-outer":  # TorchTitan's FSDP + TP+SP on 2x2, TP on the outer axis (the fidelity
         # bench's fsdp-tp layout): the logits, vocab split on the outer axis and rows on the inner,
         # reach a loss that splits rows on both (one redistribution over the joint group)

@@ -176,3 +176,28 @@ def test_position_embedding_is_deferred_not_reduced_in_backward():
     assert gm.meta["stpc_deferred_grads"]["p_wpe_weight"] == ["g0"]
     assert all(u.target is torch.ops.aten.add.Tensor for u in emb.users)
     gm.graph.lint()
+
+
+def test_a_parameter_stored_split_keeps_its_f():
+    # ZeRO-2 over the axis and GPT's position embedding looked up whole on every rank: the
+    # weight, stored split, is gathered whole (backward: this rank's slice), looked up, and
+    # read by batch-split work through an f. Its local gradient is a slice of a partial sum:
+    # the reducer's all-reduce would add different rows together. The f stays, ahead of the
+    # gather's slice, and the parameter is not deferred.
+    tg, plan, gm = _lowered("gpt-tiny", "4", "megatron-zero-whole-positions")
+    ph = next(n for n in gm.graph.nodes if n.name == "p_wpe_weight")
+    assert ph.meta["placement"][0].startswith("S")  # stored split over the one axis
+    gm = defer_grad_sync(gm, plan)
+    assert "p_wpe_weight" not in gm.meta["stpc_deferred_grads"]
+
+    def source(n):  # through the gather's nodes to the placeholder
+        while n.op == "call_function" and n.target is not torch.ops.aten.embedding.default:
+            n = n.args[0]
+        return n
+
+    lookup = [n for n in gm.graph.nodes if n.target is torch.ops.aten.embedding.default and source(n.args[0]) is ph]
+    assert len(lookup) == 1 and [u.target for u in lookup[0].users] == [runtime.grad_all_reduce]
+    # nothing stored split is deferred (here every parameter is: ZeRO-2 over the one axis)
+    placements = {n.name: n.meta.get("placement") for n in gm.graph.nodes if n.op == "placeholder"}
+    assert all(placements[p] == ("R",) for p in gm.meta["stpc_deferred_grads"])
+    gm.graph.lint()
