@@ -17,11 +17,16 @@ all alike:
   (``GradReducer(keep_buffers=True)``, DDP's way; off in stpc), with DDP as the third
   engine. Their step times and parts, page faults and peak memory (the bench's measure, plus
   the kept buffers, which no parameter holds between steps);
-* the optimizer over DTensors. stpc's parameters are DTensors (the product's promise:
-  optimizers, ``state_dict`` and DCP see sharded tensors), DDP's plain tensors. In the same
-  rounds, AdamW (foreach, the bench's) steps two copies of the dp program's parameters and
-  gradients: as DTensors, and as plain tensors of the same values. Each step timed from a
-  barrier on every rank at once, the slowest rank's.
+* the parameters as DTensors. stpc's parameters are DTensors (the product's promise:
+  optimizers, ``state_dict`` and DCP see sharded tensors), DDP's plain tensors. A fourth
+  engine runs the same program again, buckets kept, with every parameter swapped for a plain
+  ``nn.Parameter`` of its local tensor before its first call (the dp program replicates
+  every parameter, so the local tensor is the whole one; tied parameters stay tied; the
+  program reads a plain parameter as it is and its reducer hooks the plain ones): what is
+  left between it and DDP is neither the buckets nor the DTensors. And, in the same rounds,
+  AdamW (foreach, the bench's) steps two copies of the dp program's parameters and
+  gradients alone: as DTensors, and as plain tensors of the same values. Each step timed
+  from a barrier on every rank at once, the slowest rank's.
 
 Writes the ``dp-gap`` section of ``--results`` (between its markers, replaced whole).
 """
@@ -45,7 +50,9 @@ from stpc.cli.bench_runtime import _peak_of_step, _stpc_engine, interleaved, tim
 from stpc.frontend import models
 from stpc.runtime.launch import spawn
 
-ENGINES = ("stpc dp (buckets fresh each step, as shipped)", "stpc dp (buckets kept, DDP's way)", "ddp")
+ENGINES = ("stpc dp (buckets fresh each step, as shipped)", "stpc dp (buckets kept, DDP's way)",
+           "stpc dp (buckets kept, plain-tensor parameters)", "ddp")
+KEPT = (1, 2)  # the engines whose reducers keep their buffers
 PARTS = ("step", "fwd_bwd", "optimizer", "cpu", "faults")
 
 
@@ -57,6 +64,26 @@ def _kept_bytes(engine) -> int:
     """Bytes of the bucket buffers the reducers hold between steps (``keep_buffers``)."""
     return sum(b.spare.untyped_storage().nbytes() for r in _reducers(engine) for b in r.buckets
                if b.spare is not None)
+
+
+def _plain_parameters(engine) -> None:
+    """Swap each of ``engine``'s DTensor parameters for a plain ``nn.Parameter`` of its local
+    tensor (the same storage), every module attribute that held it, so tied ones stay tied.
+    Only for a program that replicates every parameter: there the local tensor is the whole."""
+    new: dict[int, torch.nn.Parameter] = {}
+    for module in engine.model.modules():
+        for name, p in list(module._parameters.items()):
+            if not isinstance(p, DTensor):
+                continue
+            if not all(pl.is_replicate() for pl in p.placements):
+                raise ValueError(f"parameter {name} is {p.placements}, not replicated: its local tensor is a piece")
+            if id(p) not in new:
+                new[id(p)] = torch.nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+            module._parameters[name] = new[id(p)]
+
+
+def _storage_ptr(t) -> int:
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
 
 
 def _optimizer_pair(engine):
@@ -95,26 +122,28 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     spec = {"hints": "dp", "mesh": (world,)}
     engines = [_stpc_engine("fresh", spec, copy.deepcopy(base), idx, tgt, world, cfg.get("cluster")),
                _stpc_engine("kept", spec, copy.deepcopy(base), idx, tgt, world, cfg.get("cluster")),
+               _stpc_engine("plain", spec, copy.deepcopy(base), idx, tgt, world, cfg.get("cluster")),
                build_engine("ddp", copy.deepcopy(base), idx, tgt, (world,))]
+    _plain_parameters(engines[2])  # before its first call: its reducer is built on the plain ones
     opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for e in engines]
     times = [[] for _ in engines]
     losses = [None] * len(engines)
     opt_pair, opt_times = None, ([], [])
-    kept_at: set[int] = set()
+    kept_at: dict[int, set[int]] = {i: set() for i in KEPT}
     for r, i in interleaved(len(engines), cfg["warmup"], cfg["steps"], "[dp gap] rounds", False):
         loss, dt = timed_step(engines[i], opts[i])
         if r == 0:
             losses[i] = float(loss)
-            if i == 1:  # the reducer exists from the first call on: keep its buffers from now on
-                for red in _reducers(engines[1]):
+            if i in KEPT:  # the reducer exists from the first call on: keep its buffers from now on
+                for red in _reducers(engines[i]):
                     red.keep_buffers = True
             if i == 0:
                 opt_pair = _optimizer_pair(engines[0])
         if r >= cfg["warmup"]:
             times[i].append(dt)
-            if i == 1:  # where the kept engine's gradients lie: one buffer, step after step
+            if i in KEPT:  # where a kept engine's gradients lie: one buffer, step after step
                 # (no reference kept: a gradient still held is one the reducer must not overwrite)
-                kept_at.add(next(iter(engines[1].parameters())).grad.to_local().untyped_storage().data_ptr())
+                kept_at[i].add(_storage_ptr(next(iter(engines[i].parameters())).grad))
             if i == 0:  # the optimizer pair, in the same rounds, the order alternating
                 order = (0, 1) if r % 2 else (1, 0)
                 for k in order:
@@ -122,7 +151,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     peaks = []
     for i, e in enumerate(engines):
         dist.barrier()
-        p = torch.tensor([_peak_of_step(e, opts[i]) + (_kept_bytes(e) if i < 2 else 0)], dtype=torch.float64)
+        p = torch.tensor([_peak_of_step(e, opts[i]) + (_kept_bytes(e) if i in KEPT else 0)], dtype=torch.float64)
         dist.all_reduce(p, op=dist.ReduceOp.MAX)
         peaks.append(int(p))
     if rank:
@@ -130,7 +159,8 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     return {"engines": [{"name": name, "first_loss": losses[i], "peak_bytes": peaks[i],
                          "rounds": [dict(zip(PARTS, t)) for t in times[i]]} for i, name in enumerate(ENGINES)],
             "optimizer": {"dtensor_s": opt_times[0], "plain_s": opt_times[1]},
-            "kept_buffers_reused": len(kept_at) == 1}
+            "kept_buffers_reused": all(len(at) == 1 for at in kept_at.values()),
+            "plain_parameters": not any(isinstance(p, DTensor) for p in engines[2].parameters())}
 
 
 def _faster(a: list[float], b: list[float]) -> str:
@@ -142,7 +172,7 @@ def _faster(a: list[float], b: list[float]) -> str:
 def report(cfg: dict, res: dict, machine: str, command: str) -> str:
     eng = res["engines"]
     med = [{k: statistics.median([r[k] for r in e["rounds"]]) for k in PARTS} for e in eng]
-    fresh, kept, ddp = med
+    fresh, kept, plain, ddp = med
     steps = [[r["step"] for r in e["rounds"]] for e in eng]
     n = len(steps[0])
     lines = ["## The data-parallel gap, taken apart: stpc's dp program against DDP (issue 17)", "",
@@ -164,18 +194,25 @@ def report(cfg: dict, res: dict, machine: str, command: str) -> str:
                   f"every rank at once, the slowest rank's, median of {len(opt['dtensor_s'])}: as DTensors "
                   f"{o_dt * 1e3:.1f} ms, as plain tensors {o_plain * 1e3:.1f} ms (plain "
                   f"{_faster(opt['plain_s'], opt['dtensor_s'])}).", ""]
-    gap = fresh["step"] - ddp["step"]
-    buckets = fresh["step"] - kept["step"]
-    dtensor = o_dt - o_plain
+
+    def ms(a, b, part="step"):
+        return f"{(a[part] - b[part]) * 1e3:+.1f} ms"
+
+    def parts(a, b):
+        return f"forward + backward {ms(a, b, 'fwd_bwd')}, optimizer {ms(a, b, 'optimizer')}"
+
     lines.append(
-        f"Taken apart: the shipped program's step is {gap * 1e3:+.1f} ms from DDP's ({fresh['step'] / ddp['step']:.3f}x). "
-        f"Keeping the buckets moves it by {-buckets * 1e3:+.1f} ms (kept than fresh: "
-        f"{_faster(steps[1], steps[0])}; page faults {fresh['faults']:.0f} -> {kept['faults']:.0f} a step) "
-        f"at {(eng[1]['peak_bytes'] - eng[0]['peak_bytes']) / 2**20:+.1f} MiB of peak; the optimizer's DTensor dispatch "
-        f"costs {dtensor * 1e3:+.1f} ms a step over plain tensors. Left with kept buckets: "
-        f"{(kept['step'] - ddp['step']) * 1e3:+.1f} ms ({kept['step'] / ddp['step']:.3f}x DDP; forward + backward "
-        f"{(kept['fwd_bwd'] - ddp['fwd_bwd']) * 1e3:+.1f} ms, optimizer {(kept['optimizer'] - ddp['optimizer']) * 1e3:+.1f} ms; "
-        f"kept than DDP: {_faster(steps[1], steps[2])}; the shipped program than DDP: {_faster(steps[0], steps[2])}).")
+        f"Taken apart: the shipped program's step is {ms(fresh, ddp)} from DDP's ({fresh['step'] / ddp['step']:.3f}x). "
+        f"Keeping the buckets moves it by {ms(kept, fresh)} (kept than fresh: {_faster(steps[1], steps[0])}; "
+        f"page faults {fresh['faults']:.0f} -> {kept['faults']:.0f} a step) at "
+        f"{(eng[1]['peak_bytes'] - eng[0]['peak_bytes']) / 2**20:+.1f} MiB of peak. Plain-tensor parameters in place "
+        f"of the DTensors move the kept program by {ms(plain, kept)} ({parts(plain, kept)}; plain than DTensors: "
+        f"{_faster(steps[2], steps[1])}); the optimizer's DTensor dispatch alone costs {(o_dt - o_plain) * 1e3:+.1f} ms "
+        f"a step over plain tensors. Left with kept buckets and plain parameters, neither of the two: "
+        f"{ms(plain, ddp)} ({plain['step'] / ddp['step']:.3f}x DDP; {parts(plain, ddp)}; plain than DDP: "
+        f"{_faster(steps[2], steps[3])}). With DTensor parameters, as stpc ships them, and kept buckets: "
+        f"{ms(kept, ddp)} ({kept['step'] / ddp['step']:.3f}x DDP; kept than DDP: {_faster(steps[1], steps[3])}); "
+        f"the shipped program than DDP: {_faster(steps[0], steps[3])}.")
     return "\n".join(lines) + "\n"
 
 
