@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from stpc.cli._stats import SIGN_TEST_P, paired_rounds
 from stpc.cli.bench import machine_line, write_section
 from stpc.cli.bench_engines import build_engine
-from stpc.cli.bench_runtime import _peak_of_step, _stpc_engine, interleaved, timed_step
+from stpc.cli.bench_runtime import _peak_of_step, _stpc_engine, interleaved, last_losses, timed_step
 from stpc.frontend import models
 from stpc.runtime.launch import spawn
 
@@ -128,12 +128,14 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for e in engines]
     times = [[] for _ in engines]
     losses = [None] * len(engines)
+    last = [None] * len(engines)  # after as many steps on each: one training, one loss
     opt_pair, opt_times = None, ([], [])
     kept_at: dict[int, set[int]] = {i: set() for i in KEPT}
     for r, i in interleaved(len(engines), cfg["warmup"], cfg["steps"], "[dp gap] rounds", False):
         loss, dt = timed_step(engines[i], opts[i])
+        last[i] = float(loss)
         if r == 0:
-            losses[i] = float(loss)
+            losses[i] = last[i]
             if i in KEPT:  # the reducer exists from the first call on: keep its buffers from now on
                 for red in _reducers(engines[i]):
                     red.keep_buffers = True
@@ -156,7 +158,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         peaks.append(int(p))
     if rank:
         return {}
-    return {"engines": [{"name": name, "first_loss": losses[i], "peak_bytes": peaks[i],
+    return {"engines": [{"name": name, "first_loss": losses[i], "last_loss": last[i], "peak_bytes": peaks[i],
                          "rounds": [dict(zip(PARTS, t)) for t in times[i]]} for i, name in enumerate(ENGINES)],
             "optimizer": {"dtensor_s": opt_times[0], "plain_s": opt_times[1]},
             "kept_buffers_reused": all(len(at) == 1 for at in kept_at.values()),
@@ -182,7 +184,7 @@ def report(cfg: dict, res: dict, machine: str, command: str) -> str:
              f"parallel pair (`benchmarks/dp_gap_check.py` says how each part is timed). Interleaved: "
              f"{cfg['warmup']} warm-up rounds, then the median of {n}; a step's time and parts are the slowest "
              f"rank's, CPU seconds and page faults the mean over ranks. First-step losses: "
-             + ", ".join(f"{e['first_loss']:.6f}" for e in eng) + ".", "",
+             + ", ".join(f"{e['first_loss']:.6f}" for e in eng) + last_losses(eng) + ".", "",
              "| engine | step s | forward + backward s | optimizer s | CPU s | page faults | peak MiB | step / DDP's |",
              "|---|---|---|---|---|---|---|---|"]
     for e, m in zip(eng, med):

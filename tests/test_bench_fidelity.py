@@ -452,6 +452,8 @@ def test_end_to_end_tiny(tmp_path):
     # every plan trained the same model from the same weights
     losses = [r["first_loss"] for r in recs]
     assert max(losses) - min(losses) <= 1e-4 * abs(min(losses))
+    last = [r["last_loss"] for r in recs]  # and trained alike, step after step
+    assert max(last) - min(last) <= 1e-4 * abs(min(last)) and last != losses
     v = data["verdict"]
     assert set(v) >= {"rows", "tau", "memory_met", "time_met", "order_met"}
     text = md.read_text()

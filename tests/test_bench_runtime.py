@@ -12,8 +12,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from stpc.cli import main
 from stpc.cli.bench import write_section
-from stpc.cli.bench_runtime import (ALLOCATORS, allocator_env, check_malloc_env, evaluate, memory_timeline, pairs,
-                                    solved_note)
+from stpc.cli.bench_runtime import (ALLOCATORS, allocator_env, check_malloc_env, evaluate, last_losses,
+                                    memory_timeline, pairs, solved_note)
 
 
 def test_write_section_replaces_only_its_own_section(tmp_path):
@@ -113,6 +113,8 @@ def test_a_tiny_run_end_to_end(tmp_path):
         ("fsdp + tp", "torch"), ("solved", "stpc")]
     losses = [e["first_loss"] for e in engines]  # one model, one batch: one loss
     assert max(losses) - min(losses) <= 1e-4 * abs(losses[0])
+    last = [e["last_loss"] for e in engines]  # and after the same steps on each, one training
+    assert max(last) - min(last) <= 1e-4 * abs(last[0]) and last != losses
     assert all(e["median_step_s"] > 0 and e["peak_bytes"] > 0 for e in engines)
     # each stpc row's plan's modelled step and peak beside its measured ones; none on torch's side
     assert all(e["modelled_step_s"] > 0 and e["modelled_peak_bytes"] > 0 for e in engines if e["side"] == "stpc")
@@ -203,3 +205,15 @@ def test_an_address_handed_out_again_closes_the_block_that_had_it():
     timeline, unseen = memory_timeline(Prof(roots), set())
     assert unseen == 8
     assert timeline == [(10, 8), (55, -8), (55, 16), (58, -16)]  # closed where 0xA came back, not at 100
+
+
+def test_last_losses_say_whether_the_engines_trained_alike():
+    """A program with a wrong gradient has the first-step loss right and drifts after: the
+    report says the last losses disagree (a NaN never agrees), and says nothing of records
+    from before they were kept."""
+    same = [{"last_loss": 5.9273238}, {"last_loss": 5.9273242}]
+    assert "last losses agree (5.927324 .. 5.927324)" in last_losses(same)
+    drifted = same + [{"last_loss": 5.9977}]  # the ZeRO-2 program of e7d30d2's fix, 18 steps in
+    assert "DISAGREE" in last_losses(drifted)
+    assert "DISAGREE" in last_losses(same + [{"last_loss": float("nan")}])
+    assert last_losses(same + [{"first_loss": 1.0}]) == ""

@@ -131,8 +131,8 @@ from stpc.cli._progress import SearchStatus, Status
 from stpc.cli._stats import SIGN_TEST_P, paired_rounds
 from stpc.cli.calibrate import OVERLAP_LONG
 from stpc.cli.bench_runtime import (ALLOCATORS, StpcEngine, _live_bytes, _live_storages, _peak_of_step,
-                                    add_allocator_flag, allocator_env, check_malloc_env, interleaved, malloc_env,
-                                    memory_timeline, timed_step)
+                                    add_allocator_flag, allocator_env, check_malloc_env, interleaved, last_losses,
+                                    malloc_env, memory_timeline, timed_step)
 from stpc.compile import compile as stpc_compile
 from stpc.compile import trace
 from stpc.cost_models.comm import CostModel
@@ -626,13 +626,15 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
     opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for e in engines]
     times = [[] for _ in engines]       # per round: [step, fwd+bwd, optimizer] (slowest rank), [CPU s, faults] (mean)
     first_loss = [None] * len(engines)
+    last_loss = [None] * len(engines)   # after as many steps on every plan: one training, one loss
     reference = []                      # per timed round: the reference GEMM, the median over ranks
     ref_x, ref_w = torch.randn(OVERLAP_LONG[:2]), torch.randn(OVERLAP_LONG[1:])
     for done, (r, i) in enumerate(interleaved(len(engines), cfg["warmup"], cfg["steps"], "[bench fidelity] rounds",
                                               bool(cfg.get("progress")) and rank == 0), start=1):
         loss, dt = timed_step(engines[i], opts[i])
+        last_loss[i] = float(loss)
         if r == 0:
-            first_loss[i] = float(loss)
+            first_loss[i] = last_loss[i]
         if r >= cfg["warmup"]:
             times[i].append(dt)
             if done % len(engines) == 0:  # the round's last step
@@ -666,7 +668,8 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
                     "measured_page_faults": statistics.median(t[4] for t in times[i]),
                     "measured_peak_bytes": max(peaks[i]), "measured_peak_bytes_per_rank": peaks[i],
                     "unprimed_peak_bytes": max(first_peaks[i]),
-                    "profiled": phases[i], "first_loss": first_loss[i], "held_params": held[i],
+                    "profiled": phases[i], "first_loss": first_loss[i], "last_loss": last_loss[i],
+                    "held_params": held[i],
                     "reference_gemm_s": reference})
     return {"records": out, "malloc_env": malloc_env()}
 
@@ -911,7 +914,7 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
     lines += ["", "Per plan, the biggest contributors found:", ""]
     lines += [f"- {notes(r)}" for r in records]
     losses = [r["first_loss"] for r in records]
-    lines += ["", f"First-step losses of all plans: {min(losses):.6f} .. {max(losses):.6f}."]
+    lines += ["", f"First-step losses of all plans: {min(losses):.6f} .. {max(losses):.6f}{last_losses(records)}."]
     return "\n".join(lines) + "\n"
 
 

@@ -25,7 +25,9 @@ treats freed memory, for every engine alike); and per engine the peak memory of 
 at its start (parameters, optimizer state, persistent engine buffers such as DDP's
 gradient buckets) plus the highest level the CPU allocator reached during the step
 (``torch.profiler`` memory events, every allocation through c10 included). All engines
-start from the same weights and data: their first losses must agree (checked).
+start from the same weights and data: their first losses must agree, and after as many
+steps on each their last losses too (checked: a program that computes a wrong gradient has
+its first loss right).
 
 Targets (issue 17): each stpc preset within 5% of its torch counterpart's step time (or
 faster), the solved plan no slower than the fastest counterpart, memory no higher than the
@@ -34,6 +36,7 @@ counterpart's.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import resource
 import statistics
@@ -295,11 +298,13 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for _, _, e in engines]
     times = [[] for _ in engines]
     first_loss = [None] * len(engines)
+    last_loss = [None] * len(engines)  # after as many steps on every engine: one training, one loss
     for r, i in interleaved(len(engines), cfg["warmup"], cfg["steps"], "[bench runtime] rounds",
                             bool(cfg.get("progress")) and rank == 0):
         loss, dt = timed_step(engines[i][2], opts[i])
+        last_loss[i] = float(loss)
         if r == 0:
-            first_loss[i] = float(loss)
+            first_loss[i] = last_loss[i]
         if r >= cfg["warmup"]:
             times[i].append(dt)
     peaks = []
@@ -318,7 +323,8 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                          "median_optimizer_s": statistics.median(t[2] for t in times[i]),
                          "median_cpu_s": statistics.median(t[3] for t in times[i]),
                          "median_faults": statistics.median(t[4] for t in times[i]),
-                         "peak_bytes": peaks[i], "first_loss": first_loss[i], **_modelled(e),
+                         "peak_bytes": peaks[i], "first_loss": first_loss[i], "last_loss": last_loss[i],
+                         **_modelled(e),
                          **({"differs_from": _deltas(engines)} if (pair, side) == ("solved", "stpc") else {})}
                         for i, (pair, side, e) in enumerate(engines)]}
 
@@ -412,10 +418,30 @@ def solved_note(records: list[dict]) -> str:
             f"the model misranks stpc's own plans on this machine (see the fidelity section).")
 
 
+LOSS_RTOL = 1e-4  # the parity tests' rtol: one training in fp32, summed in other orders
+
+
+def losses_agree(losses: list[float]) -> bool:
+    """Whether ``losses`` are one loss up to fp32 summation order (a NaN or inf never agrees)."""
+    return all(math.isfinite(x) for x in losses) and max(losses) - min(losses) <= LOSS_RTOL * abs(min(losses))
+
+
+def last_losses(records: list[dict]) -> str:
+    """", and after N steps each the last ones agree (a .. b)": the same data and optimizer
+    for the same number of steps on every engine is one training, so a program that computes a
+    wrong gradient (which no first-step loss shows) is seen here. Empty for records without
+    them (a JSON from before they were kept)."""
+    last = [r.get("last_loss") for r in records]
+    if any(x is None for x in last):
+        return ""
+    word = "agree" if losses_agree(last) else "DISAGREE: an engine trains differently"
+    return f"; after the same steps on each, the last losses {word} ({min(last):.6f} .. {max(last):.6f})"
+
+
 def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
     rows = evaluate(records)
     losses = [r["first_loss"] for r in records]
-    agree = max(losses) - min(losses) <= 1e-4 * abs(min(losses))
+    agree = losses_agree(losses)
     lines = [
         "## Runtime: stpc against torch's own engines (issue 17)", "",
         f"Command: `{command}`", "", machine, "",
@@ -424,7 +450,7 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
         f"Interleaved: {cfg['warmup']} warm-up rounds, then the median of {cfg['steps']} rounds; a step's time "
         f"is the slowest rank's. Peak memory: one step on the worst rank (live bytes at its start + the "
         f"allocator's highest climb during it). First-step losses of all engines "
-        f"{'agree' if agree else 'DISAGREE'} ({min(losses):.6f} .. {max(losses):.6f}).", "",
+        f"{'agree' if agree else 'DISAGREE'} ({min(losses):.6f} .. {max(losses):.6f}){last_losses(records)}.", "",
         "| pair | stpc (plan) | torch | stpc step s | stpc step s, modelled | torch step s | stpc / torch | target | "
         "met | stpc peak MiB | stpc peak MiB, modelled | torch peak MiB | memory met |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
