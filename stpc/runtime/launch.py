@@ -9,8 +9,9 @@ the parent, a hard timeout, and a failure report that names the rank.
 runs ``fn(rank, world_size, *args)`` in ``world_size`` processes started with
 the "spawn" method (never fork: the parent may hold threads / OpenMP pools),
 each with a process group (``backend``: gloo, NCCL with rank i on GPU i, or per device
-such as ``"cpu:gloo,cuda:gloo"``, CUDA tensors over gloo with ranks sharing the GPUs) on
-``tcp://127.0.0.1:<free port>`` and ``threads_per_rank`` intra-op threads. ``fn`` and
+such as ``"cpu:gloo,cuda:gloo"``, CUDA tensors over gloo with ranks sharing the GPUs) that
+meets at a TCP store on 127.0.0.1 served by the parent (bound before the ranks start, so no
+other socket can take its port meanwhile), and ``threads_per_rank`` intra-op threads. ``fn`` and
 ``args`` must be picklable (a module-level function). Returns the list of
 per-rank return values (picklable), in rank order.
 
@@ -139,13 +140,15 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
             torch.cuda.set_device(rank)
         elif "cuda:" in backend:  # e.g. CUDA tensors over gloo: ranks may share a GPU
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        timeout = datetime.timedelta(seconds=max(timeout_s, 1.0))
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            # the parent's store (``spawn``): every rank a client, none binds a port
+            store=dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout),
             rank=rank,
             world_size=world_size,
             # a collective stuck on a dead peer fails instead of hanging
-            timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
+            timeout=timeout,
         )
         initialised = True
         value = fn(rank, world_size, *args)
@@ -218,7 +221,15 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
     threads = max(1, int(threads_per_rank))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The ranks' rendezvous store is served from this process, bound (to a port the kernel
+    # picks) before any rank starts and open until they are gone: no moment in which a port
+    # probed free can be taken before its owner binds it (rank 0 binding a port picked here
+    # left that window open while the ranks imported torch, seconds, where another
+    # process's socket, or a rank's own connection attempt to the port not yet listening,
+    # could take it).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
+    port = store.port
     fault_dir = tempfile.mkdtemp(prefix="stpc-spawn-")
     procs = []
     # Children inherit the environment at start: OMP_NUM_THREADS must be set
