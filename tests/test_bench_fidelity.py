@@ -18,7 +18,7 @@ from stpc.cli import bench
 from stpc.cli._stats import sign_test_p
 from stpc.cli.bench_fidelity import (DEFAULT_PLANS, KNOWN_PLANS, _profile_step, arrival_skew, json_records, judge,
                                      kendall_tau, machine_speed, notes, other_ops, param_mismatches, plan_spec,
-                                     reference_gemm_s, rel_error, report, separated_pairs, waits_ns)
+                                     reference_copy_s, reference_gemm_s, rel_error, report, separated_pairs, waits_ns)
 from stpc.cli.bench_runtime import StpcEngine, _peak_of_step, _step
 from stpc.frontend import models
 from stpc.runtime.launch import spawn
@@ -352,7 +352,10 @@ def _reference_on(rank: int, world: int, big: int) -> tuple[float, float]:
             torch.mm(x, w)
     own = (time.perf_counter() - t0) / 3
     dist.barrier()
-    return got, own
+    src = torch.full((1 << 16,), float(rank + 1))
+    dst = torch.zeros_like(src)
+    copy_s = reference_copy_s(src, dst, rank, world)  # (the same typical-rank figure, of a copy)
+    return got, own, copy_s, bool(torch.equal(dst, src))
 
 
 def test_reference_gemm_is_the_typical_ranks_and_every_rank_gets_it():
@@ -363,9 +366,10 @@ def test_reference_gemm_is_the_typical_ranks_and_every_rank_gets_it():
     fast ranks at 1.5 ms a call (a fresh process's first GEMM sets up its BLAS), and 3 ranks
     share 2 cores here, so a fast rank can also lose a scheduler slice (a few ms)."""
     got = spawn(_reference_on, 3, 1024, timeout_s=120)
-    assert len({g for g, _ in got}) == 1            # one figure, the same on every rank
-    figure, big = got[0]
+    assert len({g[0] for g in got}) == 1            # one figure, the same on every rank
+    figure, big = got[0][:2]
     assert 0 < figure < big / 4, got
+    assert len({g[2] for g in got}) == 1 and got[0][2] > 0 and all(g[3] for g in got), got  # the copy's too
 
 
 def test_machine_speed_against_the_model_in_the_report():
@@ -383,6 +387,16 @@ def test_machine_speed_against_the_model_in_the_report():
     # a run that did not time it says nothing of it
     old = [{k: v for k, v in recs[0].items() if k != "reference_gemm_s"}]
     assert machine_speed(old) is None and "machine's speed" not in report(cfg, old, judge(old), "machine: test", "cmd")
+    # the memory-bound reference, beside the GEMM's: its own ratio and sentence, absent where untimed
+    assert machine_speed(recs, "copy") is None and "Memory: then" not in text
+    both = [recs[0] | {"reference_copy_s": [0.030, 0.040, 0.036], "reference_copy_model_s": 0.012}]
+    c = machine_speed(both, "copy")
+    assert c["measured_s"] == pytest.approx(0.036) and c["ratio"] == pytest.approx(3.0)
+    assert machine_speed(both) == m  # (the GEMM's figures are its own)
+    text = report(cfg, both, judge(both), "machine: test", "cmd")
+    assert "the typical rank's took 36.0 ms a copy (30.0 .. 40.0 ms), where the profile's memory bandwidth " \
+           "charges 12.0 ms: memory-bound work (the optimizer step, the other ops' roofline) ran 200.0% slower " \
+           "than the profile says" in text
 
 
 # ----------------------------------------------------------------------------- the measurement

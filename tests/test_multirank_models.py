@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from _multirank import _rel, full_grads, make_plan, run_cases  # noqa: E402
 
+from stpc import models  # noqa: E402
 from stpc.planner import Plan  # noqa: E402
 from stpc.runtime.launch import spawn  # noqa: E402
 
@@ -30,10 +31,13 @@ pytestmark = pytest.mark.multirank
 B, S = 4, 16  # batch and sequence: divisible by every mesh axis used here
 
 
-def _case(model, family, mesh, steps=3, opt="adamw"):
-    overrides = {}  # (gpt-tiny's linears have biases: a P2x2 one adds its grid column's slice)
+def _case(model, family, mesh, steps=3, opt="adamw", overrides=None, label=None):
+    """One parity case: ``model`` (with its config ``overrides``; ``label`` names the variant
+    in the case's id) planned under ``family`` on ``mesh``. (gpt-tiny's linears have biases:
+    a P2x2 one adds its grid column's slice.)"""
+    overrides = dict(overrides or {})
     plan = make_plan(model, mesh, family, B, S, **overrides)
-    return dict(id=f"{model}/{family}/{mesh}", model=model, overrides=overrides, plan=plan.to_json(),
+    return dict(id=f"{label or model}/{family}/{mesh}", model=model, overrides=overrides, plan=plan.to_json(),
                 batch=B, seq=S, steps=steps, opt=opt)
 
 
@@ -199,6 +203,27 @@ def test_every_family_matches_single_device(world, matrix):
     # every listed case plans (a forced family this mesh cannot run would fail here, not
     # drop out of the proof unseen)
     cases = [_case(m, f, mesh, opt="adamw" if i % 2 else "sgd") for i, (m, f, mesh) in enumerate(matrix)]
+    _check(spawn(run_cases, world, cases, timeout_s=590), cases)
+
+
+# BLOOM's decoder (gpt-tiny with ALiBi in place of the position table and a LayerNorm right
+# after the embedding): each device adds the ALiBi bias of the heads it holds, and the
+# embedding's norm runs on whatever split its input arrives in. Every family the benches
+# run (the presets' layouts among them: TorchTitan's FSDP + TP+SP with TP outer, Megatron's
+# distributed optimizer), 6 AdamW steps each; the default run keeps one case.
+BLOOM = {"position": "alibi", "embed_norm": True}
+BLOOM_4 = [("megatron", "4"), ("megatron-sp", "2x2"), ("megatron-zero", "2x2"), ("fsdp-tp-outer", "2x2"),
+           ("ag_rs", "4"), ("rs_ring", "2x2"), ("p2x2", "4"), ("dp", "4"), ("zero", "2x2"), ("solved", "4")]
+BLOOM_DEFAULT = [("ag_rs", "2")]
+
+
+@pytest.mark.parametrize("world,matrix", [pytest.param(2, BLOOM_DEFAULT, id="default"),
+                                          pytest.param(4, BLOOM_4, id="4ranks", marks=pytest.mark.slow)])
+def test_a_bloom_decoder_matches_single_device(world, matrix):
+    with torch.device("meta"):  # the variant is BLOOM's: no position table, a norm after the embedding
+        names = {n for n, _ in models.build("gpt-tiny", **BLOOM).named_parameters()}
+    assert "wpe.weight" not in names and "ln_emb.weight" in names, sorted(names)
+    cases = [_case("gpt-tiny", f, mesh, steps=6, overrides=BLOOM, label="bloom-tiny") for f, mesh in matrix]
     _check(spawn(run_cases, world, cases, timeout_s=590), cases)
 
 

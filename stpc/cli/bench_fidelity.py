@@ -65,7 +65,12 @@ Measured, per plan, on all ranks at once (``bench_runtime``'s measures, reused):
   ``calibrate``'s ring-probe shape (``OVERLAP_LONG``) at once (``reference_gemm_s``); the
   report sets the typical rank's median beside ``CostModel.gemm`` of the same shape, so a
   run on a host slower or faster than its profile says by how much before its steps are
-  compared with the model's.
+  compared with the model's. Then ``REFERENCE_CALLS`` copies of ``REFERENCE_COPY_BYTES``
+  into a warm buffer (``reference_copy_s``, ``calibrate``'s memory-bandwidth probe) beside
+  the profile's ``mem_bw``: the speed of the memory-bound work (the optimizer step, the
+  norms and activations, the copies), which drifts apart from the GEMMs' (a host whose
+  GEMMs ran faster than its profile while its memory-bound work ran slower reorders plans
+  that differ in how much of each they do).
 * peak memory: ``bench_runtime._peak_of_step``: the bytes of the distinct storages live at
   the step's start (parameter shards, their gradients from the previous step, optimizer
   state, buffers) plus the highest level the CPU allocator climbed to during the step
@@ -162,6 +167,9 @@ DEFAULTS = {"model": "gpt-50m", "layers": 4, "d_model": 1024, "heads": 16, "ffn"
 # then 27-32 ms for an hour, on the same machine), and every plan's modelled compute carries
 # the profile's moment, not the run's.
 REFERENCE_CALLS = 3
+# ... and the same number of copies of this many bytes into a warm buffer (``calibrate._mem_bw``'s
+# probe, from which the profile's ``mem_bw`` comes), beside what ``mem_bw`` charges for one.
+REFERENCE_COPY_BYTES = 64 << 20
 
 COLUMN = r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj)$"
 ROW = r"(o_proj|fc2|down_proj)$"
@@ -218,7 +226,9 @@ def make_plans(cfg: dict, progress: bool = False) -> list[dict]:
     cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster  # (loaded once: its warnings once)
     sync_s = cluster.collective_sync_s
     rows, n, k = OVERLAP_LONG
-    reference_model_s = CostModel(cluster, (cfg["ranks"],)).gemm(2.0 * rows * n * k, 4.0 * (rows * n + n * k + rows * k))
+    cm = CostModel(cluster, (cfg["ranks"],))
+    reference_model_s = cm.gemm(2.0 * rows * n * k, 4.0 * (rows * n + n * k + rows * k))
+    copy_model_s = 2.0 * REFERENCE_COPY_BYTES / cm.device.mem_bw  # (a copy reads and writes every byte)
     out = []
     for name in cfg["plans"]:
         mesh, hints = plan_spec(name, cfg["ranks"], cfg["layers"])
@@ -243,6 +253,7 @@ def make_plans(cfg: dict, progress: bool = False) -> list[dict]:
                     "predicted_peak_bytes": float(plan.peak_memory_bytes),
                     "predicted_step_s": float(plan.modelled_step_time_s), "predicted_parts": parts,
                     "plan_s": plan_s, "collective_sync_s": sync_s, "reference_gemm_model_s": reference_model_s,
+                    "reference_copy_model_s": copy_model_s,
                     "planned_params": params,
                     "plan_json": plan.to_json()})
     return out
@@ -597,18 +608,29 @@ def _state_bytes(engine: StpcEngine, opt) -> dict:
 # ``unprimed_peak_bytes``) shows the two agree.
 
 
-def reference_gemm_s(x: torch.Tensor, w: torch.Tensor, rank: int, world: int) -> float:
-    """Seconds of one ``x @ w`` with every rank running ``REFERENCE_CALLS`` of them at once
+def _typical_s(fn, rank: int, world: int) -> float:
+    """Seconds of one ``fn()`` with every rank running ``REFERENCE_CALLS`` of them at once
     from a barrier (each rank's own mean), the median over ranks: the typical rank, whose
-    GEMM rate the profile holds. Every rank must call it."""
+    rates the profile holds. Every rank must call it."""
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(REFERENCE_CALLS):
-        torch.mm(x, w)
+        fn()
     mine = torch.zeros(world, dtype=torch.float64)
     mine[rank] = (time.perf_counter() - t0) / REFERENCE_CALLS
     dist.all_reduce(mine)
     return statistics.median(mine.tolist())
+
+
+def reference_gemm_s(x: torch.Tensor, w: torch.Tensor, rank: int, world: int) -> float:
+    """Seconds of one ``x @ w``, every rank at once, the typical rank's (``_typical_s``)."""
+    return _typical_s(lambda: torch.mm(x, w), rank, world)
+
+
+def reference_copy_s(src: torch.Tensor, dst: torch.Tensor, rank: int, world: int) -> float:
+    """Seconds of one ``dst.copy_(src)`` (a warm buffer), every rank at once, the typical
+    rank's (``_typical_s``)."""
+    return _typical_s(lambda: dst.copy_(src), rank, world)
 
 
 def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
@@ -628,7 +650,10 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
     first_loss = [None] * len(engines)
     last_loss = [None] * len(engines)   # after as many steps on every plan: one training, one loss
     reference = []                      # per timed round: the reference GEMM, the median over ranks
+    copies = []                         # ... and the reference copy
     ref_x, ref_w = torch.randn(OVERLAP_LONG[:2]), torch.randn(OVERLAP_LONG[1:])
+    ref_src = torch.ones(REFERENCE_COPY_BYTES // 4)
+    ref_dst = torch.empty_like(ref_src)
     for done, (r, i) in enumerate(interleaved(len(engines), cfg["warmup"], cfg["steps"], "[bench fidelity] rounds",
                                               bool(cfg.get("progress")) and rank == 0), start=1):
         loss, dt = timed_step(engines[i], opts[i])
@@ -639,6 +664,7 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
             times[i].append(dt)
             if done % len(engines) == 0:  # the round's last step
                 reference.append(reference_gemm_s(ref_x, ref_w, rank, world))
+                copies.append(reference_copy_s(ref_src, ref_dst, rank, world))
     held = [{k: (str(tuple(t.placements)) if hasattr(t, "placements") else "plain",
                  (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes())
              for k, t in ((k, p.detach()) for k, p in e.model.named_parameters())} for e in engines]
@@ -670,7 +696,7 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
                     "unprimed_peak_bytes": max(first_peaks[i]),
                     "profiled": phases[i], "first_loss": first_loss[i], "last_loss": last_loss[i],
                     "held_params": held[i],
-                    "reference_gemm_s": reference})
+                    "reference_gemm_s": reference, "reference_copy_s": copies})
     return {"records": out, "malloc_env": malloc_env()}
 
 
@@ -918,14 +944,16 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
     return "\n".join(lines) + "\n"
 
 
-def machine_speed(records: list[dict]) -> dict | None:
-    """The reference GEMM over the run's timed rounds (``reference_gemm_s``) against the
-    cost model's figure for it: {measured_s (median), min_s, max_s, model_s, ratio
-    (measured / model)}; None for a run that did not time it."""
-    r = next((r for r in records if r.get("reference_gemm_s") and r.get("reference_gemm_model_s")), None)
+def machine_speed(records: list[dict], what: str = "gemm") -> dict | None:
+    """The reference GEMM (``what="gemm"``, ``reference_gemm_s``) or copy (``"copy"``,
+    ``reference_copy_s``) over the run's timed rounds against the cost model's figure for
+    it: {measured_s (median), min_s, max_s, model_s, ratio (measured / model)}; None for a
+    run that did not time it."""
+    key, model_key = f"reference_{what}_s", f"reference_{what}_model_s"
+    r = next((r for r in records if r.get(key) and r.get(model_key)), None)
     if r is None:
         return None
-    ref, model = r["reference_gemm_s"], r["reference_gemm_model_s"]
+    ref, model = r[key], r[model_key]
     med = statistics.median(ref)
     return {"measured_s": med, "min_s": min(ref), "max_s": max(ref), "model_s": model, "ratio": med / model}
 
@@ -942,7 +970,20 @@ def _speed_lines(records: list[dict]) -> list[str]:
             f"{m['measured_s'] * 1e3:.1f} ms a GEMM (the median over rounds; {m['min_s'] * 1e3:.1f} .. "
             f"{m['max_s'] * 1e3:.1f} ms), where the cost model charges {m['model_s'] * 1e3:.1f} ms: the machine ran "
             f"{abs(m['ratio'] - 1):.1%} {how} than the profile says, a drift every plan's modelled compute carries "
-            f"(the model is not rescaled to it).", ""]
+            f"(the model is not rescaled to it)." + _copy_sentence(machine_speed(records, "copy")), ""]
+
+
+def _copy_sentence(c: dict | None) -> str:
+    """The machine-speed paragraph's sentence on its memory-bound work ('' for a run that did
+    not time it)."""
+    if c is None:
+        return ""
+    how = "slower" if c["ratio"] > 1 else "faster"
+    return (f" Memory: then {REFERENCE_CALLS} copies of {REFERENCE_COPY_BYTES >> 20} MiB into a warm buffer "
+            f"(`calibrate`'s memory-bandwidth probe), every rank at once; the typical rank's took "
+            f"{c['measured_s'] * 1e3:.1f} ms a copy ({c['min_s'] * 1e3:.1f} .. {c['max_s'] * 1e3:.1f} ms), where the "
+            f"profile's memory bandwidth charges {c['model_s'] * 1e3:.1f} ms: memory-bound work (the optimizer "
+            f"step, the other ops' roofline) ran {abs(c['ratio'] - 1):.1%} {how} than the profile says.")
 
 
 def _meetings_cells(c: dict) -> str:
@@ -1028,4 +1069,4 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
 
 
 __all__ = ["main_fidelity", "make_plans", "plan_spec", "kendall_tau", "separated_pairs", "judge",
-           "distinct_plans", "rel_error", "report", "run", "machine_speed", "reference_gemm_s", "contributors", "param_mismatches", "notes", "other_ops", "json_records", "MEMORY_TARGET", "TIME_TARGET", "DEFAULT_PLANS"]
+           "distinct_plans", "rel_error", "report", "run", "machine_speed", "reference_gemm_s", "reference_copy_s", "contributors", "param_mismatches", "notes", "other_ops", "json_records", "MEMORY_TARGET", "TIME_TARGET", "DEFAULT_PLANS"]
