@@ -18,7 +18,8 @@ from stpc.cli import bench
 from stpc.cli._stats import sign_test_p
 from stpc.cli.bench_fidelity import (DEFAULT_PLANS, KNOWN_PLANS, _profile_step, arrival_skew, json_records, judge,
                                      kendall_tau, machine_speed, notes, other_ops, param_mismatches, plan_spec,
-                                     reference_copy_s, reference_gemm_s, rel_error, report, separated_pairs, waits_ns)
+                                     reference_copy_s, reference_gemm_s, rel_error, report, separated_pairs, stale_profile,
+                                     waits_ns)
 from stpc.cli.bench_runtime import StpcEngine, _peak_of_step, _step
 from stpc.frontend import models
 from stpc.runtime.launch import spawn
@@ -397,6 +398,14 @@ def test_machine_speed_against_the_model_in_the_report():
     assert "the typical rank's took 36.0 ms a copy (30.0 .. 40.0 ms), where the profile's memory bandwidth " \
            "charges 12.0 ms: memory-bound work (the optimizer step, the other ops' roofline) ran 200.0% slower " \
            "than the profile says" in text
+    # a reference over 30% off its profile's figure, either way: the report says to calibrate this host
+    assert stale_profile(recs) == [] and "does not describe this host" not in report(cfg, recs, judge(recs), "m", "c")
+    assert stale_profile(both) == ["memory"]
+    assert "The profile does not describe this host: its memory figure is off by more than 30%" in text
+    assert "Fix: calibrate this host (`python -m stpc calibrate --json PROFILE`)" in text
+    slow_gemm = [both[0] | {"reference_gemm_model_s": 0.022 / 1.31, "reference_copy_model_s": 0.036 * 1.29}]
+    assert stale_profile(slow_gemm) == ["GEMM"]   # (1.31 over; the copy 1/1.29 faster: within)
+    assert stale_profile([both[0] | {"reference_gemm_model_s": 0.022 * 1.4}]) == ["GEMM", "memory"]
 
 
 # ----------------------------------------------------------------------------- the measurement

@@ -123,6 +123,7 @@ import copy
 import math
 import re
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -170,6 +171,13 @@ REFERENCE_CALLS = 3
 # ... and the same number of copies of this many bytes into a warm buffer (``calibrate._mem_bw``'s
 # probe, from which the profile's ``mem_bw`` comes), beside what ``mem_bw`` charges for one.
 REFERENCE_COPY_BYTES = 64 << 20
+# A reference this far from the profile's figure for it (either way, as a ratio) says the profile
+# does not describe the host the run is on, and the report says to calibrate it. A named guess
+# from this VM's runs: the fifty-second and fifty-fourth sessions' GEMMs ran 18-21% faster than
+# their profile with every separated pair of plans in the model's order; in the fifty-sixth, on
+# a host whose memory-bound work ran 2-4x slower than the profile's (its GEMMs 27% faster), 4 of
+# 19 separated pairs were out of it, and none on that host's own profile.
+STALE_PROFILE_RATIO = 1.3
 
 COLUMN = r"(q_proj|k_proj|v_proj|fc1|gate_proj|up_proj)$"
 ROW = r"(o_proj|fc2|down_proj)$"
@@ -898,7 +906,7 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
               f"({sum(r['memory_met'] for r in verdict['rows'])} of {len(verdict['rows'])}); step time within "
               f"{verdict['time_target']:.0%}: {met[verdict['time_met']]} ({sum(r['time_met'] for r in verdict['rows'])} "
               f"of {len(verdict['rows'])}); the same order (tau = 1): {met[verdict['order_met']]}"
-              + _separated_line(verdict) + ".", ""] + _speed_lines(records) + [
+              + _separated_line(verdict) + ".", ""] + _speed_lines(records, cfg.get("cluster")) + [
               "Where the errors come from. Memory: the model's weights + gradients + optimizer state against the "
               "measured state (the highest rank), its activations + largest transient against what forward added "
               "on top of the state (measured live level at the end of forward, less the state), its optimizer-step "
@@ -958,7 +966,7 @@ def machine_speed(records: list[dict], what: str = "gemm") -> dict | None:
     return {"measured_s": med, "min_s": min(ref), "max_s": max(ref), "model_s": model, "ratio": med / model}
 
 
-def _speed_lines(records: list[dict]) -> list[str]:
+def _speed_lines(records: list[dict], cluster=None) -> list[str]:
     """The report's paragraph on the machine's speed during the run (none without it)."""
     m = machine_speed(records)
     if m is None:
@@ -970,7 +978,32 @@ def _speed_lines(records: list[dict]) -> list[str]:
             f"{m['measured_s'] * 1e3:.1f} ms a GEMM (the median over rounds; {m['min_s'] * 1e3:.1f} .. "
             f"{m['max_s'] * 1e3:.1f} ms), where the cost model charges {m['model_s'] * 1e3:.1f} ms: the machine ran "
             f"{abs(m['ratio'] - 1):.1%} {how} than the profile says, a drift every plan's modelled compute carries "
-            f"(the model is not rescaled to it)." + _copy_sentence(machine_speed(records, "copy")), ""]
+            f"(the model is not rescaled to it)." + _copy_sentence(machine_speed(records, "copy"))
+            + (" " + stale_line(records, cluster) if stale_profile(records) else ""), ""]
+
+
+def stale_profile(records: list[dict]) -> list[str]:
+    """The references (``"GEMM"``, ``"memory"``) the run timed more than ``STALE_PROFILE_RATIO``
+    away from the profile's figure for them, either way: a profile that does not describe the
+    host the run is on."""
+    out = []
+    for what, name in (("gemm", "GEMM"), ("copy", "memory")):
+        m = machine_speed(records, what)
+        if m is not None and not 1 / STALE_PROFILE_RATIO <= m["ratio"] <= STALE_PROFILE_RATIO:
+            out.append(name)
+    return out
+
+
+def stale_line(records: list[dict], cluster) -> str:
+    """The report's warning where the profile is stale (``stale_profile``), '' where not."""
+    off = stale_profile(records)
+    if not off:
+        return ""
+    return (f"The profile does not describe this host: its {' and '.join(off)} figure{'s are' if len(off) > 1 else ' is'} "
+            f"off by more than {STALE_PROFILE_RATIO - 1:.0%} from what the run timed, so plans that differ in their "
+            f"shares of GEMM and memory-bound work are ordered by the profile's balance, not this host's. Fix: "
+            f"calibrate this host (`python -m stpc calibrate --json PROFILE`) and give it as --cluster "
+            f"(this run's: {cluster or 'the world default'}).")
 
 
 def _copy_sentence(c: dict | None) -> str:
@@ -1061,6 +1094,8 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
         print(next((line for line in text.splitlines() if line.startswith("Targets")), text.splitlines()[-1]))
     else:
         print(text)
+    if stale_profile(records):  # (said on stderr even with --quiet: it changes what the run's order means)
+        print(f"[bench fidelity] warning: {stale_line(records, cfg.get('cluster'))}", file=sys.stderr)
     if args.json:
         write_json(args.json, {"config": cfg, "records": json_records(records), "verdict": verdict})
     if args.results:
@@ -1069,4 +1104,4 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
 
 
 __all__ = ["main_fidelity", "make_plans", "plan_spec", "kendall_tau", "separated_pairs", "judge",
-           "distinct_plans", "rel_error", "report", "run", "machine_speed", "reference_gemm_s", "reference_copy_s", "contributors", "param_mismatches", "notes", "other_ops", "json_records", "MEMORY_TARGET", "TIME_TARGET", "DEFAULT_PLANS"]
+           "distinct_plans", "rel_error", "report", "run", "machine_speed", "stale_profile", "reference_gemm_s", "reference_copy_s", "contributors", "param_mismatches", "notes", "other_ops", "json_records", "MEMORY_TARGET", "TIME_TARGET", "DEFAULT_PLANS"]
