@@ -70,7 +70,10 @@ Measured, per plan, on all ranks at once (``bench_runtime``'s measures, reused):
   the profile's ``mem_bw``: the speed of the memory-bound work (the optimizer step, the
   norms and activations, the copies), which drifts apart from the GEMMs' (a host whose
   GEMMs ran faster than its profile while its memory-bound work ran slower reorders plans
-  that differ in how much of each they do).
+  that differ in how much of each they do). Either reference more than
+  ``STALE_PROFILE_RATIO`` off its profile's figure, and the report (and stderr, even with
+  ``--quiet``) says the profile does not describe this host and how to calibrate it
+  (``stale_profile``).
 * peak memory: ``bench_runtime._peak_of_step``: the bytes of the distinct storages live at
   the step's start (parameter shards, their gradients from the previous step, optimizer
   state, buffers) plus the highest level the CPU allocator climbed to during the step
