@@ -982,7 +982,7 @@ def _speed_lines(records: list[dict], cluster=None) -> list[str]:
             f"{m['max_s'] * 1e3:.1f} ms), where the cost model charges {m['model_s'] * 1e3:.1f} ms: the machine ran "
             f"{abs(m['ratio'] - 1):.1%} {how} than the profile says, a drift every plan's modelled compute carries "
             f"(the model is not rescaled to it)." + _copy_sentence(machine_speed(records, "copy"))
-            + (" " + stale_line(records, cluster) if stale_profile(records) else ""), ""]
+            + "".join(f" {line}" for line in [stale_line(records, cluster)] if line), ""]
 
 
 def stale_profile(records: list[dict]) -> list[str]:
@@ -1097,8 +1097,9 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
         print(next((line for line in text.splitlines() if line.startswith("Targets")), text.splitlines()[-1]))
     else:
         print(text)
-    if stale_profile(records):  # (said on stderr even with --quiet: it changes what the run's order means)
-        print(f"[bench fidelity] warning: {stale_line(records, cfg.get('cluster'))}", file=sys.stderr)
+    stale = stale_line(records, cfg.get("cluster"))
+    if stale:  # (said on stderr even with --quiet: it changes what the run's order means)
+        print(f"[bench fidelity] warning: {stale}", file=sys.stderr)
     if args.json:
         write_json(args.json, {"config": cfg, "records": json_records(records), "verdict": verdict})
     if args.results:
