@@ -24,7 +24,7 @@ all alike:
   every parameter, so the local tensor is the whole one; tied parameters stay tied; the
   program reads a plain parameter as it is and its reducer hooks the plain ones): what is
   left between it and DDP is neither the buckets nor the DTensors. And, in the same rounds,
-  AdamW (foreach, the bench's) steps two copies of the dp program's parameters and
+  AdamW (the bench's, ``--optimizer-impl``) steps two copies of the dp program's parameters and
   gradients alone: as DTensors, and as plain tensors of the same values. Each step timed
   from a barrier on every rank at once, the slowest rank's.
 
@@ -46,7 +46,8 @@ from torch.distributed.tensor import DTensor
 from stpc.cli._stats import SIGN_TEST_P, paired_rounds
 from stpc.cli.bench import machine_line, write_section
 from stpc.cli.bench_engines import build_engine
-from stpc.cli.bench_runtime import _peak_of_step, _stpc_engine, interleaved, last_losses, timed_step
+from stpc.cli.bench_runtime import (OPTIMIZER_IMPL, _peak_of_step, _stpc_engine, add_optimizer_flag, interleaved,
+                                    last_losses, make_optimizer, timed_step)
 from stpc.frontend import models
 from stpc.runtime.launch import spawn
 
@@ -86,7 +87,7 @@ def _storage_ptr(t) -> int:
     return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
 
 
-def _optimizer_pair(engine):
+def _optimizer_pair(engine, impl: str):
     """Two AdamW optimizers over copies of ``engine``'s parameters with gradients: the copies
     as DTensors (as stpc holds them) and as plain tensors of the same values."""
     as_dt, plain = [], []
@@ -101,7 +102,7 @@ def _optimizer_pair(engine):
         r = torch.nn.Parameter(local.clone())
         r.grad = grad.clone()
         plain.append(r)
-    return (torch.optim.AdamW(as_dt, lr=1e-4, foreach=True), torch.optim.AdamW(plain, lr=1e-4, foreach=True))
+    return make_optimizer(as_dt, impl), make_optimizer(plain, impl)
 
 
 def _timed_opt_step(opt) -> float:
@@ -120,12 +121,12 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     idx = torch.randint(0, base.cfg.vocab, (cfg["batch"], cfg["seq"]), generator=g)
     tgt = torch.randint(0, base.cfg.vocab, (cfg["batch"], cfg["seq"]), generator=g)
     spec = {"hints": "dp", "mesh": (world,)}
-    engines = [_stpc_engine("fresh", spec, copy.deepcopy(base), idx, tgt, world, cfg.get("cluster")),
-               _stpc_engine("kept", spec, copy.deepcopy(base), idx, tgt, world, cfg.get("cluster")),
-               _stpc_engine("plain", spec, copy.deepcopy(base), idx, tgt, world, cfg.get("cluster")),
+    impl = cfg.get("optimizer_impl", OPTIMIZER_IMPL)
+    engines = [_stpc_engine(name, spec, copy.deepcopy(base), idx, tgt, world, cfg.get("cluster"), impl)
+               for name in ("fresh", "kept", "plain")] + [
                build_engine("ddp", copy.deepcopy(base), idx, tgt, (world,))]
     _plain_parameters(engines[2])  # before its first call: its reducer is built on the plain ones
-    opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for e in engines]
+    opts = [make_optimizer(e.parameters(), impl) for e in engines]
     times = [[] for _ in engines]
     losses = [None] * len(engines)
     last = [None] * len(engines)  # after as many steps on each: one training, one loss
@@ -140,7 +141,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                 for red in _reducers(engines[i]):
                     red.keep_buffers = True
             if i == 0:
-                opt_pair = _optimizer_pair(engines[0])
+                opt_pair = _optimizer_pair(engines[0], impl)
         if r >= cfg["warmup"]:
             times[i].append(dt)
             if i in KEPT:  # where a kept engine's gradients lie: one buffer, step after step
@@ -180,7 +181,8 @@ def report(cfg: dict, res: dict, machine: str, command: str) -> str:
     lines = ["## The data-parallel gap, taken apart: stpc's dp program against DDP (issue 17)", "",
              f"Command: `{command}`", "", machine, "",
              f"Model `{cfg['model']}` cut to {cfg['layers']} layer{'s' if cfg['layers'] != 1 else ''}, global batch {cfg['batch']} x seq {cfg['seq']}, "
-             f"fp32, AdamW (foreach), {cfg['ranks']} gloo ranks on this machine, as the runtime bench runs its data "
+             f"fp32, AdamW ({cfg.get('optimizer_impl', 'foreach')}), {cfg['ranks']} gloo ranks on this machine, as the "
+             f"runtime bench runs its data "
              f"parallel pair (`benchmarks/dp_gap_check.py` says how each part is timed). Interleaved: "
              f"{cfg['warmup']} warm-up rounds, then the median of {n}; a step's time and parts are the slowest "
              f"rank's, CPU seconds and page faults the mean over ranks. First-step losses: "
@@ -230,10 +232,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster", default="benchmarks/data/calibration_cpu_vm_s33.json",
                     help="the profile stpc plans the dp program on (the runtime bench's)")
     ap.add_argument("--timeout", type=float, default=1800.0)
+    add_optimizer_flag(ap, "every engine")
     ap.add_argument("--json")
     ap.add_argument("--results", help="write the dp-gap section of this markdown file (benchmarks/RESULTS.md)")
     args = ap.parse_args(argv)
-    cfg = {k: getattr(args, k) for k in ("ranks", "model", "layers", "batch", "seq", "steps", "warmup", "cluster")}
+    cfg = {k: getattr(args, k) for k in ("ranks", "model", "layers", "batch", "seq", "steps", "warmup", "cluster",
+                                         "optimizer_impl")}
     res = spawn(_worker, args.ranks, cfg, timeout_s=args.timeout)[0]
     command = "python benchmarks/dp_gap_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = report(cfg, res, machine_line(), command.strip())

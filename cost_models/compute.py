@@ -96,14 +96,20 @@ def collective_output_bytes(kind: str, nbytes: float, n: int) -> float:
 
 # Bytes one optimizer step moves per parameter element, by optimizer layout
 # (``cost_models.memory.LAYOUTS``). It does no matmul: memory traffic bounds it. torch's
-# default AdamW (the foreach path of torch/optim/adamw.py: decoupled weight decay, no
-# amsgrad) makes eight passes over fp32 tensors: p *= 1 - lr*wd (read and write p, 8 B),
-# m.lerp_(g) (read m, g, write m: 12), v *= beta2 (8), v.addcmul_(g, g) (read v, g, write v:
-# 12), t = sqrt(v) (8), t /= bias correction (8), t += eps (8), p.addcdiv_(m, t) (read p, m,
-# t, write p: 16) = 80 B. Mixed precision runs them on the fp32 master weight and copies it
-# to the bf16/fp16 weight (read 4, write 2): 86 B. Counted from the implementation, held
-# against measured optimizer steps by ``python -m stpc bench fidelity``.
+# foreach AdamW (torch/optim/adamw.py: decoupled weight decay, no amsgrad) makes eight passes
+# over fp32 tensors: p *= 1 - lr*wd (read and write p, 8 B), m.lerp_(g) (read m, g, write m:
+# 12), v *= beta2 (8), v.addcmul_(g, g) (read v, g, write v: 12), t = sqrt(v) (8), t /= bias
+# correction (8), t += eps (8), p.addcdiv_(m, t) (read p, m, t, write p: 16) = 80 B; the
+# per-tensor loop (``"single"``) runs the same passes one parameter at a time. Mixed precision
+# runs them on the fp32 master weight and copies it to the bf16/fp16 weight (read 4, write
+# 2): 86 B. Counted from the implementation, held against measured optimizer steps by
+# ``python -m stpc bench fidelity``.
 OPTIMIZER_STEP_BYTES = {"fp32-adam": 80.0, "mixed-adam": 86.0}
+
+# The same for torch's fused AdamW (``AdamW(fused=True)``, the ``_fused_adamw_`` kernel, and
+# TorchTitan's default ``implementation="fused"``): one pass that reads p, g, m, v and writes p,
+# m, v, 28 B; mixed precision adds the master weight's copy to the low-precision one (6 B).
+FUSED_OPTIMIZER_STEP_BYTES = {"fp32-adam": 28.0, "mixed-adam": 34.0}
 
 # The op name a device's measured slowdown of the optimizer step goes under
 # (``DeviceSpec.op_slowdown``, measured by ``calibrate``: torch's foreach AdamW over a
@@ -111,13 +117,24 @@ OPTIMIZER_STEP_BYTES = {"fp32-adam": 80.0, "mixed-adam": 86.0}
 # fidelity bench's steps, the roofline alone over-charged every plan's step 1.7-1.9x on
 # the 2-core VM (0.112 s modelled, 0.061-0.067 s measured: eight passes over tensors of a
 # few MiB run faster than one copy of 64 MiB, the mem_bw probe). None on the GPU presets.
+# The fused kernel's own goes under ``OPTIMIZER_OP[fused]`` (a variant: a profile made
+# before ``calibrate`` timed it falls back to the foreach step's, ``slowdown``).
 OPTIMIZER_OP = "optimizer.adamw"
+FUSED_OPTIMIZER_OP = OPTIMIZER_OP + "[fused]"
 
 
-def optimizer_step_time(device: DeviceSpec, numel: float, layout: str = "fp32-adam") -> float:
-    """Seconds of one optimizer step over ``numel`` parameter elements held on the device."""
-    return roofline(device, 0.0, numel * OPTIMIZER_STEP_BYTES.get(layout, OPTIMIZER_STEP_BYTES["fp32-adam"]),
-                    op=OPTIMIZER_OP)
+def optimizer_step_bytes(layout: str = "fp32-adam", impl: str = "foreach") -> float:
+    """Bytes one AdamW step moves per parameter element it updates, for the optimizer
+    ``layout`` and implementation ``impl`` (``cost_models.memory.OPTIMIZER_IMPLS``)."""
+    table = FUSED_OPTIMIZER_STEP_BYTES if impl == "fused" else OPTIMIZER_STEP_BYTES
+    return table.get(layout, table["fp32-adam"])
+
+
+def optimizer_step_time(device: DeviceSpec, numel: float, layout: str = "fp32-adam", impl: str = "foreach") -> float:
+    """Seconds of one optimizer step over ``numel`` parameter elements held on the device,
+    by AdamW implementation ``impl`` (``"foreach"``, ``"single"``, ``"fused"``)."""
+    return roofline(device, 0.0, numel * optimizer_step_bytes(layout, impl),
+                    op=FUSED_OPTIMIZER_OP if impl == "fused" else OPTIMIZER_OP)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from stpc import frontend, passes, runtime, validate
-from stpc.cost_models import GRAD_BUCKET_BYTES
+from stpc.cost_models import GRAD_BUCKET_BYTES, OPTIMIZER_IMPLS
 from stpc.planner import report
 from stpc.frontend.dump import dot as _dot
 from stpc.frontend.dump import table as _table
@@ -153,6 +153,7 @@ class _Options:
     strict: bool = False        # what is not planned is an error, not a warning
     bucket_mb: float | None = GRAD_BUCKET_BYTES / 2**20  # data-parallel gradient buckets (None: reduce at each use)
     timeout_s: float | None = None  # of the process groups stpc makes
+    optimizer_impl: str = "foreach"  # the AdamW implementation plans are costed for
 
 
 def _meta(x, placement=None, mesh_shape=()):
@@ -319,11 +320,13 @@ def _plan(tg, mesh_spec, opts: _Options, param_exact: dict, input_exact: dict) -
     else:
         hints = _hints_for(opts, shape, param_exact, input_exact) if shape else opts.hints
     budget = opts.budget
-    key = plan_key(tg, mesh_spec, opts.cluster, budget, hints, opts.temporal) if opts.cache is not None else None
+    key = (plan_key(tg, mesh_spec, opts.cluster, budget, hints, opts.temporal, optimizer_impl=opts.optimizer_impl)
+           if opts.cache is not None else None)
     if key is not None and (plan := opts.cache.get(key)) is not None:
         plan.stats["cache"] = str(opts.cache.path(key))
         return plan
-    plan = search(tg, mesh_spec, cluster=opts.cluster, budget_bytes=budget, hints=hints, temporal=opts.temporal)
+    plan = search(tg, mesh_spec, cluster=opts.cluster, budget_bytes=budget, hints=hints, temporal=opts.temporal,
+                  optimizer_impl=opts.optimizer_impl)
     if key is not None:
         opts.cache.put(key, plan)
     return plan
@@ -333,7 +336,8 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
             plan: Plan | None = None, hints=None, cluster=None, budget_gib: float | None = None,
             temporal: bool = True, backend: str | None = None, input_placements=None,
             outputs: str = "replicate", max_plans: int = 4, cache=True, strict: bool = False,
-            timeout_s: float | None = None, bucket_mb: float | None = GRAD_BUCKET_BYTES / 2**20) -> DistributedModel:
+            timeout_s: float | None = None, bucket_mb: float | None = GRAD_BUCKET_BYTES / 2**20,
+            optimizer_impl: str = "foreach") -> DistributedModel:
     """Compile ``model`` for ``mesh`` on every rank and return it, parallelised in place.
 
     ``mesh``: a DeviceMesh, a shape such as ``(2, 2)`` / ``"2x2"``, or a device count
@@ -364,7 +368,11 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     ``stpc.cost_models.USABLE_MEMORY_FRACTION``). ``bucket_mb``: gradients of parameters
     replicated over a data-parallel axis are summed in buckets of that many MiB, launched
     asynchronously as backward produces them (as DDP does); None: each is all-reduced
-    where it is used, synchronously.
+    where it is used, synchronously. ``optimizer_impl``: the AdamW implementation the
+    trainer will step the parameters with, whose step time and scratch memory every plan is
+    charged: ``"foreach"`` (``AdamW(foreach=True)``, torch's default on CUDA), ``"fused"``
+    (``AdamW(fused=True)``: one pass, no scratch; TorchTitan's default) or ``"single"`` (the
+    per-tensor loop, torch's default on CPU).
 
     The returned model is ``model`` itself (its class becomes ``STPC<Class>``; its
     parameters DTensors of this rank's shards, buffers on the mesh's device); ``model.stpc``
@@ -409,9 +417,13 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
                                   or not bucket_mb > 0):
         raise InvalidArgument(f"stpc.compile: bucket_mb={bucket_mb!r} is not a positive number of MiB. Fix: e.g. "
                               f"bucket_mb=25 (DDP's default), or None to reduce each gradient where it is used")
+    if optimizer_impl not in OPTIMIZER_IMPLS:
+        raise InvalidArgument(f"stpc.compile: optimizer_impl={optimizer_impl!r} is not an AdamW implementation. Fix: "
+                              f"one of {', '.join(map(repr, OPTIMIZER_IMPLS))}, the one the trainer builds its "
+                              f"AdamW with ('fused' for AdamW(fused=True))")
     store = None if cache is False else PlanCache(None if cache is True else cache)
     opts = _Options(hints, cluster, budget, temporal, backend, outputs, local, store, strict,
-                    None if bucket_mb is None else float(bucket_mb), timeout_s)
+                    None if bucket_mb is None else float(bucket_mb), timeout_s, optimizer_impl)
 
     tg = _trace_call(model, example_inputs, example_kwargs, {}, mesh_spec)
     unknown = set(local) - set(tg.user_inputs)

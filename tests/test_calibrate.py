@@ -62,13 +62,17 @@ def test_calibrate_two_ranks_smoke(tmp_path):
     assert cm.overlap_slowdown == ov["slowdown"] and cm.ring_overlap_slowdown == ov["ring_slowdown"]
     # every probed op's measured slowdown reaches the device the planner costs with
     from stpc.cli.calibrate_ops import PROBES
-    from stpc.cost_models.compute import COPY_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES, optimizer_step_time
+    from stpc.cost_models.compute import (COPY_OP, FUSED_OPTIMIZER_OP, FUSED_OPTIMIZER_STEP_BYTES, OPTIMIZER_OP,
+                                          OPTIMIZER_STEP_BYTES, optimizer_step_time)
     # (and a copy into a new buffer, which the runtime's parameter copies are charged as, and
-    # the optimizer step)
-    assert set(prof["ops"]) == {p.op for p in PROBES} | {COPY_OP, OPTIMIZER_OP} == set(cl.device.op_slowdown)
+    # the optimizer step, foreach and fused)
+    assert set(prof["ops"]) == {p.op for p in PROBES} | {COPY_OP, OPTIMIZER_OP, FUSED_OPTIMIZER_OP} == set(
+        cl.device.op_slowdown)
     assert cm.copy(1e6) == pytest.approx(2e6 / cl.device.mem_bw * cl.device.op_slowdown[COPY_OP])
     assert optimizer_step_time(cl.device, 1e6) == pytest.approx(
         1e6 * OPTIMIZER_STEP_BYTES["fp32-adam"] / cl.device.mem_bw * cl.device.op_slowdown[OPTIMIZER_OP])
+    assert optimizer_step_time(cl.device, 1e6, impl="fused") == pytest.approx(
+        1e6 * FUSED_OPTIMIZER_STEP_BYTES["fp32-adam"] / cl.device.mem_bw * cl.device.op_slowdown[FUSED_OPTIMIZER_OP])
     for op, r in prof["ops"].items():
         assert r["measured_s"] > 0 and r["roofline_s"] > 0, op
         assert cl.device.op_slowdown[op] == pytest.approx(r["measured_s"] / r["roofline_s"]), op
@@ -151,7 +155,7 @@ def test_amend_measures_the_fresh_allocation_into_an_older_profile(tmp_path, cap
     assert main_calibrate(["--amend", path, "--probe", "fresh_alloc"]) == 1
     assert "measures CPU ranks" in capsys.readouterr().err
     # without --probe: every probe on CPU ranks, all but the fresh allocation's on GPU ranks
-    assert amendable_probes("gloo") == ("batched_gemm", "fresh_alloc", "collectives", "overlap", "ops")
+    assert amendable_probes("gloo") == ("batched_gemm", "fresh_alloc", "collectives", "overlap", "ops", "optimizer")
     assert amendable_probes("nccl") == ("batched_gemm", "collectives", "overlap")
 
 
@@ -252,6 +256,35 @@ def test_amend_ops_fits_every_probe_again_and_keeps_the_copy_and_optimizer_figur
         want = 2e-3 / roofline_seconds(dev, *probe_facts(p))
         assert prof["ops"][p.op]["slowdown"] == pytest.approx(want) == prof["device"]["op_slowdown"][p.op]
     assert prof["ops"][COPY_OP] == kept[COPY_OP] and prof["device"]["op_slowdown"][COPY_OP] == 2.0
+
+
+@pytest.mark.multirank
+def test_amend_times_both_adamw_steps_into_an_older_profile(tmp_path, capsys):
+    """``--amend --probe optimizer``: a profile from before the fused AdamW probe gets both
+    steps (foreach and fused) timed on its ranks, each against the roofline of the bytes its
+    implementation moves at the profile's ``mem_bw``; the planner then charges a fused step
+    with its own slowdown, not the foreach one's; the rest of the profile is kept, the
+    amendment noted."""
+    from stpc.cli.calibrate import OPTIMIZER_NUMEL
+    from stpc.cost_models.compute import (FUSED_OPTIMIZER_OP, OPTIMIZER_OP, optimizer_step_bytes,
+                                          optimizer_step_time)
+
+    prof, path = _amended(tmp_path, "optimizer")
+    out = capsys.readouterr().out
+    assert "the optimizer step: AdamW foreach" in out and "AdamW fused" in out
+    got = json.load(open(path))
+    ops = got.pop("ops")
+    assert set(ops) == {OPTIMIZER_OP, FUSED_OPTIMIZER_OP}
+    for op, impl in ((OPTIMIZER_OP, "foreach"), (FUSED_OPTIMIZER_OP, "fused")):
+        r = ops[op]
+        assert r["roofline_s"] == pytest.approx(OPTIMIZER_NUMEL * optimizer_step_bytes("fp32-adam", impl) / 1e10)
+        assert r["measured_s"] > 0 and r["slowdown"] == pytest.approx(r["measured_s"] / r["roofline_s"])
+    assert got["device"].pop("op_slowdown") == {op: r["slowdown"] for op, r in ops.items()}
+    assert [(n["probe"], n["ranks"]) for n in got.pop("amended")] == [("optimizer", 2)]
+    assert got == prof
+    dev = get_cluster(path).device
+    assert optimizer_step_time(dev, 1e6, impl="fused") == pytest.approx(
+        1e6 * 28 / 1e10 * ops[FUSED_OPTIMIZER_OP]["slowdown"])
 
 
 def _sampled_profile(sizes, kinds=("all_gather", "p2p"), groups=()) -> dict:

@@ -11,7 +11,8 @@ import torch.nn as nn
 from stpc.cli.calibrate import OPTIMIZER_NUMEL, OPTIMIZER_SHAPES
 from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_step, roofline_seconds
 from stpc.cost_models import CostModel, get_cluster
-from stpc.cost_models.compute import (COPY_OP, GELU_TANH_OP, MASKED_ATTENTION_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES,
+from stpc.cost_models.compute import (COPY_OP, FUSED_OPTIMIZER_OP, GELU_TANH_OP, MASKED_ATTENTION_OP, OPTIMIZER_OP,
+                                      OPTIMIZER_STEP_BYTES,
                                       optimizer_step_time, roofline, slowdown)
 from stpc.frontend import models
 from stpc.frontend.trace import trace
@@ -178,3 +179,31 @@ def test_the_optimizer_step_is_charged_at_its_measured_slowdown_and_planned_with
     tg = trace(m, models.example_inputs("gpt-tiny", 4, 16))
     steps = [breakdown(search(tg, (2,), cluster=cl, hints="dp"))["optimizer_step_s"] for cl in (base, fast)]
     assert steps[1] == pytest.approx(0.5 * steps[0]) and steps[0] > 0
+
+
+def test_a_fused_adamw_step_is_charged_its_own_bytes_and_slowdown_and_planned_with_them():
+    """``optimizer_impl="fused"`` (``AdamW(fused=True)``): one pass of 28 B per element where
+    foreach makes eight of 80 B, at the fused probe's own slowdown (a profile without it falls
+    back to the foreach step's), no scratch in the step's memory; every plan of a search is
+    charged so, and the plan says which implementation it was costed for."""
+    base = get_cluster("cpu-local")
+    n = 4e6
+    assert optimizer_step_time(base.device, n, impl="fused") == pytest.approx(n * 28 / base.device.mem_bw)
+    assert optimizer_step_time(base.device, n, impl="single") == optimizer_step_time(base.device, n)
+    only_foreach = dataclasses.replace(base.device, op_slowdown={OPTIMIZER_OP: 0.5})
+    both = dataclasses.replace(base.device, op_slowdown={OPTIMIZER_OP: 0.5, FUSED_OPTIMIZER_OP: 0.25})
+    assert optimizer_step_time(only_foreach, n, impl="fused") == pytest.approx(0.5 * n * 28 / base.device.mem_bw)
+    assert optimizer_step_time(both, n, impl="fused") == pytest.approx(0.25 * n * 28 / base.device.mem_bw)
+    assert optimizer_step_time(both, n) == pytest.approx(0.5 * n * 80 / base.device.mem_bw)
+    with torch.device("meta"):
+        m = models.build("gpt-tiny")
+    tg = trace(m, models.example_inputs("gpt-tiny", 4, 16))
+    plans = {impl: search(tg, (2,), cluster=base, hints="dp", optimizer_impl=impl) for impl in ("foreach", "fused")}
+    bd = {impl: breakdown(p) for impl, p in plans.items()}
+    assert bd["fused"]["optimizer_step_s"] == pytest.approx(bd["foreach"]["optimizer_step_s"] * 28 / 80)
+    assert bd["fused"]["step_scratch_bytes"] == 0 < bd["foreach"]["step_scratch_bytes"]
+    assert plans["fused"].modelled_step_time_s < plans["foreach"].modelled_step_time_s
+    assert [p.stats["optimizer"] for p in plans.values()] == [{"layout": "fp32-adam", "impl": "foreach"},
+                                                              {"layout": "fp32-adam", "impl": "fused"}]
+    with pytest.raises(ValueError, match="unknown optimizer implementation 'adam8bit'"):
+        search(tg, (2,), cluster=base, hints="dp", optimizer_impl="adam8bit")

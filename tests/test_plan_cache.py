@@ -49,7 +49,8 @@ def test_key_covers_what_the_search_reads(tg):
               plan_key(tg, (2,), "cpu-local", None, None, False),                   # temporal
               plan_key(tg, (2,), "cpu-local", None, Hints(param_exact={"wte.weight": ("S0",)}), True),
               plan_key(tg, (2,), "cpu-local", None, Hints(sequence_parallel=0), True),
-              plan_key(tg, (2,), "cpu-local", None, Hints(keep_gathered=(0,)), True)]
+              plan_key(tg, (2,), "cpu-local", None, Hints(keep_gathered=(0,)), True),
+              plan_key(tg, (2,), "cpu-local", None, None, True, optimizer_impl="fused")]  # the step it is costed for
     assert None not in others and len(set(others + [base])) == len(others) + 1
     # predicates cannot be hashed faithfully: not cached
     assert plan_key(tg, (2,), "cpu-local", None, Hints(force=[(".", lambda s: True)]), True) is None

@@ -212,7 +212,8 @@ CASES = [({"mesh": 0}, "size < 1"), ({"mesh": "2by2"}, "not a mesh spec"), ({"me
          ({"cluster": "nope"}, "unknown cluster"), ({"max_plans": 0}, "max_plans"), ({"outputs": "all"}, "outputs"),
          ({"input_placements": {"x": ("S0", "S1")}}, "input_placements"),
          ({"hints": "foo"}, "not a hints preset"), ({"hints": {"x": 1}}, "are not hints"),
-         ({"backend": "inductr"}, "not a torch.compile backend")]
+         ({"backend": "inductr"}, "not a torch.compile backend"),
+         ({"optimizer_impl": "fusd"}, "optimizer_impl='fusd' is not an AdamW implementation")]
 
 
 def _bad_compile(rank, world):

@@ -48,7 +48,8 @@ communication).
 
 Measured, per plan, on all ranks at once (``bench_runtime``'s measures, reused):
 
-* step time: ``zero_grad(set_to_none=True); forward; backward; AdamW(foreach).step()``
+* step time: ``zero_grad(set_to_none=True); forward; backward; AdamW.step()`` (the
+  implementation ``--optimizer-impl`` names, fused by default; every plan is searched for it)
   between two barriers, the slowest rank's time; the median of ``--steps`` rounds after
   ``--warmup`` rounds. Rounds are interleaved (one step of every plan per round, the order
   rotating) so the machine's drift, and the other jobs on it, hit every plan alike.
@@ -98,7 +99,7 @@ all of them and all gradients were alive at once; the measurement sees what is a
 each instant: at the end of forward the saved activations and the loss's temporaries but
 no gradients (``set_to_none``: freed by ``zero_grad``), in backward gradients arriving
 while saved tensors are released, in the optimizer step the gradients plus AdamW's
-foreach scratch (one parameter-sized temporary per tensor). It also sees what the model
+scratch (foreach: one parameter-sized temporary per tensor; fused: none). It also sees what the model
 does not count: allocator-visible copies inside collectives (gloo's send/receive staging,
 the gradient reducer's buckets beside autograd's own gradient, a FSDP layer's gathered
 flat buffer) and SDPA's workspace.
@@ -139,9 +140,10 @@ from stpc.cli._common import Parser, add_flags, verb, write_json
 from stpc.cli._progress import SearchStatus, Status
 from stpc.cli._stats import SIGN_TEST_P, paired_rounds
 from stpc.cli.calibrate import OVERLAP_LONG
-from stpc.cli.bench_runtime import (ALLOCATORS, StpcEngine, _live_bytes, _live_storages, _peak_of_step,
-                                    add_allocator_flag, allocator_env, check_malloc_env, interleaved, last_losses,
-                                    malloc_env, memory_timeline, timed_step)
+from stpc.cli.bench_runtime import (ALLOCATORS, OPTIMIZER_IMPL, StpcEngine, _live_bytes, _live_storages,
+                                    _peak_of_step, add_allocator_flag, add_optimizer_flag, allocator_env,
+                                    check_malloc_env, interleaved, last_losses, make_optimizer, malloc_env,
+                                    memory_timeline, timed_step)
 from stpc.compile import compile as stpc_compile
 from stpc.compile import trace
 from stpc.cost_models.comm import CostModel
@@ -245,7 +247,8 @@ def make_plans(cfg: dict, progress: bool = False) -> list[dict]:
         mesh, hints = plan_spec(name, cfg["ranks"], cfg["layers"])
         t0 = time.perf_counter()
         with SearchStatus(f"search: the {name} plan", progress) as status:
-            plan = search(tg, mesh, cluster=cluster, hints=hints, progress=status)
+            plan = search(tg, mesh, cluster=cluster, hints=hints, progress=status,
+                          optimizer_impl=cfg.get("optimizer_impl", OPTIMIZER_IMPL))
         plan_s = time.perf_counter() - t0
         parts = breakdown(plan) or {}
         layout = plan.stats.get("layout")
@@ -656,7 +659,7 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
         pm = stpc_compile(copy.deepcopy(base), tuple(plan.mesh_shape), (idx, tgt), plan=plan, cache=False)
         engines.append(StpcEngine(rec["plan"], rec["layout"] or rec["mesh"], pm, idx, tgt))
     del base
-    opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for e in engines]
+    opts = [make_optimizer(e.parameters(), cfg.get("optimizer_impl", OPTIMIZER_IMPL)) for e in engines]
     times = [[] for _ in engines]       # per round: [step, fwd+bwd, optimizer] (slowest rank), [CPU s, faults] (mean)
     first_loss = [None] * len(engines)
     last_loss = [None] * len(engines)   # after as many steps on every plan: one training, one loss
@@ -839,7 +842,7 @@ def notes(r: dict) -> str:
                    + ", ".join(f"{op} {_mib(b)} MiB" for op, b in held))
     w = _worst_rank(r)
     mem.append(f"measured peak in {c['peak_phase']}, modelled peak in {c['peak_phase_predicted']}; the optimizer "
-               f"step: modelled {_mib(c['step_peak_predicted'])} MiB (state + AdamW's foreach scratch), measured "
+               f"step: modelled {_mib(c['step_peak_predicted'])} MiB (state + AdamW's scratch), measured "
                f"{_mib(w['optimizer_max_bytes'])} MiB")
     gaps = [("compute (model's roofline vs GEMM + attention + other op time)",
              c["compute_predicted_s"] - c["gemm_measured_s"] - c["other_measured_s"]),
@@ -864,7 +867,8 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
              f"Command: `{command}`", "", machine + (f"; {load}" if load else ""), "",
              f"Model: GPT (`{cfg['model']}` with d_model {cfg['d_model']}, {cfg['layers']} layers, {cfg['heads']} heads, "
              f"ffn {cfg['ffn']}, no biases" + (f", {n_params / 1e6:.1f} M parameters" if n_params else "") +
-             f"), global batch {cfg['batch']} x seq {cfg['seq']}, fp32, AdamW (foreach), {cfg['ranks']} gloo ranks "
+             f"), global batch {cfg['batch']} x seq {cfg['seq']}, fp32, AdamW ({cfg.get('optimizer_impl', 'foreach')}), "
+             f"{cfg['ranks']} gloo ranks "
              f"(one intra-op thread each). Cost model: `{records[0]['cluster'] if records else cfg.get('cluster')}`. "
              f"Interleaved rounds: {cfg['warmup']} warm-up, then the median of {cfg['steps']}; a step "
              f"(zero_grad, forward, backward, optimizer step) is the slowest rank's time. Measured peak: the "
@@ -913,7 +917,8 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
               "Where the errors come from. Memory: the model's weights + gradients + optimizer state against the "
               "measured state (the highest rank), its activations + largest transient against what forward added "
               "on top of the state (measured live level at the end of forward, less the state), its optimizer-step "
-              "peak (state + AdamW's foreach scratch) against the highest live level during the step, and the phase in "
+              "peak (state + AdamW's scratch: foreach's one temporary per tensor, none fused) against the highest live "
+              "level during the step, and the phase in "
               "which the modelled peak falls (end of forward / last layer's backward / optimizer step) against the "
               "one the measured peak fell in (highest live level in forward / backward / optimizer step). Time: the "
               "model's compute (roofline of every op's local work, forward + backward), its optimizer step and "
@@ -1071,6 +1076,7 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
     ap.add_argument("--plans", default=",".join(DEFAULT_PLANS),
                     help=f"comma-separated, of: {', '.join(KNOWN_PLANS)} (default: %(default)s)")
     add_allocator_flag(ap, "every plan")
+    add_optimizer_flag(ap, "every plan")
     ap.add_argument("--results", help="regenerate this markdown file's fidelity section (e.g. benchmarks/RESULTS.md)")
     args = ap.parse_args(argv)
     if not isinstance(models.get_config(args.model), models.GPTConfig):
@@ -1085,7 +1091,7 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
         if p in plans and args.ranks != 4:
             ap.error(f"the {p} plan needs a mesh axis of 4 devices. Fix: --ranks 4, or leave {p} out of --plans")
     cfg = {k: getattr(args, k) for k in ("model", "layers", "d_model", "heads", "ffn", "batch", "seq", "ranks",
-                                         "steps", "warmup", "cluster", "allocator")}
+                                         "steps", "warmup", "cluster", "allocator", "optimizer_impl")}
     cfg["plans"], cfg["timeout_s"] = plans, args.timeout
     with torch.device("meta"):
         cfg["n_params"] = models.num_params(models.build(cfg["model"], **model_overrides(cfg)))

@@ -1,6 +1,7 @@
 """``python -m stpc bench runtime``: stpc's programs against torch's own engines, side by side.
 
-The same model, data, optimizer (AdamW, foreach) and ranks for every engine; each pair
+The same model, data, optimizer (AdamW, ``--optimizer-impl``: fused by default, TorchTitan's
+default) and ranks for every engine; each pair
 runs one layout both ways (where torch runs sequence parallelism, stpc runs it too,
 ``Layout.sp``: its presets otherwise leave that layout to the solver, op by op, and the
 pair would compare two layouts):
@@ -53,6 +54,7 @@ from stpc.cli._progress import bar
 from stpc.cli._stats import SIGN_TEST_P, paired_rounds
 from stpc.cli.bench_engines import Engine, build_engine
 from stpc.compile import compile as stpc_compile
+from stpc.cost_models import OPTIMIZER_IMPLS
 from stpc.frontend import models
 from stpc.planner.baselines import Layout, layout_hints
 from stpc.planner.summary import strategy_label
@@ -69,6 +71,31 @@ ALLOCATORS = {
             "request still leaves it to fresh pages: torch asks for its CPU tensors aligned, which splits blocks)",
 }
 _KEEP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30)}
+
+
+# ``--optimizer-impl``: the AdamW implementation every engine steps with (and stpc's plans are
+# costed for). Fused by default: TorchTitan's (its optimizer config's ``implementation``), one
+# pass over each element where foreach makes eight (``cost_models.compute``), so the fastest
+# for every engine here (the step's optimizer 143 ms foreach, 29-33 ms fused, on the
+# fifty-seventh session's VM, every engine alike).
+OPTIMIZER_IMPL = "fused"
+
+
+def make_optimizer(params, impl: str = OPTIMIZER_IMPL) -> torch.optim.AdamW:
+    """The benches' AdamW (lr 1e-4) over ``params`` in implementation ``impl``
+    (``cost_models.OPTIMIZER_IMPLS``: ``foreach=True``, ``fused=True``, or ``"single"``, the
+    per-tensor loop)."""
+    if impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"unknown AdamW implementation {impl!r}; one of {', '.join(OPTIMIZER_IMPLS)}")
+    return torch.optim.AdamW(params, lr=1e-4, **({"foreach": False} if impl == "single" else {impl: True}))
+
+
+def add_optimizer_flag(ap, what: str) -> None:
+    """``--optimizer-impl`` on a bench's parser (``what``: who steps with it, alike)."""
+    ap.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default=OPTIMIZER_IMPL,
+                    help=f"the AdamW implementation {what} steps with, and stpc's plans are costed for: fused "
+                         f"(AdamW(fused=True), TorchTitan's default), foreach, single (the per-tensor loop) "
+                         f"(default: %(default)s)")
 
 
 def allocator_env(allocator: str) -> dict[str, str]:
@@ -110,15 +137,16 @@ class StpcEngine(Engine):
         return loss.detach()
 
 
-def _stpc_engine(label: str, spec: dict, model, idx, tgt, n: int, cluster=None) -> StpcEngine:
+def _stpc_engine(label: str, spec: dict, model, idx, tgt, n: int, cluster=None,
+                 optimizer_impl: str = OPTIMIZER_IMPL) -> StpcEngine:
     if "layout" in spec:
         preset, layout = spec["layout"]
         pm = stpc_compile(model, layout.mesh_shape, (idx, tgt), hints=layout_hints(preset, layout), cache=False,
-                          cluster=cluster)
+                          cluster=cluster, optimizer_impl=optimizer_impl)
         where = f"{preset} {layout.describe()}"
     else:
         pm = stpc_compile(model, spec.get("mesh", n), (idx, tgt), hints=spec.get("hints"), cache=False,
-                          cluster=cluster)
+                          cluster=cluster, optimizer_impl=optimizer_impl)
         where = f"{spec.get('hints') or 'solved'} on mesh {'x'.join(map(str, pm.stpc.plan.mesh_shape))}"
     counts = pm.stpc.plan.strategy_counts()
     fams = ", ".join(f"{k} {v}" for k, v in counts.items())
@@ -290,12 +318,13 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     idx = torch.randint(0, vocab, (cfg["batch"], cfg["seq"]), generator=g)
     tgt = torch.randint(0, vocab, (cfg["batch"], cfg["seq"]), generator=g)
     engines: list[tuple[str, str, Engine]] = []  # (pair, side, engine)
+    impl = cfg.get("optimizer_impl", OPTIMIZER_IMPL)
     for label, spec, torch_name, mesh in pairs(world):
         engines.append((label, "stpc", _stpc_engine(label, spec, copy.deepcopy(base), idx, tgt, world,
-                                                    cfg.get("cluster"))))
+                                                    cfg.get("cluster"), impl)))
         if torch_name:
             engines.append((label, "torch", build_engine(torch_name, copy.deepcopy(base), idx, tgt, mesh)))
-    opts = [torch.optim.AdamW(e.parameters(), lr=1e-4, foreach=True) for _, _, e in engines]
+    opts = [make_optimizer(e.parameters(), impl) for _, _, e in engines]
     times = [[] for _ in engines]
     first_loss = [None] * len(engines)
     last_loss = [None] * len(engines)  # after as many steps on every engine: one training, one loss
@@ -446,7 +475,8 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
         "## Runtime: stpc against torch's own engines (issue 17)", "",
         f"Command: `{command}`", "", machine, "",
         f"Model `{cfg['model']}` cut to {cfg['layers']} layers, global batch {cfg['batch']} x seq {cfg['seq']}, "
-        f"fp32, AdamW (foreach), {cfg['ranks']} gloo ranks on this machine (one intra-op thread each). "
+        f"fp32, AdamW ({cfg.get('optimizer_impl', 'foreach')}), {cfg['ranks']} gloo ranks on this machine "
+        f"(one intra-op thread each). "
         f"Interleaved: {cfg['warmup']} warm-up rounds, then the median of {cfg['steps']} rounds; a step's time "
         f"is the slowest rank's. Peak memory: one step on the worst rank (live bytes at its start + the "
         f"allocator's highest climb during it). First-step losses of all engines "
@@ -500,7 +530,7 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
                  "step (a scalar all-reduce issued at the end of forward and waited where the loss is first read, "
                  "not before backward; the target count's issued at the step's start) where the torch engines "
                  "reduce the loss after backward; stpc's parameters are DTensors for every plan, DDP's are plain tensors "
-                 "(so the optimizer's foreach ops go through DTensor's dispatch on stpc's side, as on FSDP2's); "
+                 "(so the optimizer's ops go through DTensor's dispatch on stpc's side, as on FSDP2's); "
                  "stpc's gradient buckets are allocated in each backward and freed with the gradients, where DDP keeps "
                  "its buckets allocated from step to step (part of DDP's higher peak; on a CPU under glibc's malloc, "
                  "stpc's fresh buckets are paged in again every step: its page-fault column). The "
@@ -537,12 +567,13 @@ def main_runtime(argv: list[str], machine_line, write_section) -> int:
                    "json": {"shown": "none", "note": "one record per engine, and the rows"}})
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: 3)")
     add_allocator_flag(ap, "every engine")
+    add_optimizer_flag(ap, "every engine")
     ap.add_argument("--results", help="regenerate this markdown file's runtime section (e.g. benchmarks/RESULTS.md)")
     args = ap.parse_args(argv)
     if args.warmup < 0:
         ap.error(f"--warmup {args.warmup}: give 0 or more")
     cfg = {k: getattr(args, k) for k in ("model", "layers", "batch", "seq", "ranks", "steps", "warmup", "cluster",
-                                         "allocator")}
+                                         "allocator", "optimizer_impl")}
     cfg["timeout_s"] = args.timeout
     records = run(cfg, progress=not args.quiet)
     command = "python -m stpc bench runtime " + " ".join(argv)
@@ -558,4 +589,4 @@ def main_runtime(argv: list[str], machine_line, write_section) -> int:
     return 0
 
 
-__all__ = ["solved_note", "main_runtime", "ALLOCATORS", "add_allocator_flag", "allocator_env", "malloc_env", "check_malloc_env", "pairs", "evaluate", "report", "run", "StpcEngine"]
+__all__ = ["solved_note", "main_runtime", "OPTIMIZER_IMPL", "make_optimizer", "add_optimizer_flag", "ALLOCATORS", "add_allocator_flag", "allocator_env", "malloc_env", "check_malloc_env", "pairs", "evaluate", "report", "run", "StpcEngine"]

@@ -22,8 +22,9 @@ planner models):
   time the planner charges it (``stpc.cli.calibrate_ops``): the device's ``op_slowdown``;
   and a copy into a new buffer (a clone, ``COPY_BYTES``) against the warm copy's rate:
   ``op_slowdown["aten.clone.default"]``, what the runtime's copies cost (``CostModel.copy``);
-  and one step of torch's AdamW (foreach) over ``OPTIMIZER_NUMEL`` elements against the
-  roofline of ``OPTIMIZER_STEP_BYTES``: ``op_slowdown["optimizer.adamw"]``;
+  and one step of torch's AdamW over ``OPTIMIZER_NUMEL`` elements against the roofline of
+  the bytes it moves (``cost_models.compute.optimizer_step_bytes``), foreach and fused:
+  ``op_slowdown["optimizer.adamw"]`` and ``op_slowdown["optimizer.adamw[fused]"]``;
 * a ring step's GEMM when its block does not fold to rows (``batched_gemm``, the device's
   ``batch_reread_bw``): a block of ``BATCHED_BLOCK`` (batch x rows of a [batch, seq, d]
   activation split on seq) times one weight, written into a strided slice of a larger
@@ -97,10 +98,11 @@ the path written. ``--amend PROFILE [--probe NAME ...]`` measures only the probe
 (``batched_gemm``, ``fresh_alloc``, ``collectives``: the default grid's message sizes,
 where the profile lacks one; ``overlap``: the ring, asynchronous and blocking probes,
 fitted as the planner now costs a ring; ``ops``: the op probes' slowdowns, a probe added
-since included; default: all, on a profile of NCCL ranks all but ``fresh_alloc`` and
-``ops``) into ``PROFILE``, written before they had their present form, on as many
-ranks as it was measured with, writes them in and notes each amendment (probe, date, host,
-torch; the collectives' sizes) under the profile's ``amended``.
+since included; ``optimizer``: the AdamW steps, foreach and fused; default: all, on a
+profile of NCCL ranks all but ``fresh_alloc``, ``ops`` and ``optimizer``) into ``PROFILE``,
+written before they had their present form, on as many ranks as it was measured with,
+writes them in and notes each amendment (probe, date, host, torch; the collectives' sizes)
+under the profile's ``amended``.
 Exit codes: 0 written, 1 the measurement failed, 2 a usage error.
 """
 from __future__ import annotations
@@ -122,8 +124,8 @@ from stpc.cli._common import TORCH_DTYPES, Failure, Parser, add_flags, verb
 from stpc.cli._progress import Status
 from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_step
 from stpc.cost_models import DeviceSpec, get_device
-from stpc.cost_models.compute import (COPY_OP, OPTIMIZER_OP, OPTIMIZER_STEP_BYTES, collective_output_bytes,
-                                      fresh_alloc_time)
+from stpc.cost_models.compute import (COPY_OP, FUSED_OPTIMIZER_OP, OPTIMIZER_OP, collective_output_bytes,
+                                      fresh_alloc_time, optimizer_step_bytes)
 from stpc.cost_models.profile import (KINDS, device_spec, fit_alpha_beta, fit_bands, fit_gemm_curve, read_profile,
                                       save_profile)
 from stpc.runtime.launch import SpawnTimeout, spawn
@@ -291,15 +293,35 @@ OPTIMIZER_SHAPES = ((1024, 768), (1024, 256), (1024, 1024), (1024, 1024), (1024,
 OPTIMIZER_NUMEL = sum(math.prod(s) for s in OPTIMIZER_SHAPES)
 
 
-def _optimizer_step(dev, window_s: float = 0.3) -> float:
-    """Seconds per step of torch's default AdamW (the foreach path, as the benches run it)
-    over ``OPTIMIZER_SHAPES``, every rank at once; its state made by a first step."""
+# The AdamW implementations the optimizer probe times, by the op their slowdown goes under.
+OPTIMIZER_PROBES = {OPTIMIZER_OP: "foreach", FUSED_OPTIMIZER_OP: "fused"}
+
+
+def _optimizer_step(dev, impl: str = "foreach", window_s: float = 0.3) -> float:
+    """Seconds per step of torch's AdamW (``impl``: ``"foreach"`` or ``"fused"``, as the benches
+    run it) over ``OPTIMIZER_SHAPES``, every rank at once; its state made by a first step."""
     params = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in OPTIMIZER_SHAPES]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(params, lr=1e-4, **{impl: True})
     opt.step()
     return _sustained(opt.step, dev, window_s)
+
+
+def _optimizer_steps(dev, rounds: int | None = None) -> dict[str, float]:
+    """:func:`_optimizer_step` of each of :data:`OPTIMIZER_PROBES`, by op (``rounds``: unused, a
+    window)."""
+    return {op: _optimizer_step(dev, impl) for op, impl in OPTIMIZER_PROBES.items()}
+
+
+def fit_optimizer(measured: dict[str, float], mem_bw: float) -> dict[str, dict]:
+    """Each optimizer probe's step (op -> seconds) against the roofline of the bytes its
+    implementation moves at ``mem_bw``: op -> measured, roofline and slowdown."""
+    out = {}
+    for op, secs in measured.items():
+        roof = OPTIMIZER_NUMEL * optimizer_step_bytes("fp32-adam", OPTIMIZER_PROBES[op]) / mem_bw
+        out[op] = {"measured_s": secs, "roofline_s": roof, "slowdown": secs / roof}
+    return out
 
 
 # The AG-ring blocks the overlap is measured with: (rows per rank, n, k) of a step's GEMM.
@@ -631,7 +653,7 @@ def _worker(rank: int, world: int, task: dict) -> dict | None:
         if dev.type == "cpu":
             ops = _op_times(dev)
             ops[COPY_OP] = _fresh_copy(dev)
-            ops[OPTIMIZER_OP] = _optimizer_step(dev)
+            ops.update(_optimizer_steps(dev))
         batched = _batched_block(dev, task.get("rounds"))
         fresh = _fresh_alloc(dev, task.get("rounds")) if dev.type == "cpu" else None  # (CUDA's caching allocator keeps blocks)
         gathered = [None] * world
@@ -776,14 +798,12 @@ def calibrate(world_size: int = 4, out: str | None = "profile.json", sizes=DEFAU
     # Ops that are not GEMMs: measured forward + backward over the roofline the planner charges.
     measured = {op: statistics.median(r["ops"][op] for r in per_rank) for op in per_rank[0]["ops"]}
     copy_s = measured.pop(COPY_OP, None)
-    opt_s = measured.pop(OPTIMIZER_OP, None)
+    opt_s = {op: measured.pop(op) for op in OPTIMIZER_PROBES if op in measured}
     ops = fit_op_slowdown(measured, facts, DeviceSpec(device["name"], peak, device["mem_bw"], mem_bytes, 1.0))
     if copy_s:  # the runtime's copies into new buffers against the warm copy's rate
         roof = 2.0 * COPY_BYTES / device["mem_bw"]
         ops[COPY_OP] = {"measured_s": copy_s, "roofline_s": roof, "slowdown": copy_s / roof}
-    if opt_s:  # the optimizer step against the roofline of the bytes it moves
-        roof = OPTIMIZER_NUMEL * OPTIMIZER_STEP_BYTES["fp32-adam"] / device["mem_bw"]
-        ops[OPTIMIZER_OP] = {"measured_s": opt_s, "roofline_s": roof, "slowdown": opt_s / roof}
+    ops.update(fit_optimizer(opt_s, device["mem_bw"]))  # the optimizer steps against their bytes' roofline
     device["op_slowdown"] = {op: r["slowdown"] for op, r in ops.items()}
     batched = fit_batched([r["batched"] for r in per_rank])
     device["batch_reread_bw"] = batched["batch_reread_bw"]
@@ -863,6 +883,18 @@ def _amend_ops(profile: dict, per_rank: list) -> str:
             + ", ".join(f"{op.removeprefix('aten.')} {r['slowdown']:.2f}" for op, r in ops.items()))
 
 
+def _amend_optimizer(profile: dict, per_rank: list) -> str:
+    """The AdamW steps (foreach and fused; the fused one is new since the fifty-seventh
+    session) timed again and fitted against the profile's ``mem_bw``."""
+    measured = {op: statistics.median(r[op] for r in per_rank) for op in per_rank[0]}
+    ops = fit_optimizer(measured, profile["device"]["mem_bw"])
+    profile.setdefault("ops", {}).update(ops)
+    profile["device"].setdefault("op_slowdown", {}).update({op: r["slowdown"] for op, r in ops.items()})
+    return "the optimizer step: " + ", ".join(
+        f"AdamW {OPTIMIZER_PROBES[op]} {r['measured_s'] * 1e3:.1f} ms, {r['slowdown']:.2f}x its roofline"
+        for op, r in ops.items())
+
+
 def _amend_overlap(profile: dict, per_rank: list) -> str:
     profile["overlap"] = fit_overlap(per_rank)
     return overlap_line(profile["overlap"])
@@ -935,10 +967,10 @@ def _size_text(n: int) -> str:
 # and group size it has.
 AMENDABLE = {"batched_gemm": (_batched_block, _amend_batched), "fresh_alloc": (_fresh_alloc, _amend_fresh),
              "collectives": (None, _amend_collectives), "overlap": (_measure_overlap, _amend_overlap),
-             "ops": (_op_times, _amend_ops)}
+             "ops": (_op_times, _amend_ops), "optimizer": (_optimizer_steps, _amend_optimizer)}
 # The probes that measure CPU ranks only: a GPU's caching allocator keeps blocks (fresh_alloc),
-# and an op probe this size times its kernel's launch, not the kernel (ops).
-CPU_ONLY = ("fresh_alloc", "ops")
+# and an op probe this size times its kernel's launch, not the kernel (ops, optimizer).
+CPU_ONLY = ("fresh_alloc", "ops", "optimizer")
 
 
 def amendable_probes(backend: str) -> tuple[str, ...]:

@@ -44,7 +44,7 @@ import time
 from stpc.cli._common import (DEFAULT_BATCH, DEFAULT_SEQ, Failure, Parser, add_flags, check_mesh_fits, meta_trace, verb,
                               write_json)
 from stpc.cli._progress import SearchStatus
-from stpc.cost_models import get_cluster
+from stpc.cost_models import OPTIMIZER_IMPLS, get_cluster
 from stpc.frontend import dump
 from stpc.planner import BASELINES, PRESETS, HintUnsatisfiable, InfeasibleBudget, search
 from stpc.planner.baselines import describe_layout
@@ -57,12 +57,14 @@ def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int
                seq: int | None = None, dtype: str = "fp32", budget_gib: float | None = None,
                hints: str | None = None, temporal: bool = True, use_budget: bool = True,
                layers: int | None = None, progress: bool = False, recompute: str | None = None,
-               time_limit_s: float = TIME_LIMIT_S, recompute_layers: int | None = None):
+               time_limit_s: float = TIME_LIMIT_S, recompute_layers: int | None = None,
+               optimizer_impl: str = "foreach"):
     """Trace ``model`` (a zoo name, ``package.module:factory`` or a Hugging Face config path:
     ``stpc.cli._common.load_model``) on meta tensors and search; returns (plan, traced graph).
     ``progress``: status lines on stderr for the trace and a search over a second.
     ``recompute_layers``: with ``recompute`` full or selective, only that many leading layers
-    (``Hints.recompute_layers``)."""
+    (``Hints.recompute_layers``). ``optimizer_impl``: the AdamW implementation the step is
+    costed with (``stpc.search``)."""
     t0 = time.perf_counter()
     tg, batch, seq = meta_trace(model, batch, seq, dtype, layers, progress=progress)
     t1 = time.perf_counter()
@@ -73,7 +75,8 @@ def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int
     with SearchStatus(f"search {model} on {mesh}", progress) as status:
         plan = search(tg, mesh, cl, budget_bytes=budget, hints=hints, temporal=temporal, dtype=dtype,
                       optimizer_layout="fp32-adam" if dtype == "fp32" else "mixed-adam", progress=status,
-                      recompute=recompute, time_limit_s=time_limit_s, recompute_layers=recompute_layers)
+                      recompute=recompute, time_limit_s=time_limit_s, recompute_layers=recompute_layers,
+                      optimizer_impl=optimizer_impl)
     t2 = time.perf_counter()
     plan.stats.update(trace_time_s=t1 - t0, analysis_time_s=tg.meta.get("analysis_s"), total_time_s=t2 - t0,
                       batch=batch, seq=seq)
@@ -119,6 +122,10 @@ def main_plan(argv: list[str]) -> int:
     p.add_argument("--solver-time-limit", type=float, default=TIME_LIMIT_S, metavar="SECONDS",
                    help="CP-SAT's wall-clock limit on each mesh shape the budget binds on; one that runs out "
                         "is reported unresolved (default: %(default)s)")
+    p.add_argument("--optimizer-impl", default="foreach", choices=OPTIMIZER_IMPLS,
+                   help="the AdamW implementation the trainer steps with, whose step time and scratch every plan is "
+                        "charged: foreach (AdamW(foreach=True)), fused (AdamW(fused=True), TorchTitan's default), "
+                        "single (the per-tensor loop) (default: %(default)s)")
     p.add_argument("--dump", default=None, metavar="FILE", help="write the per-node plan table here (+ .dot)")
     p.add_argument("--brief", action="store_true", help="print the header lines only, not the plan's summary")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write FILE-memory.png (memory over the step) "
@@ -143,7 +150,8 @@ def main_plan(argv: list[str]) -> int:
     plan, tg = plan_model(a.model, a.mesh, a.cluster, a.batch, a.seq, a.dtype, a.budget_gib, a.hints,
                           not a.no_temporal, use_budget=not a.no_budget, layers=a.layers, progress=not a.quiet,
                           recompute=None if a.recompute == "auto" else a.recompute,
-                          time_limit_s=a.solver_time_limit, recompute_layers=a.recompute_layers)
+                          time_limit_s=a.solver_time_limit, recompute_layers=a.recompute_layers,
+                          optimizer_impl=a.optimizer_impl)
     s = summary(plan)
     if a.quiet:
         print(f"mesh {'x'.join(map(str, plan.mesh_shape))}  modelled step {plan.modelled_step_time_s * 1e3:.2f} ms  "
@@ -192,7 +200,8 @@ def _plot(viz, a, plan, tg, say=print) -> None:
     try:
         base = search(tg, a.mesh, get_cluster(a.cluster), budget_bytes=plan.budget_bytes, hints=other,
                       temporal=not a.no_temporal, dtype=a.dtype,
-                      optimizer_layout="fp32-adam" if a.dtype == "fp32" else "mixed-adam")
+                      optimizer_layout="fp32-adam" if a.dtype == "fp32" else "mixed-adam",
+                      optimizer_impl=a.optimizer_impl)
     except (InfeasibleBudget, HintUnsatisfiable, ValueError) as e:
         say(f"(no {other or 'stpc'} baseline in the picture: {str(e).splitlines()[0]})")
         base = None

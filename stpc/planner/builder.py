@@ -139,11 +139,12 @@ class Builder:
     each is costed once and counted as often as nodes share it."""
 
     def __init__(self, tg: TracedGraph, cm: CostModel, hints: Hints | None = None,
-                 optimizer_layout: str = "fp32-adam", facts: GraphFacts | None = None):
+                 memory: MemoryModel | str = "fp32-adam", facts: GraphFacts | None = None):
         self.tg, self.cm, self.hints = tg, cm, hints or Hints()
         self.mesh = cm.mesh_shape
         self.graph = tg.graph
-        self.memory = MemoryModel(optimizer_layout)
+        # (a layout name: that layout's state, stepped by foreach AdamW)
+        self.memory = memory if isinstance(memory, MemoryModel) else MemoryModel(memory)
         # (only the first k layers recomputed: their own facts, those layers tied apart)
         k = self.hints.recompute_layers if self.hints.recompute in ("full", "selective") else None
         self.facts = analyse(tg, k) if k is not None else facts or analyse(tg)
@@ -298,7 +299,8 @@ class Builder:
             else:
                 mem = [self.memory.param_bytes(val.numel(), w) for w in shards]
                 if node in self.rg:  # the optimizer steps the elements this device holds the state of
-                    cost = [optimizer_step_time(self.cm.device, val.numel() / w, self.memory.layout) for w in shards]
+                    cost = [optimizer_step_time(self.cm.device, val.numel() / w, self.memory.layout,
+                                                 self.memory.optimizer_impl) for w in shards]
                     # ... with its scratch beside the whole state (``MemoryModel.step_scratch``)
                     scratch = [self.memory.step_scratch(val.numel() / w) for w in shards]
                     step = ([m + s for m, (s, _) in zip(mem, scratch)], [t for _, t in scratch])
@@ -1370,10 +1372,11 @@ def _merge_dense(table: np.ndarray):
 
 
 def build_problem(tg: TracedGraph, cm: CostModel, budget: float | None = None, hints: Hints | None = None,
-                  optimizer_layout: str = "fp32-adam", facts: GraphFacts | None = None,
+                  memory: MemoryModel | str = "fp32-adam", facts: GraphFacts | None = None,
                   edges: bool = True) -> tuple[Builder, Problem]:
-    """The solver problem of one traced graph on one mesh shape (``cm.mesh_shape``)."""
-    b = Builder(tg, cm, hints, optimizer_layout, facts)
+    """The solver problem of one traced graph on one mesh shape (``cm.mesh_shape``);
+    ``memory``: the :class:`MemoryModel` (or just its optimizer layout) it is charged with."""
+    b = Builder(tg, cm, hints, memory, facts)
     return b, b.build(budget, edges)
 
 
@@ -1382,7 +1385,8 @@ def make_plan(b: Builder, problem: Problem, sol: Solution, build_time_s: float, 
     stats = {"build_time_s": build_time_s, "solve_time_s": sol.solve_time_s, "status": sol.status,
              "method": sol.method, "num_groups": len(problem.cost), "num_variables": sol.num_variables,
              "num_constraints": sol.num_constraints, "num_nodes": len(b.graph.nodes),
-             "tied_nodes": len(b.tie), "fallback_ops": dict(b.fallback), "hints": b.hints.name}
+             "tied_nodes": len(b.tie), "fallback_ops": dict(b.fallback), "hints": b.hints.name,
+             "optimizer": {"layout": b.memory.layout, "impl": b.memory.optimizer_impl}}
     choice, saved = b.settle_modes(sol.choice, problem)
     if saved:
         sol = replace(sol, choice=choice, objective_ns=sol.objective_ns - saved)
@@ -1393,12 +1397,12 @@ def make_plan(b: Builder, problem: Problem, sol: Solution, build_time_s: float, 
 
 
 def plan_graph(tg: TracedGraph, cm: CostModel, budget: float | None = None, hints: Hints | None = None,
-               optimizer_layout: str = "fp32-adam", dtype: str = "fp32", cap_s: float | None = None,
+               memory: MemoryModel | str = "fp32-adam", dtype: str = "fp32", cap_s: float | None = None,
                facts: GraphFacts | None = None) -> Plan:
     """Plan one traced graph on one mesh shape (``cm.mesh_shape``). With ``cap_s``,
     raise ``solver.NoBetterPlan`` unless a plan of at most that modelled time exists."""
     t0 = time.perf_counter()
-    b, problem = build_problem(tg, cm, budget, hints, optimizer_layout, facts)
+    b, problem = build_problem(tg, cm, budget, hints, memory, facts)
     if cap_s is not None:
         problem.cap = int(cap_s * NS)
     t1 = time.perf_counter()

@@ -102,14 +102,15 @@ def _hints_key(hints) -> str | None:
 
 
 def plan_key(tg, mesh, cluster, budget_bytes, hints, temporal, dtype="fp32",
-             optimizer_layout="fp32-adam") -> str | None:
+             optimizer_layout="fp32-adam", optimizer_impl="foreach") -> str | None:
     """The cache key of a search, or None when the search cannot be cached faithfully."""
     ck, hk = _cluster_key(cluster), _hints_key(hints)
     if hk is None:
         return None
     blob = json.dumps({"graph": graph_digest(tg), "mesh": repr(mesh), "cluster": ck,
                        "budget": budget_bytes, "hints": hk, "temporal": bool(temporal), "dtype": dtype,
-                       "optimizer": optimizer_layout, "code": _code_digest()}, sort_keys=True)
+                       "optimizer": optimizer_layout, "optimizer_impl": optimizer_impl,
+                       "code": _code_digest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -64,7 +64,7 @@ import math
 import time
 from typing import Callable
 
-from stpc.cost_models import CostModel, get_cluster
+from stpc.cost_models import CostModel, MemoryModel, get_cluster
 from stpc.frontend.trace import TracedGraph
 from stpc.planner import baselines, lagrangian
 from stpc.planner.analysis import analyse
@@ -193,7 +193,8 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
            hints: str | Hints | None = None, temporal: bool = True, dtype: str = "fp32",
            optimizer_layout: str = "fp32-adam",
            progress: Callable[[SearchProgress], None] | None = None, recompute: str | None = None,
-           time_limit_s: float = TIME_LIMIT_S, recompute_layers: int | None = None) -> Plan:
+           time_limit_s: float = TIME_LIMIT_S, recompute_layers: int | None = None,
+           optimizer_impl: str = "foreach") -> Plan:
     """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple). ``hints``: a
     ``Hints``, or a preset name: ``megatron``, ``fsdp-tp`` and ``spatial`` search their
     whole layout space (``stpc.planner.baselines``; a given shape keeps the layouts on it),
@@ -205,13 +206,18 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
     presets' and stpc's own: recompute where the budget binds); ``recompute_layers`` with it:
     only that many leading layers (``Hints.recompute_layers``). ``time_limit_s``: CP-SAT's
     wall-clock limit on each candidate the budget binds on (one that runs out without a
-    solution is left unresolved: ``plan.stats["unresolved"]``)."""
+    solution is left unresolved: ``plan.stats["unresolved"]``). ``optimizer_impl``: the AdamW
+    implementation the trainer steps with (``"foreach"``, ``"fused"``: ``AdamW(fused=True)``,
+    TorchTitan's default; ``"single"``: the per-tensor loop), whose step time and scratch
+    every plan is charged (``cost_models.MemoryModel.step_scratch``,
+    ``cost_models.optimizer_step_time``)."""
     if recompute not in RECOMPUTE_LEVELS:
         raise ValueError(f"recompute={recompute!r}: one of {', '.join(map(repr, RECOMPUTE_LEVELS))}")
     if recompute_layers is not None:  # (the same check as Hints')
         Hints(recompute=recompute, recompute_layers=recompute_layers)
+    memory = MemoryModel(optimizer_layout, optimizer_impl=optimizer_impl)  # (an unknown one fails here)
     with _no_gc():
-        return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress, recompute,
+        return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, memory, progress, recompute,
                        time_limit_s, recompute_layers)
 
 
@@ -362,7 +368,8 @@ def _rungs(h: Hints, layout: dict, facts):
 
 def fits_budget(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | None = None,
                 hints: str | Hints | None = None, temporal: bool = True, optimizer_layout: str = "fp32-adam",
-                recompute: str | None = None, recompute_layers: int | None = None) -> bool:
+                recompute: str | None = None, recompute_layers: int | None = None,
+                optimizer_impl: str = "foreach") -> bool:
     """Whether :func:`search` with the same arguments finds a plan that fits ``budget_bytes``
     (rather than raising :class:`InfeasibleBudget`), decided at the first proof instead of
     by finding the fastest plan: the points of the same space (the recomputation ladder's
@@ -373,6 +380,7 @@ def fits_budget(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float 
     the order of their bounds. What a depth search asks at every depth it tries
     (``python -m stpc bench primepar``), where a budget-bound search's CP-SAT solves take
     minutes."""
+    memory = MemoryModel(optimizer_layout, optimizer_impl=optimizer_impl)
     if budget_bytes is None:
         return True
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
@@ -386,7 +394,7 @@ def fits_budget(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float 
             tries = [h] + ([hr for hr, _ in _rungs(h, layout, facts)] if h.recompute is None else [])
             for k, hk in enumerate(tries):
                 try:
-                    b, problem = build_problem(tg, cost_model(s), budget_bytes, hk, optimizer_layout, facts,
+                    b, problem = build_problem(tg, cost_model(s), budget_bytes, hk, memory, facts,
                                                edges=False)
                 except HintUnsatisfiable:
                     if k == 0:
@@ -406,7 +414,7 @@ def fits_budget(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float 
         return any(fits_memory(problem) for _, _, problem in bound)
 
 
-def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_layout, progress=None,
+def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, memory, progress=None,
             recompute=None, time_limit_s=TIME_LIMIT_S, recompute_layers=None) -> Plan:
     t0 = time.perf_counter()
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
@@ -428,7 +436,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
         t_shape = time.perf_counter()
         entry = {"mesh": list(s), "layout": layout}
         try:  # groups first: a budget no assignment fits is known before any edge is costed
-            b, problem = build_problem(tg, cost_model(s), budget_bytes, h, optimizer_layout, facts, edges=False)
+            b, problem = build_problem(tg, cost_model(s), budget_bytes, h, memory, facts, edges=False)
         except HintUnsatisfiable as e:  # e.g. a forced family this shape cannot run
             tried.append({**entry, "modelled_step_time_s": None, "skipped": str(e), "solve_time_s": 0.0})
             return True
@@ -579,7 +587,7 @@ def _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, optimizer_l
             "--solver-time-limit, search(time_limit_s=)), or with a larger memory budget"))
     if best is None and (infeasible or over):
         least, lower = _least_budget(over, min((e.min_budget for e in infeasible), default=math.inf),
-                                     lambda s, h: build_problem(tg, cost_model(s), budget_bytes, h, optimizer_layout,
+                                     lambda s, h: build_problem(tg, cost_model(s), budget_bytes, h, memory,
                                                                 facts, edges=False),
                                      min((e.lower for e in infeasible), default=math.inf))
         raise InfeasibleBudget(int(budget_bytes), least, lower)

@@ -291,7 +291,7 @@ def _breakdown(sv: Solved) -> dict:
     layout = b.memory.layout
     facts = b.facts
     # compute: the same problem's groups under a cost model with free transfers
-    free = type(b)(b.tg, _FreeComm(cm.cluster, cm.mesh_shape, cm.overlap_slowdown), b.hints, layout, facts)
+    free = type(b)(b.tg, _FreeComm(cm.cluster, cm.mesh_shape, cm.overlap_slowdown), b.hints, b.memory, facts)
     free.build(None, edges=False)
     compute = sum(float(free.groups[g].cost[c]) for g, c in enumerate(ch))
     # (a parameter's own cost is its optimizer step; a skewed grid weight's relayout is a transfer)
@@ -325,7 +325,7 @@ def _breakdown(sv: Solved) -> dict:
     # the parameter edges again with another overlap slowdown s2: exposed(s) = comm - (1 - s) * hidden
     s1 = cm.overlap_slowdown
     s2 = 1.0 if s1 < 1.0 else 0.0
-    other = type(b)(b.tg, CostModel(cm.cluster, cm.mesh_shape, s2), b.hints, layout, facts)
+    other = type(b)(b.tg, CostModel(cm.cluster, cm.mesh_shape, s2), b.hints, b.memory, facts)
     param_other = edge_sum(other.build(None), True)
     param_hidden = max(0.0, (param_other - param_real) / (s2 - s1))
     slowdown = s1 * param_hidden
@@ -407,7 +407,7 @@ def compute_by_op(plan) -> dict[str, float]:
         raise ValueError("compute by op needs the solved problem, which a plan loaded from disk does not keep: "
                          "re-plan the model (stpc.search) in this process")
     b, ch = sv.b, sv.choice
-    free = type(b)(b.tg, _FreeComm(b.cm.cluster, b.cm.mesh_shape, b.cm.overlap_slowdown), b.hints, b.memory.layout,
+    free = type(b)(b.tg, _FreeComm(b.cm.cluster, b.cm.mesh_shape, b.cm.overlap_slowdown), b.hints, b.memory,
                    b.facts)
     free.build(None, edges=False)
     out: dict[str, float] = {}
@@ -573,7 +573,9 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
         lines.append(f"  compute        {_ms(bd['compute_s']):>12}  every op's local work (roofline), as if "
                      "transfers were free")
         if bd.get("optimizer_step_s"):
-            lines.append(f"    {'of which the optimizer step (memory-bound)':48s} {_ms(bd['optimizer_step_s']):>12}")
+            impl = st.get("optimizer", {}).get("impl", "foreach")  # (a plan saved before it was recorded)
+            lines.append(f"    {'of which the optimizer step (memory-bound)':48s} {_ms(bd['optimizer_step_s']):>12}"
+                         f"  (AdamW, {impl})")
         lines.append(f"  exposed comm   {_ms(bd['exposed_s']):>12}  what transfers add to the step:")
         lines += [f"    {what:48s} {_ms(v):>12}" + (f"  ({note})" if note else "") for what, v, note in sub]
         lines.append(f"  hidden comm    {_ms(bd['hidden_s']):>12}  transfers beside compute, not in the step time:")

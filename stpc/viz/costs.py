@@ -87,7 +87,7 @@ def layer_costs(plan) -> list[dict]:
     def add(node_name: str, part: str, seconds: float):
         rows[block[node_name]][part] += seconds
 
-    free = type(b)(b.tg, _FreeComm(cm.cluster, cm.mesh_shape, cm.overlap_slowdown), b.hints, b.memory.layout, facts)
+    free = type(b)(b.tg, _FreeComm(cm.cluster, cm.mesh_shape, cm.overlap_slowdown), b.hints, b.memory, facts)
     free.build(None, edges=False)
     transfers = _FreeCompute(cm.cluster, cm.mesh_shape, cm.overlap_slowdown)
     for it in facts.items:  # each item's nodes are tied copies of it.node: one block
@@ -118,7 +118,7 @@ def layer_costs(plan) -> list[dict]:
     real = edge_seconds(p)
     s1 = cm.overlap_slowdown
     s2 = 1.0 if s1 < 1.0 else 0.0  # exposed(s) = comm - (1 - s) * hidden: two slowdowns give hidden
-    other = type(b)(b.tg, CostModel(cm.cluster, cm.mesh_shape, s2), b.hints, b.memory.layout, facts).build(None)
+    other = type(b)(b.tg, CostModel(cm.cluster, cm.mesh_shape, s2), b.hints, b.memory, facts).build(None)
     alt = edge_seconds(other)
     for (v, is_param), seconds in real.items():
         name = facts.group_items[v].node.name
