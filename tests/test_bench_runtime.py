@@ -12,8 +12,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from stpc.cli import main
 from stpc.cli.bench import write_section
-from stpc.cli.bench_runtime import (ALLOCATORS, allocator_env, check_malloc_env, evaluate, last_losses,
-                                    memory_timeline, pairs, solved_note)
+from stpc.cli.bench_runtime import (ALLOCATORS, OPTIMIZER_IMPL, allocator_env, check_malloc_env, evaluate,
+                                    last_losses, make_optimizer, memory_timeline, pairs, solved_note)
 
 
 def test_write_section_replaces_only_its_own_section(tmp_path):
@@ -130,6 +130,21 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert "Where the step goes" in text and "| stpc CPU s | torch CPU s |" in text
     assert text.count("| fsdp + tp |") == 3 and "MALLOC_TRIM_THRESHOLD_" in text
     assert len(got["rows"]) == 5
+    # every engine stepped with the fused AdamW, TorchTitan's default, and the report says so
+    assert got["config"]["optimizer_impl"] == "fused" and "fp32, AdamW (fused)," in text
+
+
+def test_the_benches_adamw_is_the_implementation_asked_for():
+    """``make_optimizer``: fused (the benches' default), foreach or the per-tensor loop, each
+    torch's own flag; an unknown one is refused."""
+    p = [torch.nn.Parameter(torch.ones(3))]
+    assert OPTIMIZER_IMPL == "fused"
+    assert make_optimizer(p).defaults["fused"] is True
+    assert make_optimizer(p, "foreach").defaults["foreach"] is True
+    loop = make_optimizer(p, "single").defaults
+    assert loop["foreach"] is False and not loop["fused"] and loop["lr"] == 1e-4
+    with pytest.raises(ValueError, match="unknown AdamW implementation 'apex'"):
+        make_optimizer(p, "apex")
 
 
 # ----------------------------------------------------------------------------- peak measurement

@@ -44,6 +44,20 @@ def _cases(rank, world, plans):
                    and len(red.buckets) == 2)
     red.remove()
 
+    # each gradient is held once during backward: autograd's is dropped as soon as its bucket
+    # holds the copy (b's, made first, is gone while a's is still being computed)
+    red = GradReducer([(b, joint_group(mesh, (0, 1))), (a, joint_group(mesh, (0, 1)))], bucket_bytes=8,
+                      first_bucket_bytes=8)
+    a.grad = b.grad = None
+    seen = []
+    h = a * 3
+    h.register_hook(lambda g: seen.append(b.grad is None))
+    (h.sum() * (b * 2).sum() * (rank + 1)).backward()
+    out["held_once"] = {"b_dropped_while_a_computed": seen == [True],
+                        "values": torch.equal(a.grad, torch.full((3,), 24.0 * total))
+                        and torch.equal(b.grad, torch.full((2, 2), 18.0 * total))}
+    red.remove()
+
     # keep_buffers: a bucket's buffer written again only once nothing else holds it (no
     # gradient a caller kept is overwritten; an accumulating .grad keeps its sum)
     red = GradReducer([(b, joint_group(mesh, (0, 1))), (a, joint_group(mesh, (0, 1)))], bucket_bytes=8,
@@ -178,6 +192,7 @@ def test_bucketed_reduction_matches_single_device():
     res = spawn(_cases, 4, plans, timeout_s=240)
     for r in res:
         assert r["bare"]
+        assert r["held_once"] == {"b_dropped_while_a_computed": True, "values": True}, r["held_once"]
         assert r["kept_buffers"] == {"values": True, "reused": True, "held_untouched": True}, r["kept_buffers"]
         assert r["fresh_by_default"]
         assert all(r["param_local"]) and len(r["param_local"]) == 10, r["param_local"]

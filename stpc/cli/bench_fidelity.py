@@ -99,10 +99,10 @@ all of them and all gradients were alive at once; the measurement sees what is a
 each instant: at the end of forward the saved activations and the loss's temporaries but
 no gradients (``set_to_none``: freed by ``zero_grad``), in backward gradients arriving
 while saved tensors are released, in the optimizer step the gradients plus AdamW's
-scratch (foreach: one parameter-sized temporary per tensor; fused: none). It also sees what the model
-does not count: allocator-visible copies inside collectives (gloo's send/receive staging,
-the gradient reducer's buckets beside autograd's own gradient, a FSDP layer's gathered
-flat buffer) and SDPA's workspace.
+scratch (foreach: one parameter-sized temporary per tensor; fused: none). It also sees what
+the model does not count: allocator-visible copies inside collectives (gloo's send/receive
+staging, a FSDP layer's gathered flat buffer, the gradient reducer's bucket copy of the one
+gradient autograd has just made, before it drops autograd's) and SDPA's workspace.
 To show where a gap comes from, one more profiled step per plan records the live level at
 the end of forward (and which top-level ops allocated what is still alive then), and the
 highest level in forward, backward and the optimizer step, beside the model's parts

@@ -76,8 +76,9 @@ _KEEP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 2**20), "MALLOC_TRIM_THRESHOLD_
 # ``--optimizer-impl``: the AdamW implementation every engine steps with (and stpc's plans are
 # costed for). Fused by default: TorchTitan's (its optimizer config's ``implementation``), one
 # pass over each element where foreach makes eight (``cost_models.compute``), so the fastest
-# for every engine here (the step's optimizer 143 ms foreach, 29-33 ms fused, on the
-# fifty-seventh session's VM, every engine alike).
+# for every engine here: the dp pair's optimizer took 102 ms (stpc) and 99 ms (DDP) a step
+# foreach, 33 and 29 ms fused, in two runs of this bench five minutes apart in the
+# fifty-seventh session (its paragraph in benchmarks/RESULTS.md).
 OPTIMIZER_IMPL = "fused"
 
 
