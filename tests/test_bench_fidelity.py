@@ -484,3 +484,5 @@ def test_end_to_end_tiny(tmp_path):
     assert "| p2x2 |" in text and "Kendall's tau-b" in text and "MALLOC_TRIM_THRESHOLD_" in text
     assert "The machine's speed during the run" in text
     assert data["config"]["allocator"] == "keep"
+    # every plan searched for the fused AdamW every rank steps with (the benches' default)
+    assert data["config"]["optimizer_impl"] == "fused" and "fp32, AdamW (fused)," in text
