@@ -99,9 +99,11 @@ def test_failing_rank_is_named_with_traceback_and_others_killed():
 
 def test_timeout_kills_everything():
     t0 = time.monotonic()
-    with pytest.raises(SpawnTimeout, match=r"ranks \[0\]"):
+    with pytest.raises(SpawnTimeout, match=r"ranks \[0\]") as ei:
         spawn(_rank0_hangs, 2, timeout_s=20)  # rank 1 must start and finish in time on a loaded machine
     assert time.monotonic() - t0 < 40
+    # the hung rank's stack at the deadline names the line it was stuck on
+    assert "rank 0's stacks at the deadline" in str(ei.value) and "_rank0_hangs" in str(ei.value)
     assert multiprocessing.active_children() == []
 
 

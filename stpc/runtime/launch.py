@@ -91,6 +91,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The signal at which a rank writes every thread's stack to its fault log (``spawn``'s
+# deadline sends it before the kill), and how long the parent waits for the writes.
+_STACKS_SIGNAL = signal.SIGUSR1
+_STACKS_WAIT_S = 2.0
+
+
 def _fault_log(fault_dir: str, rank: int) -> str:
     return os.path.join(fault_dir, f"rank{rank}.fault")
 
@@ -131,6 +137,8 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
     # stack to a file the parent reads, so the failure says where it happened.
     fault_file = open(_fault_log(fault_dir, rank), "w")  # noqa: SIM115 - open until os._exit
     faulthandler.enable(file=fault_file, all_threads=True)
+    # ... and on the parent's SIGUSR1 at the deadline, so a hang names the line each rank is stuck on
+    faulthandler.register(_STACKS_SIGNAL, file=fault_file, all_threads=True, chain=False)
     # Few threads per rank: ranks share the machine's cores, and OpenMP
     # oversubscription makes start-up and every matmul slower, not faster.
     initialised = False
@@ -275,6 +283,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
                 raise SpawnTimeout(
                     f"spawn: ranks {missing} of {world_size} did not finish within {timeout_s} s "
                     f"(deadlock in a collective/P2P sequence?); all ranks were killed"
+                    + _hung_stacks(procs, missing, fault_dir)
                 )
             try:
                 rank, ok, payload, when = results.get(timeout=min(0.2, deadline - now))
@@ -318,6 +327,28 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
         results.close()
         results.join_thread()
         shutil.rmtree(fault_dir, ignore_errors=True)
+
+
+def _hung_stacks(procs: list, ranks: list[int], fault_dir: str) -> str:
+    """Every thread's Python stack of each hung rank in ``ranks``, as its faulthandler writes
+    it on :data:`_STACKS_SIGNAL`: where each one waits (a collective no peer joins, a lock),
+    so a deadlock seen once, on a loaded machine, can be told apart from a slow run."""
+    alive = [r for r in ranks if procs[r].is_alive()]
+    for r in alive:
+        try:
+            os.kill(procs[r].pid, _STACKS_SIGNAL)
+        except OSError:
+            pass
+    time.sleep(_STACKS_WAIT_S if alive else 0.0)
+    parts = []
+    for r in ranks:
+        try:
+            with open(_fault_log(fault_dir, r)) as f:
+                stacks = f.read().strip()
+        except OSError:
+            stacks = ""
+        parts.append(f"\n--- rank {r}'s stacks at the deadline ---\n{stacks or '(none written)'}")
+    return "".join(parts)
 
 
 def _silent_death(rank: int, exitcode: int, fault_dir: str) -> str:
