@@ -103,7 +103,10 @@ def test_a_tiny_run_end_to_end(tmp_path):
     js, md = str(tmp_path / "rt.json"), str(tmp_path / "RESULTS.md")
     rc = main(["bench", "runtime", "--model", "gpt-tiny", "--batch", "8", "--seq", "16", "--steps", "1",
                "--warmup", "1", "--allocator", "keep", "--json", js, "--results", md,
-               "--debug"])  # a failure's traceback in the log; run() checks the ranks saw the allocator's variables
+               # a failure's traceback in the log; run() checks the ranks saw the allocator's variables
+               "--debug",
+               # ~20 s here: a hang fails in 5 minutes with every rank's stacks, not in the bench's 30
+               "--timeout", "300"])
     assert rc == 0
     got = json.load(open(js))
     engines = got["engines"]
