@@ -18,7 +18,8 @@ pytestmark = pytest.mark.multirank
 def test_tiny_run_writes_its_section(tmp_path):
     js, md = tmp_path / "gap.json", tmp_path / "RESULTS.md"
     assert dp_gap_check.main(["--model", "gpt-tiny", "--layers", "1", "--batch", "4", "--seq", "16", "--steps", "3",
-                              "--warmup", "1", "--json", str(js), "--results", str(md)]) == 0
+                              "--warmup", "1", "--json", str(js), "--results", str(md),
+                              "--timeout", "300"]) == 0  # a hang fails in minutes, with every rank's stacks
     res = json.loads(js.read_text())
     losses = [e["first_loss"] for e in res["engines"]]
     assert max(losses) - min(losses) < 1e-5, losses
