@@ -287,17 +287,23 @@ def _fresh_copy(dev, nbytes: int = COPY_BYTES, window_s: float = 0.3) -> float:
     return _sustained(lambda: x.clone(), dev, window_s)
 
 
-# The parameters the optimizer-step probe updates: a layer of the fidelity bench's GPT
-# (d_model 1024, ffn 4096: 12.6M elements) split four ways, as its plans hold them.
-OPTIMIZER_SHAPES = ((1024, 768), (1024, 256), (1024, 1024), (1024, 1024), (1024,), (1024,))
+# The parameters the optimizer-step probe updates: a whole layer of the fidelity bench's GPT
+# (d_model 1024, ffn 4096: 12.6M elements) on every rank. A training step's optimizer state
+# streams from memory, so the probe's must too: its state over all ranks (16 B an element:
+# parameter, gradient, two moments) is past the last-level cache. A quarter layer's was not
+# on the development VM (4 ranks x 50 MB under its 480 MiB L3): fused AdamW ran there at 17.1
+# GB/s of the 28 B an element it moves, at 10.7-11.6 GB/s from 6.3M elements to 50.4M (the
+# fifty-ninth session, 4 ranks at once), and the plans' steps were modelled 13-31% short.
+OPTIMIZER_SHAPES = ((1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024), (1024,), (1024,))
 OPTIMIZER_NUMEL = sum(math.prod(s) for s in OPTIMIZER_SHAPES)
+OPTIMIZER_WINDOW_S = 1.0  # a step of 12.6M elements takes tens of ms on a CPU rank: several in the window
 
 
 # The AdamW implementations the optimizer probe times, by the op their slowdown goes under.
 OPTIMIZER_PROBES = {OPTIMIZER_OP: "foreach", FUSED_OPTIMIZER_OP: "fused"}
 
 
-def _optimizer_step(dev, impl: str = "foreach", window_s: float = 0.3) -> float:
+def _optimizer_step(dev, impl: str = "foreach", window_s: float = OPTIMIZER_WINDOW_S) -> float:
     """Seconds per step of torch's AdamW (``impl``: ``"foreach"`` or ``"fused"``, as the benches
     run it) over ``OPTIMIZER_SHAPES``, every rank at once; its state made by a first step."""
     params = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in OPTIMIZER_SHAPES]
