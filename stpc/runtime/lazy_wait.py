@@ -29,6 +29,8 @@ unwaited when its tensor is never read.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -42,9 +44,12 @@ aten = torch.ops.aten
 _METADATA_ONLY = {aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
                   aten.full_like.default}
 
-# id of each result handed out and not waited yet -> the collective's raw output (keyed by
-# id: a tensor's == is an op; the raw output kept, so it is waited even if its result dies)
+# key of each result handed out and not waited yet -> the collective's raw output (the raw
+# output kept, so it is waited even if its result dies). The key is a count the result
+# carries, not its id: a result dropped unread frees its id for the next one, whose entry
+# would replace it, and the first collective would never be waited.
 _pending: dict[int, Tensor] = {}
+_keys = itertools.count()
 
 
 class LoadedLater(AsyncCollectiveTensor):
@@ -60,7 +65,7 @@ class LoadedLater(AsyncCollectiveTensor):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def trigger_wait(self):
-        _pending.pop(id(self), None)
+        _pending.pop(pending_key(self), None)
         return super().trigger_wait()
 
     def __repr__(self) -> str:  # the loss prints as its value, as a plain tensor would (waited)
@@ -84,8 +89,15 @@ def read_later(raw: Tensor) -> Tensor:
     waited by the first op that reads it or by :func:`settle`. Not differentiable: for a
     result computed in backward; :func:`wait_on_read` is the forward's."""
     out = LoadedLater(raw)
-    _pending[id(out)] = raw
+    out._stpc_pending_key = next(_keys)
+    _pending[out._stpc_pending_key] = raw
     return out
+
+
+def pending_key(t: Tensor) -> int | None:
+    """The key under which :data:`_pending` holds ``t``'s collective (None: ``t`` is not a
+    result :func:`read_later` handed out; a view of one is not one either)."""
+    return getattr(t, "_stpc_pending_key", None)
 
 
 def wait_on_read(t: Tensor) -> Tensor:
