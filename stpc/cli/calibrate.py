@@ -288,12 +288,12 @@ def _fresh_copy(dev, nbytes: int = COPY_BYTES, window_s: float = 0.3) -> float:
 
 
 # The parameters the optimizer-step probe updates: a whole layer of the fidelity bench's GPT
-# (d_model 1024, ffn 4096: 12.6M elements) on every rank. A training step's optimizer state
-# streams from memory, so the probe's must too: its state over all ranks (16 B an element:
-# parameter, gradient, two moments) is past the last-level cache. A quarter layer's was not
-# on the development VM (4 ranks x 50 MB under its 480 MiB L3): fused AdamW ran there at 17.1
-# GB/s of the 28 B an element it moves, at 10.7-11.6 GB/s from 6.3M elements to 50.4M (the
-# fifty-ninth session, 4 ranks at once), and the plans' steps were modelled 13-31% short.
+# (d_model 1024, ffn 4096: 12.6M elements) on every rank, a state as large as a real step's
+# layer streams. The probe stepped a quarter layer until the fifty-ninth session, when one
+# scratch run suggested the quarter's state ran from the cache; ``benchmarks/
+# optimizer_size_check.py`` found the rate the same from 3.15M to 50.4M elements a rank on
+# the development VM (RESULTS.md, that session's paragraph), but only a state past the
+# last-level cache is sure to be timed as a training step runs it.
 OPTIMIZER_SHAPES = ((1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024), (1024,), (1024,))
 OPTIMIZER_NUMEL = sum(math.prod(s) for s in OPTIMIZER_SHAPES)
 OPTIMIZER_WINDOW_S = 1.0  # a step of 12.6M elements takes tens of ms on a CPU rank: several in the window
