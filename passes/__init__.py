@@ -16,6 +16,8 @@ Each pass is a documented ``GraphModule -> GraphModule`` function, run in this o
   issue_early        forward-only all-reduces of the step's inputs (a loss's target count)
                      issued at the start of the step, waited where used
   verify             static check: all ranks issue matching collectives and P2P transfers
+  read_params_at_use eager programs: each parameter's local tensor read right before its first
+                     use, so backward hands its gradient on (to the reducer) as soon as it is done
 
 and, on a finished program whose model has hooked submodules:
 
@@ -27,6 +29,7 @@ from .defer_grad_sync import defer_grad_sync
 from .insert_collectives import insert_collectives, reshard_steps
 from .issue_early import issue_early
 from .prefetch_params import prefetch_params
+from .read_params_at_use import read_params_at_use
 from .recompute import Recompute, SelectiveMismatch, recompute
 from .ring_decompose import ring_decompose
 from .shard_params import shard_params
@@ -35,9 +38,9 @@ from .verify import VerifyError, comm_schedule, verify
 
 PIPELINE = ("shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync", "recompute",
             "prefetch_params",
-            "issue_early", "verify")
+            "issue_early", "verify", "read_params_at_use")
 
 __all__ = ["LoweringError", "shard_params", "insert_collectives", "ring_decompose", "cleanup", "defer_grad_sync",
-           "recompute", "Recompute", "SelectiveMismatch", "prefetch_params", "issue_early", "tap_hooks",
+           "recompute", "Recompute", "SelectiveMismatch", "prefetch_params", "issue_early", "read_params_at_use", "tap_hooks",
            "verify", "VerifyError",
            "comm_schedule", "reshard_steps", "PIPELINE"]

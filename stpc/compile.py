@@ -78,13 +78,15 @@ class _Placements:
 
 
 def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, device="cpu",
-               on_pass=None, replicate_outputs: bool = True, defer_grads: bool = False) -> fx.GraphModule:
+               on_pass=None, replicate_outputs: bool = True, defer_grads: bool = False,
+               read_at_use: bool = False) -> fx.GraphModule:
     """shard_params -> insert_collectives -> ring_decompose -> cleanup -> (defer_grad_sync) ->
-    recompute -> prefetch_params -> issue_early -> verify, for a program whose tensors live on ``device``. ``on_pass(name, gm)`` is called
+    recompute -> prefetch_params -> issue_early -> verify (-> read_params_at_use), for a program whose tensors live on ``device``. ``on_pass(name, gm)`` is called
     after each (e.g. to dump the graph). ``replicate_outputs=False`` leaves outputs as
     planned (split ones stay split) where DTensor can say the placement; ``defer_grads``
     hands data-parallel gradient reductions to a bucketed reducer (the caller installs it:
-    ``gm.meta["stpc_deferred_grads"]`` says for what)."""
+    ``gm.meta["stpc_deferred_grads"]`` says for what); ``read_at_use``: the program is run
+    eagerly, given the parameters themselves, and reads each where it first uses it."""
     if on_pass:
         on_pass("traced", gm)
     gm = passes.shard_params(gm, plan, groups=groups, device=device)
@@ -94,7 +96,7 @@ def run_passes(gm: fx.GraphModule, plan: Plan, groups: list[str] | None = None, 
     if on_pass:
         on_pass("insert_collectives", gm)
     for name in ("ring_decompose", "cleanup") + (("defer_grad_sync",) if defer_grads else ()) + (
-            "recompute", "prefetch_params", "issue_early", "verify"):
+            "recompute", "prefetch_params", "issue_early", "verify") + (("read_params_at_use",) if read_at_use else ()):
         gm = getattr(passes, name)(gm, plan)
         if on_pass:
             on_pass(name, gm)
@@ -204,7 +206,8 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
     timeout = None if opts.timeout_s is None else datetime.timedelta(seconds=float(opts.timeout_s))
     traced.meta["stpc_joint_groups"] = _joint_groups(mesh, timeout)
     gm = run_passes(traced, plan, groups, mesh_device(mesh), on_pass=snap,
-                    replicate_outputs=opts.outputs == "replicate", defer_grads=opts.bucket_mb is not None)
+                    replicate_outputs=opts.outputs == "replicate", defer_grads=opts.bucket_mb is not None,
+                    read_at_use=opts.backend is None)
     leaf_of = {name: i for i, name in enumerate(tg.user_inputs)}
     feed = []
     for node in gm.graph.nodes:
@@ -212,7 +215,7 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
             continue
         placement = tuple(node.meta.get("placement", ("R",) * len(plan.mesh_shape)))
         if node.name in tg.param_fqns:
-            feed.append(("param", tg.param_fqns[node.name], placement))
+            feed.append(("param_ref" if node.meta.get("read_at_use") else "param", tg.param_fqns[node.name], placement))
         elif node.name in tg.buffer_fqns:
             feed.append(("buffer", tg.buffer_fqns[node.name], placement))
         elif isinstance(node.meta.get("val"), torch.Tensor):
@@ -444,7 +447,7 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
 
     fqn_place = {}
     for kind, *rest in prog.feed:
-        if kind == "param":
+        if kind in ("param", "param_ref"):
             fqn_place[rest[0]] = rest[1]
     canon = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):

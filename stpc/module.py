@@ -52,7 +52,9 @@ class Program:
     """One input signature's SPMD program on this rank.
 
     ``feed`` says what each placeholder of ``gm`` receives, in order:
-    ``("param", fqn, placement)``, ``("buffer", fqn, placement)``,
+    ``("param", fqn, placement)`` (its local tensor, laid out as planned), ``("param_ref", fqn,
+    placement)`` (the parameter itself: the program reads it where it first uses it,
+    ``passes.read_params_at_use``), ``("buffer", fqn, placement)``,
     ``("input", leaf, placement, local)`` (leaf = index into the flattened
     ``(args, kwargs)``; ``local``: the caller passes its own shard) or
     ``("const", leaf)`` (a non-tensor leaf export baked into the graph).
@@ -292,6 +294,8 @@ class Compiled:
                 local = param_local(p) if isinstance(p, DTensor) else p
                 out.append(to_plan_layout(local, placement, self.groups) if any(is_grid(t) for t in placement)
                            else local)
+            elif kind == "param_ref":
+                out.append(_param(module, params, entry[1]))
             elif kind == "buffer":
                 _, fqn, placement = entry
                 out.append(runtime.shard_tensor(module.get_buffer(fqn), placement, shape, self.coords))

@@ -30,7 +30,7 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "stpc against the best baseline that fits" in text
     for name in ("plan.json", "plan.txt", "summary.txt", "traced.txt"):
         assert (tmp_path / name).exists(), name
-    assert sorted(p.name for p in (tmp_path / "passes").glob("*.txt"))[-1] == "09_verify.txt"
+    assert sorted(p.name for p in (tmp_path / "passes").glob("*.txt"))[-1] == "10_read_params_at_use.txt"
 
 
 def test_demo_usage_error_exits_2(tmp_path):

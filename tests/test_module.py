@@ -232,7 +232,8 @@ def _placed_io(rank, world):
     shard = (idx[mine], tgt[mine])
     loss = pm(*shard)  # only this rank's shard goes in
     loss.backward()
-    ptrs = {t.data_ptr() for t in fed[-1] if isinstance(t, torch.Tensor)}
+    # (the parameters go in as themselves, DTensors without storage: the program reads them where used)
+    ptrs = {t.data_ptr() for t in fed[-1] if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)}
     no_copy = all(t.data_ptr() in ptrs for t in shard)
     ref = single(idx, tgt)
     ref.backward()
@@ -254,7 +255,7 @@ def _placed_io(rank, world):
     logits = sharded(idx)
     # the full batch in: what the program gets of it (its rows, or all of it) is a view, no copy
     out["rows_fed_as_view"] = any(t.untyped_storage().data_ptr() == idx.untyped_storage().data_ptr()
-                                  for t in fed[-1] if isinstance(t, torch.Tensor))
+                                  for t in fed[-1] if isinstance(t, torch.Tensor) and not isinstance(t, DTensor))
     out["sharded_type"] = type(logits).__name__
     out["sharded_placements"] = [str(p) for p in logits.placements] if isinstance(logits, DTensor) else None
     full = logits.full_tensor() if isinstance(logits, DTensor) else logits

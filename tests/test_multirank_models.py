@@ -343,11 +343,11 @@ def test_dump_after_each_pass(tmp_path):
     names = [os.path.basename(p) for p in paths if p.endswith(".txt")]
     assert names == ["00_traced.txt", "01_shard_params.txt", "02_insert_collectives.txt",
                      "03_ring_decompose.txt", "04_cleanup.txt", "05_defer_grad_sync.txt", "06_recompute.txt",
-                     "07_prefetch_params.txt", "08_issue_early.txt", "09_verify.txt"]
+                     "07_prefetch_params.txt", "08_issue_early.txt", "09_verify.txt", "10_read_params_at_use.txt"]
     text = open(tmp_path / "02_insert_collectives.txt").read()
     assert "all_gather" in text and "<all_gather@axis0" in text
-    final = open(tmp_path / "09_verify.txt").read()
-    assert "ring_allgather_matmul" in final and "ring_matmul_reducescatter" in final
+    final = open(tmp_path / "10_read_params_at_use.txt").read()
+    assert "ring_allgather_matmul" in final and "ring_matmul_reducescatter" in final and "read_param" in final
 
 
 # --------------------------------------------------------------------------- the shape contract

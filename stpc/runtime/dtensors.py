@@ -31,7 +31,7 @@ from stpc.placement import is_grid, parse
 from stpc.runtime.reshard import grid_relayout
 
 __all__ = ["grid_axes", "storage_mesh", "stored", "dtensor_placements", "to_plan_layout", "tokens_of", "param_local",
-           "grad_like"]
+           "read_param", "grad_like"]
 
 
 def grid_axes(placements) -> tuple[int, ...]:
@@ -180,3 +180,9 @@ def param_local(p: DTensor) -> torch.Tensor:
     in backward the same gradient (a DTensor of p's placements), made by :func:`grad_like`'s
     direct route instead of ``to_local``'s ``DTensor.from_local``."""
     return _ParamLocal.apply(p)
+
+
+def read_param(p: torch.Tensor) -> torch.Tensor:
+    """A program's read of parameter ``p`` where it first uses it (``passes.read_params_at_use``):
+    its local tensor through :func:`param_local` if it is a DTensor, else ``p`` itself."""
+    return param_local(p) if isinstance(p, DTensor) else p

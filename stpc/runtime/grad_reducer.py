@@ -75,7 +75,10 @@ class _Bucket:
 
 
 def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """This rank's piece of ``t``: a DTensor's local tensor itself (the same storage ``to_local``
+    views, without the autograd node ``to_local`` makes, twice per parameter per pass: the
+    reducer differentiates nothing), else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _use_count(t: Tensor) -> int:
@@ -154,8 +157,7 @@ class GradReducer:
             if where is None:
                 return False
             b, i = self.buckets[where[0]], where[1]
-            # (runs on every call: the local tensor itself, without to_local's autograd node)
-            local = p._local_tensor if isinstance(p, DTensor) else p
+            local = _local(p)  # (runs on every call)
             if (b.params[i] is not p or b.group != group or p.dtype != b.dtype or local.device != b.device
                     or local.numel() != b.numels[i]):
                 return False
