@@ -17,6 +17,14 @@ all alike:
   (``GradReducer(keep_buffers=True)``, DDP's way; off in stpc), with DDP as the third
   engine. Their step times and parts, page faults and peak memory (the bench's measure, plus
   the kept buffers, which no parameter holds between steps);
+* when the gradients go out. The shipped program reads each parameter where it first uses
+  it (``passes.read_params_at_use``), so backward hands a layer's gradients to the reducer
+  as soon as they are made and the buckets' all-reduces overlap the rest of backward. A
+  fifth engine is the same program with its parameters read at the step's start (the
+  pipeline without that last pass), where every gradient reached the reducer only after all
+  of backward. Both record, on rank 0, when forward ended, when each bucket was launched and
+  when backward ended (``GradReducer.launch_at`` / ``finish_at``), in ms from the step's
+  start;
 * the parameters as DTensors. stpc's parameters are DTensors (the product's promise:
   optimizers, ``state_dict`` and DCP see sharded tensors), DDP's plain tensors. A fourth
   engine runs the same program again, buckets kept, with every parameter swapped for a plain
@@ -33,7 +41,9 @@ Writes the ``dp-gap`` section of ``--results`` (between its markers, replaced wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import importlib
 import json
 import statistics
 import sys
@@ -52,9 +62,46 @@ from stpc.frontend import models
 from stpc.runtime.launch import spawn
 
 ENGINES = ("stpc dp (buckets fresh each step, as shipped)", "stpc dp (buckets kept, DDP's way)",
-           "stpc dp (buckets kept, plain-tensor parameters)", "ddp")
+           "stpc dp (buckets kept, plain-tensor parameters)", "ddp",
+           "stpc dp (parameters read at the step's start, before read_params_at_use)")
 KEPT = (1, 2)  # the engines whose reducers keep their buffers
+STAMPED = (0, 4)  # the engines whose bucket launches are timed: as shipped, and read at the start
 PARTS = ("step", "fwd_bwd", "optimizer", "cpu", "faults")
+
+
+@contextlib.contextmanager
+def _reads_at_start():
+    """``stpc.compile`` builds its programs without ``read_params_at_use`` (every parameter's
+    local tensor read in the feed, at the step's start, as before that pass) while inside."""
+    module = importlib.import_module("stpc.compile")
+    original = module.run_passes
+    module.run_passes = lambda *a, **k: original(*a, **{**k, "read_at_use": False})
+    try:
+        yield
+    finally:
+        module.run_passes = original
+
+
+class _Stamps:
+    """``engine.forward_backward`` with a clock: the step's start and forward's end (rank 0
+    reads the reducers' launch and finish stamps against them)."""
+
+    def __init__(self, engine):
+        self.engine, self.start, self.forward_end = engine, 0.0, 0.0
+        engine.forward_backward = self
+
+    def __call__(self):
+        self.start = time.perf_counter()
+        loss = self.engine.model(self.engine.idx, self.engine.tgt)
+        self.forward_end = time.perf_counter()
+        loss.backward()
+        return loss.detach()
+
+    def offsets_ms(self) -> dict:
+        (red,) = _reducers(self.engine)
+        return {"forward_end": (self.forward_end - self.start) * 1e3,
+                "launches": [(t - self.start) * 1e3 for t in red.launch_at],
+                "backward_end": (red.finish_at - self.start) * 1e3}
 
 
 def _reducers(engine):
@@ -126,6 +173,10 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                for name in ("fresh", "kept", "plain")] + [
                build_engine("ddp", copy.deepcopy(base), idx, tgt, (world,))]
     _plain_parameters(engines[2])  # before its first call: its reducer is built on the plain ones
+    with _reads_at_start():
+        engines.append(_stpc_engine("at start", spec, copy.deepcopy(base), idx, tgt, world, cfg.get("cluster"), impl))
+    stamps = {i: _Stamps(engines[i]) for i in STAMPED}
+    when = {i: [] for i in STAMPED}  # rank 0's offsets, per timed round
     opts = [make_optimizer(e.parameters(), impl) for e in engines]
     times = [[] for _ in engines]
     losses = [None] * len(engines)
@@ -144,6 +195,8 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                 opt_pair = _optimizer_pair(engines[0], impl)
         if r >= cfg["warmup"]:
             times[i].append(dt)
+            if i in STAMPED:
+                when[i].append(stamps[i].offsets_ms())
             if i in KEPT:  # where a kept engine's gradients lie: one buffer, step after step
                 # (no reference kept: a gradient still held is one the reducer must not overwrite)
                 kept_at[i].add(_storage_ptr(next(iter(engines[i].parameters())).grad))
@@ -162,6 +215,9 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     return {"engines": [{"name": name, "first_loss": losses[i], "last_loss": last[i], "peak_bytes": peaks[i],
                          "rounds": [dict(zip(PARTS, t)) for t in times[i]]} for i, name in enumerate(ENGINES)],
             "optimizer": {"dtensor_s": opt_times[0], "plain_s": opt_times[1]},
+            "when": {ENGINES[i]: w for i, w in when.items()},
+            "read_at_use": [sum(kind == "param_ref" for prog in engines[i].model.stpc.programs.values()
+                                for kind, *_ in prog.feed) for i in STAMPED],
             "kept_buffers_reused": all(len(at) == 1 for at in kept_at.values()),
             "plain_parameters": not any(isinstance(p, DTensor) for p in engines[2].parameters())}
 
@@ -175,7 +231,7 @@ def _faster(a: list[float], b: list[float]) -> str:
 def report(cfg: dict, res: dict, machine: str, command: str) -> str:
     eng = res["engines"]
     med = [{k: statistics.median([r[k] for r in e["rounds"]]) for k in PARTS} for e in eng]
-    fresh, kept, plain, ddp = med
+    fresh, kept, plain, ddp, start = med
     steps = [[r["step"] for r in e["rounds"]] for e in eng]
     n = len(steps[0])
     lines = ["## The data-parallel gap, taken apart: stpc's dp program against DDP (issue 17)", "",
@@ -217,7 +273,27 @@ def report(cfg: dict, res: dict, machine: str, command: str) -> str:
         f"{_faster(steps[2], steps[3])}). With DTensor parameters, as stpc ships them, and kept buckets: "
         f"{ms(kept, ddp)} ({kept['step'] / ddp['step']:.3f}x DDP; kept than DDP: {_faster(steps[1], steps[3])}); "
         f"the shipped program than DDP: {_faster(steps[0], steps[3])}.")
+    lines += ["", _overlap_sentence(res, fresh, start, steps)]
     return "\n".join(lines) + "\n"
+
+
+def _when(records: list[dict]) -> str:
+    """Rank 0's stamps as one phrase: medians over the rounds, ms from the step's start."""
+    launches = [statistics.median(r["launches"][k] for r in records) for k in range(len(records[0]["launches"]))]
+    return (f"forward ended at {statistics.median(r['forward_end'] for r in records):.0f}, the "
+            f"{len(launches)} buckets went out at {', '.join(f'{t:.0f}' for t in launches)} and backward ended at "
+            f"{statistics.median(r['backward_end'] for r in records):.0f}")
+
+
+def _overlap_sentence(res: dict, fresh: dict, start: dict, steps: list) -> str:
+    when = res["when"]
+    return (f"When the gradients go out (rank 0, medians over the rounds, ms from the step's start): as shipped, each "
+            f"parameter read where first used ({res['read_at_use'][0]} reads), {_when(when[ENGINES[0]])}; with every "
+            f"parameter read at the step's start ({res['read_at_use'][1]} reads where used), "
+            f"{_when(when[ENGINES[4]])}. Reading them where used moves the step by "
+            f"{(fresh['step'] - start['step']) * 1e3:+.1f} ms (forward + backward "
+            f"{(fresh['fwd_bwd'] - start['fwd_bwd']) * 1e3:+.1f} ms; where used than at the start: "
+            f"{_faster(steps[0], steps[4])}).")
 
 
 def main(argv=None) -> int:

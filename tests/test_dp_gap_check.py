@@ -33,6 +33,13 @@ def test_tiny_run_writes_its_section(tmp_path):
     for name in dp_gap_check.ENGINES:
         assert f"| {name} |" in text
     assert "Taken apart:" in text and "as DTensors" in text and "neither of the two" in text
+    # the shipped program reads its parameters where used, the fifth engine at the step's start;
+    # both timed their bucket launches, every round, within the step
+    assert res["read_at_use"][0] > 0 and res["read_at_use"][1] == 0, res["read_at_use"]
+    for name in (dp_gap_check.ENGINES[0], dp_gap_check.ENGINES[4]):
+        when = res["when"][name]
+        assert len(when) == 3 and all(w["launches"] and w["forward_end"] < w["backward_end"] for w in when), when
+    assert "When the gradients go out" in text and "Reading them where used moves the step by" in text
 
 
 def test_plain_parameters_keep_ties_and_refuse_a_piece():

@@ -44,6 +44,8 @@ which order, over which groups (``passes.defer_grad_sync``).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -121,6 +123,8 @@ class GradReducer:
         self._armed = False
         self._next = 0   # the next bucket to launch (buckets go in index order on every rank)
         self.launch_log: list[int] = []  # last pass: gradients arrived when each bucket was launched
+        self.launch_at: list[float] = []  # last pass: ``time.perf_counter()`` at each bucket's launch
+        self.finish_at: float | None = None  # ... and at the end of backward (benchmarks read them)
         self._arrived = 0
         self._moved: set[int] = set()  # params whose partial gradient this pass went to a bucket alone
         for p, group in params:
@@ -170,7 +174,7 @@ class GradReducer:
                 return grad
             if not self._armed:  # first gradient of this backward pass: finish at its end
                 self._armed = True
-                self.launch_log, self._arrived = [], 0
+                self.launch_log, self.launch_at, self._arrived = [], [], 0
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             bi, pi = self._where[id(p)]
             b = self.buckets[bi]
@@ -209,6 +213,7 @@ class GradReducer:
                 if i not in b.arrived:
                     b.flat[b.offsets[i]:b.offsets[i] + _local(p).numel()].zero_()
         self.launch_log.append(self._arrived)
+        self.launch_at.append(time.perf_counter())
         try:
             b.work = dist.all_reduce(b.flat, group=_pg(b.group), async_op=True)
         except RuntimeError as e:
@@ -217,6 +222,7 @@ class GradReducer:
     def _finish(self) -> None:
         """End of backward: launch the rest (in order), wait, hand the sums to ``.grad``."""
         self._armed = False
+        self.finish_at = time.perf_counter()
         self._moved.clear()  # (a hook's gradient that no accumulation followed: torch.autograd.grad)
         try:
             while self._next < len(self.buckets):
