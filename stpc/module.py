@@ -16,6 +16,7 @@ plan, the graph, pass dumps, and the programs of the input signatures seen so fa
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import os
@@ -214,8 +215,10 @@ class Compiled:
                 # gradient would reach .grad unsummed over the data-parallel ranks
                 prog.reducer.remove()
                 prog.reducer = None
-            if prog.reducer is None:
-                prog.reducer = GradReducer(deferred, prog.bucket_bytes)
+            if prog.reducer is None:  # a tied parameter (several names) in a bucket of its own
+                names = collections.Counter(id(p) for p in params.values())
+                prog.reducer = GradReducer(deferred, prog.bucket_bytes,
+                                           alone=frozenset(i for i, n in names.items() if n > 1))
         for other in self.programs.values():
             if other.reducer is not None:
                 other.reducer.enabled = other is prog

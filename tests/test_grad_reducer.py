@@ -206,3 +206,47 @@ def test_bucketed_reduction_matches_single_device():
         assert plain["deferred"] == 0 and plain["buckets"] == 0
         # before the reducer re-hooked replaced parameters, steps 1 and 2 left a gradient unsummed
         assert max(r["replaced"]["worst"]) <= 1, r["replaced"]
+
+
+def test_a_parameter_named_alone_gets_a_bucket_of_its_own():
+    """``alone`` (stpc names tied parameters): that parameter's bucket holds it only, so no
+    other gradient's arrival allocates its slot while its own is still being summed; the
+    others still share buckets by size."""
+    from stpc.runtime import GradReducer
+
+    ps = [torch.nn.Parameter(torch.zeros(4)) for _ in range(4)]
+    red = GradReducer([(p, "g") for p in ps], bucket_bytes=2**20, alone=frozenset({id(ps[2])}))
+    try:
+        assert [[id(p) for p in b.params] for b in red.buckets] == [[id(ps[0]), id(ps[1])], [id(ps[2])],
+                                                                  [id(ps[3])]]
+        # (the first bucket is DDP's small one, then by size: without alone, two buckets)
+        plain = GradReducer([(p, "g") for p in ps], bucket_bytes=2**20, first_bucket_bytes=16)
+        assert [len(b.params) for b in plain.buckets] == [1, 3]
+        red2 = GradReducer([(p, "g") for p in ps], bucket_bytes=2**20, first_bucket_bytes=16,
+                           alone=frozenset({id(ps[2])}))
+        assert [len(b.params) for b in red2.buckets] == [1, 1, 1, 1]
+        plain.remove()
+        red2.remove()
+    finally:
+        red.remove()
+
+
+def _tied_bucket(rank, world):
+    import stpc
+    from stpc import models
+
+    torch.manual_seed(0)
+    model = models.build("gpt-tiny")
+    pm = stpc.compile(model, (world,), models.example_inputs("gpt-tiny", B, S, device="cpu"), hints="dp", cache=False)
+    pm(*models.example_inputs("gpt-tiny", B, S, device="cpu")).backward()
+    prog = next(iter(pm.stpc.programs.values()))
+    tied = pm.get_parameter("wte.weight")
+    assert tied is pm.get_parameter("lm_head.weight")
+    return {"deferred": "wte.weight" in prog.deferred or "lm_head.weight" in prog.deferred,
+            "its_bucket": [len(b.params) for b in prog.reducer.buckets if any(p is tied for p in b.params)],
+            "buckets": len(prog.reducer.buckets)}
+
+
+def test_a_tied_weight_is_reduced_in_a_bucket_of_its_own():
+    for r in spawn(_tied_bucket, 2, timeout_s=120):
+        assert r["deferred"] and r["its_bucket"] == [1] and r["buckets"] > 1, r

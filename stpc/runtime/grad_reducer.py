@@ -11,7 +11,12 @@ several layouts, and only some of them are data-parallel, over some mesh axes):
 
 * buckets: consecutive parameters of one group and dtype, up to ``bucket_bytes`` (the
   first bucket ``first_bucket_bytes``, so communication starts early, as DDP's 1 MiB
-  first bucket does), in the order their gradients become ready;
+  first bucket does), in the order their gradients become ready; a parameter the caller
+  names ``alone`` (stpc names tied ones: an embedding table that is also the output
+  projection) in a bucket of its own: its gradient is complete only after its last
+  reader's backward, and a bucket shared with it, allocated at the first of its gradients
+  to arrive, would hold the tied parameter's slot empty until then (the fidelity bench's
+  recompute plan peaked at the end of backward with that slot held);
 * a gradient hook on each parameter sees the gradient autograd computed for it in this
   backward pass (the sum over all its uses) and copies it into its bucket's flat
   buffer (allocated, not zeroed, when the bucket's first gradient arrives); a second hook,
@@ -62,8 +67,8 @@ DEFAULT_FIRST_BUCKET_BYTES = 2**20  # DDP's _DEFAULT_FIRST_BUCKET_BYTES
 
 
 class _Bucket:
-    def __init__(self, group: str, dtype: torch.dtype, device: torch.device):
-        self.group, self.dtype, self.device = group, dtype, device
+    def __init__(self, group: str, dtype: torch.dtype, device: torch.device, alone: bool = False):
+        self.group, self.dtype, self.device, self.alone_param = group, dtype, device, alone
         self.params: list = []
         self.offsets: list[int] = []
         self.numels: list[int] = []
@@ -108,13 +113,15 @@ class GradReducer:
     """Sum partial gradients over their groups, bucketed and asynchronous; see the module docstring.
 
     ``params``: ``(parameter, group name)`` in the order backward makes their gradients
-    ready (first ready first); a parameter listed twice is counted once. ``keep_buffers``:
+    ready (first ready first); a parameter listed twice is counted once. ``alone``: ids of
+    parameters that get a bucket of their own (see the module docstring). ``keep_buffers``:
     reuse each bucket's buffer from pass to pass where nothing else holds it (see the module
     docstring).
     """
 
     def __init__(self, params: list[tuple[torch.nn.Parameter, str]], bucket_bytes: int = 25 * 2**20,
-                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES, keep_buffers: bool = False):
+                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES, keep_buffers: bool = False,
+                 alone: frozenset = frozenset()):
         self.keep_buffers = keep_buffers
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}
@@ -134,9 +141,10 @@ class GradReducer:
             nbytes = local.numel() * local.element_size()
             cap = min(first_bucket_bytes, bucket_bytes) if len(self.buckets) <= 1 else bucket_bytes
             b = self.buckets[-1] if self.buckets else None
+            by_itself = id(p) in alone
             if b is None or (b.group, b.dtype, b.device) != (group, p.dtype, local.device) or (
-                    b.params and (b.numel * local.element_size() + nbytes > cap)):
-                b = _Bucket(group, p.dtype, local.device)
+                    b.params and (b.numel * local.element_size() + nbytes > cap or by_itself or b.alone_param)):
+                b = _Bucket(group, p.dtype, local.device, by_itself)
                 self.buckets.append(b)
             self._where[id(p)] = (len(self.buckets) - 1, len(b.params))
             b.params.append(p)
