@@ -6,8 +6,8 @@
 The runtime bench (``python -m stpc bench runtime``) runs stpc's ``dp`` program beside
 torch's ``DistributedDataParallel`` on the same model, data and ranks, and the solved plan is
 that program on the development VM, so its row's target (no slower than DDP) rests on this
-pair. Two differences are built in (the bench's "by construction" paragraph); this script
-times each one alone, with the bench's model, data, optimizer, ranks and step
+pair. Two differences are built in (the bench's "by construction" paragraph), and a third
+is when the gradients go out; this script times each one alone, with the bench's model, data, optimizer, ranks and step
 (``stpc.cli.bench_runtime.timed_step``), interleaved in one run so the machine's drift hits
 all alike:
 
