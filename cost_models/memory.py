@@ -147,19 +147,33 @@ class MemoryModel:
         w, g, o = bytes_per_param(self.layout, self.fp32_grad_accum)
         return numel * (w + o) / shards
 
-    def step_scratch(self, numel: float) -> tuple[float, float]:
+    def step_scratch(self, numel: float, reduced: bool = False) -> tuple[float, float]:
         """The optimizer step's scratch for a parameter whose optimizer state this device
         holds ``numel`` elements of, as (bytes alive together with every other parameter's,
         bytes alive only while this parameter steps): :func:`adamw_step_transient_bytes`
-        per element of the fp32 state. ``"foreach"`` (torch's CUDA default, and what
-        stpc's benches run): ``sqrt(exp_avg_sq)`` of the whole group at once, 4 B per
-        element, all alive together; ``"single"`` (the per-tensor loop, torch's CPU
-        default): two temporaries of one parameter at a time; ``"fused"``: none."""
-        if self.optimizer_impl == "foreach":
+        per element of the fp32 state. ``"foreach"`` (torch's CUDA default): ``sqrt(exp_avg_sq)``
+        of the whole group at once, 4 B per element, all alive together; ``"single"`` (the
+        per-tensor loop, torch's CPU default): two temporaries of one parameter at a time;
+        ``"fused"`` (what stpc's benches run): none.
+
+        The same phase holds the end of backward, whose state is the step's (every gradient
+        made): a gradient summed over ranks (``reduced``: its placement replicates it over an
+        axis of more than one device) is there twice for a moment, as autograd made it and as
+        copied into its bucket or reduced into a new buffer (``runtime.GradReducer``'s hook),
+        so the last gradient backward completes, the embedding table's (read first in
+        forward), peaks the step's state by a gradient of it. Charged as one more copy of the
+        largest reduced gradient (the table's in the built-in models; elsewhere an upper bound
+        of the last one's), and only where the step's own scratch does not cover it: under
+        ``"fused"``. Named simplification: a tied table held more than that: the fidelity
+        bench's data-parallel recompute plan (the sixty-first session, `--steps 3` on its
+        profile) held its state, 904.3 MiB, and peaked at 968.3 in backward, two copies of its
+        tied table's 32 MiB gradient above it, where this charges one (936.3, -3.3%): autograd
+        sums its two readers' gradients out of place, the two and their sum alive at once."""
+        if self.optimizer_impl == "foreach":  # every parameter's 4 B at once: more than one gradient
             return 4.0 * numel, 0.0
-        if self.optimizer_impl == "single":
+        if self.optimizer_impl == "single":  # 8 B of one parameter: more than its gradient
             return 0.0, 8.0 * numel
-        return 0.0, 0.0
+        return 0.0, (numel * bytes_per_param(self.layout, self.fp32_grad_accum)[1] if reduced else 0.0)
 
     @property
     def bytes_per_param(self) -> int:

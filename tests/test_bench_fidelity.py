@@ -465,6 +465,8 @@ def test_end_to_end_tiny(tmp_path):
         assert r["mesh"] and r["families"] and r["cluster"]
         assert r["measured_cpu_s"] > 0 and r["measured_page_faults"] >= 0
         assert len(r["reference_gemm_s"]) == 2 and r["reference_gemm_model_s"] > 0
+        # each plan's gradients dropped at the end of its step: the ranks hold one plan's at a time
+        assert r["grads_held_between_steps"] == 0
         # the ranks met at the same collective waits (one SPMD program), recorded on each
         assert len({len(p["waits_ns"]) for p in r["profiled"]}) == 1, r["plan"]
     assert any(arrival_skew(r["profiled"]) for r in recs)

@@ -124,6 +124,8 @@ a missed target is reported as missed, with its biggest contributors.
 from __future__ import annotations
 
 import copy
+import ctypes
+import gc
 import math
 import re
 import statistics
@@ -647,6 +649,21 @@ def reference_copy_s(src: torch.Tensor, dst: torch.Tensor, rank: int, world: int
     return _typical_s(lambda: dst.copy_(src), rank, world)
 
 
+def _return_freed_memory() -> None:
+    """Hand what this rank has freed back to the system (glibc's ``malloc_trim``; nothing where
+    the C library has none). The profiled steps after the timed rounds (each plan's peak and
+    phase profile, its events held in Python meanwhile) took every rank to ~6 GB of resident
+    memory on the 2-core VM, its 24 GiB all but gone (the sixty-first session), where the live
+    tensors were 3.2 GB: the rest was freed memory the heap kept. Called only there: the rounds
+    time the allocator as the ranks' malloc settings leave it, and a profiled step's peak is the
+    allocator's own count, which no trim moves (the first, priming step faults the pages in)."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
     torch.manual_seed(0)
     base = models.build(cfg["model"], **model_overrides(cfg))
@@ -671,6 +688,12 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
     for done, (r, i) in enumerate(interleaved(len(engines), cfg["warmup"], cfg["steps"], "[bench fidelity] rounds",
                                               bool(cfg.get("progress")) and rank == 0), start=1):
         loss, dt = timed_step(engines[i], opts[i])
+        # The step is over: its gradients go now, not at this plan's next step (``timed_step``
+        # drops them first thing, where dropping none is what it times now), so the ranks hold
+        # one plan's gradients at a time while the other plans run. All eight plans' states at
+        # once, gradients included, came to 4.3 GB a rank after one step each and grew to ~6 GB
+        # in the rounds: on the 24 GiB VM, 4 ranks' 24 GB were killed (the sixty-first session).
+        opts[i].zero_grad(set_to_none=True)
         last_loss[i] = float(loss)
         if r == 0:
             first_loss[i] = last_loss[i]
@@ -679,11 +702,14 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
             if done % len(engines) == 0:  # the round's last step
                 reference.append(reference_gemm_s(ref_x, ref_w, rank, world))
                 copies.append(reference_copy_s(ref_src, ref_dst, rank, world))
+    # (none: each plan's gradients went at the end of its step, above)
+    grads_between = sum(p.grad is not None for e in engines for p in e.model.parameters())
     held = [{k: (str(tuple(t.placements)) if hasattr(t, "placements") else "plain",
                  (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes())
              for k, t in ((k, p.detach()) for k, p in e.model.named_parameters())} for e in engines]
     peaks, first_peaks, phases = [], [], []
     for i, e in enumerate(engines):
+        _return_freed_memory()
         p = torch.zeros(1 + PEAK_STEPS, world, dtype=torch.float64)
         for k in range(1 + PEAK_STEPS):  # the first profiled step primes the profiler (see _PRIMING)
             dist.barrier()
@@ -693,6 +719,7 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
         first_peaks.append([int(v) for v in p[0].tolist()])
         dist.barrier()
         mine = {**_profile_step(e, opts[i]), **_state_bytes(e, opts[i])}
+        opts[i].zero_grad(set_to_none=True)  # (measured: held while the next plans profile, as in the rounds)
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         phases.append(gathered)
@@ -709,7 +736,7 @@ def _worker(rank: int, world: int, cfg: dict, plans: list[dict]) -> dict:
                     "measured_peak_bytes": max(peaks[i]), "measured_peak_bytes_per_rank": peaks[i],
                     "unprimed_peak_bytes": max(first_peaks[i]),
                     "profiled": phases[i], "first_loss": first_loss[i], "last_loss": last_loss[i],
-                    "held_params": held[i],
+                    "held_params": held[i], "grads_held_between_steps": grads_between,
                     "reference_gemm_s": reference, "reference_copy_s": copies})
     return {"records": out, "malloc_env": malloc_env()}
 
@@ -917,9 +944,12 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
               "Where the errors come from. Memory: the model's weights + gradients + optimizer state against the "
               "measured state (the highest rank), its activations + largest transient against what forward added "
               "on top of the state (measured live level at the end of forward, less the state), its optimizer-step "
-              "peak (state + AdamW's scratch: foreach's one temporary per tensor, none fused) against the highest live "
+              "peak (state + AdamW's scratch: foreach's one temporary per tensor; fused, none, but the phase holds the "
+              "end of backward too, with the state + the last summed gradient's second copy, its bucket's, which "
+              "the measurement sees in backward) against the highest live "
               "level during the step, and the phase in "
-              "which the modelled peak falls (end of forward / last layer's backward / optimizer step) against the "
+              "which the modelled peak falls (end of forward / last layer's backward / optimizer step or backward's "
+              "end) against the "
               "one the measured peak fell in (highest live level in forward / backward / optimizer step). Time: the "
               "model's compute (roofline of every op's local work, forward + backward), its optimizer step and "
               "exposed communication "

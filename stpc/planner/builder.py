@@ -28,7 +28,8 @@ last layer's backward, the same saved activations less those only the head's ops
 and the head's ended before it began; ``_Group.bwd_transient``) + the gradients of the head's parameters and of
 the last layer's weights (``_Group.bwd_mem``) + the ZeRO-3 weights gathered again for it
 (``_regather_edges``, memory edges), less the head's kept weights; in the optimizer step, weights
-+ gradients + optimizer state + the optimizer's scratch (``MemoryModel.step_scratch``).
++ gradients + optimizer state + the optimizer's scratch (``MemoryModel.step_scratch``), a phase
+that holds the end of backward too (every gradient made, the last summed one twice for a moment).
 
 Under ``Hints.recompute == "full"`` (``passes.recompute``: every layer's forward replayed
 in backward) an op inside a layer also pays its forward again (``NodeTimer.forward``;
@@ -302,7 +303,9 @@ class Builder:
                     cost = [optimizer_step_time(self.cm.device, val.numel() / w, self.memory.layout,
                                                  self.memory.optimizer_impl) for w in shards]
                     # ... with its scratch beside the whole state (``MemoryModel.step_scratch``)
-                    scratch = [self.memory.step_scratch(val.numel() / w) for w in shards]
+                    # (and at backward's end a reduced gradient's second copy: replicated on an axis)
+                    scratch = [self.memory.step_scratch(val.numel() / w, any(
+                        t == REPLICATE and n > 1 for t, n in zip(p, self.mesh))) for p, w in zip(choices, shards)]
                     step = ([m + s for m, (s, _) in zip(mem, scratch)], [t for _, t in scratch])
                 else:
                     step = (mem, [0.0] * len(choices))

@@ -599,7 +599,8 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
             lines.append("  the peak is at the end of forward, all of these alive at once: they add up to it")
         else:
             lines += [
-                f"  optimizer scratch {_bytes(bd['step_scratch_bytes']):>9}  the optimizer step's temporaries",
+                f"  optimizer scratch {_bytes(bd['step_scratch_bytes']):>9}  the optimizer step's temporaries (under fused "
+                "AdamW none: there the last summed gradient's second copy at backward's end)",
                 f"  end of forward {_bytes(bd['forward_peak_bytes']):>12}  parameters + optimizer + activations + "
                 "transient" + (" + gradients" if bd.get("forward_grad_bytes") else " (zero_grad freed the gradients)"),
                 f"  head's gradients {_bytes(bd.get('head_backward_peak_bytes', 0.0)):>10}  the end of forward less "
@@ -609,7 +610,7 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
                 "that layer's largest working set for the transient + the gradients the head and the last layer "
                 "compute + ZeRO-3 weights gathered again for it",
                 f"  optimizer step {_bytes(bd['step_peak_bytes']):>12}  parameters + gradients + optimizer + "
-                "optimizer scratch (activations are freed)",
+                "optimizer scratch (activations are freed; or backward's end, the same state)",
                 "  the peak is the largest phase: the " + _peak_phase(bd)]
     lines += ["", "per distinct layer, each matmul-like op: module, node, strategy ([family@axis] operand "
                   "placements -> output placement, a token per mesh axis),",
