@@ -14,7 +14,7 @@ import stpc
 from stpc import models
 from stpc.cost_models import CostModel, bytes_per_param, get_cluster
 from stpc.planner import Hints, Plan, plan_graph, search
-from stpc.planner.summary import SHOWN_OPS, breakdown, strategy_label
+from stpc.planner.summary import SHOWN_OPS, strategy_label
 
 
 def _trace(name, batch=8, seq=64, layers=None):
@@ -59,21 +59,6 @@ def _parts_add_up(bd, plan):
     # (8 B of state per element in fp32-adam, 12 B in mixed-adam: fp32 master, m, v)
     state_b = (8, 12) if plan.solved is None else (bytes_per_param(plan.solved.b.memory.layout)[2],)
     assert any(bd["step_scratch_bytes"] == pytest.approx(bd["optimizer_bytes"] * 4 / o, abs=64) for o in state_b)
-
-
-def test_fused_adamw_step_phase_is_backwards_end_with_the_tables_gradient_twice():
-    """Under fused AdamW (no scratch) the step phase is the end of backward: the state + the
-    largest summed gradient once more, as the reducer copies it into its bucket; on a data-parallel
-    plan of GPT, the tied token table's (the largest parameter, its gradient completed last). A
-    plan whose parameters are all split over the one axis sums none and holds no second copy."""
-    tg = _trace("gpt-tiny", layers=2)
-    bd = breakdown(search(tg, (2,), "cpu-local", hints="dp", optimizer_impl="fused"))
-    table = max(p.numel() for p in models.build("gpt-tiny", n_layers=2).parameters())
-    assert bd["step_scratch_bytes"] == pytest.approx(4 * table, abs=64)
-    assert bd["step_peak_bytes"] == pytest.approx(bd["weight_bytes"] + bd["grad_bytes"] + bd["optimizer_bytes"]
-                                                  + 4 * table, abs=64)
-    foreach = breakdown(search(tg, (2,), "cpu-local", hints="dp", optimizer_impl="foreach"))
-    assert foreach["step_scratch_bytes"] == pytest.approx(foreach["optimizer_bytes"] / 2, abs=64)  # 4 B of 8
 
 
 def test_summary_blocks_ties_and_totals(llama3):
