@@ -147,7 +147,7 @@ class MemoryModel:
         w, g, o = bytes_per_param(self.layout, self.fp32_grad_accum)
         return numel * (w + o) / shards
 
-    def step_scratch(self, numel: float, reduced: bool = False) -> tuple[float, float]:
+    def step_scratch(self, numel: float, reduced: bool = False, tied: bool = False) -> tuple[float, float]:
         """The optimizer step's scratch for a parameter whose optimizer state this device
         holds ``numel`` elements of, as (bytes alive together with every other parameter's,
         bytes alive only while this parameter steps): :func:`adamw_step_transient_bytes`
@@ -164,16 +164,22 @@ class MemoryModel:
         forward), peaks the step's state by a gradient of it. Charged as one more copy of the
         largest reduced gradient (the table's in the built-in models; elsewhere an upper bound
         of the last one's), and only where the step's own scratch does not cover it: under
-        ``"fused"``. Named simplification: a tied table held more than that: the fidelity
-        bench's data-parallel recompute plan (the sixty-first session, `--steps 3` on its
-        profile) held its state, 904.3 MiB, and peaked at 968.3 in backward, two copies of its
-        tied table's 32 MiB gradient above it, where this charges one (936.3, -3.3%): autograd
-        sums its two readers' gradients out of place, the two and their sum alive at once."""
+        ``"fused"``. A tied parameter (``tied``: one tensor read under two names, a GPT's
+        embedding table and its LM head) is there three times at that moment, whether summed
+        over ranks or not: autograd sums its two readers' gradients out of place, the two and
+        their sum alive at once, before the bucket's copy (the fidelity bench's data-parallel
+        recompute plan, sixty-first session: its state 904.3 MiB, its peak in backward 968.3,
+        two copies of the tied table's 32 MiB gradient above it; a profile of the same GPT cut
+        to one layer showed the ``aten::add`` under ``EmbeddingBackward0``), so it is charged
+        two copies. Named simplification: a ZeRO-sharded tied parameter's readers sum their
+        gradients at the size they read it, gathered, before the reduce-scatter; charged at the
+        size stored."""
         if self.optimizer_impl == "foreach":  # every parameter's 4 B at once: more than one gradient
             return 4.0 * numel, 0.0
-        if self.optimizer_impl == "single":  # 8 B of one parameter: more than its gradient
+        if self.optimizer_impl == "single":  # 8 B of one parameter: two of its fp32 gradients
             return 0.0, 8.0 * numel
-        return 0.0, (numel * bytes_per_param(self.layout, self.fp32_grad_accum)[1] if reduced else 0.0)
+        copies = 2 if tied else 1 if reduced else 0
+        return 0.0, copies * numel * bytes_per_param(self.layout, self.fp32_grad_accum)[1]
 
     @property
     def bytes_per_param(self) -> int:

@@ -18,8 +18,9 @@ from stpc.cli import bench
 from stpc.cli._stats import sign_test_p
 from stpc.cli.bench_fidelity import (DEFAULT_PLANS, KNOWN_PLANS, _profile_step, arrival_skew, json_records, judge,
                                      kendall_tau, machine_speed, notes, other_ops, param_mismatches, plan_spec,
-                                     reference_copy_s, reference_gemm_s, rel_error, report, separated_pairs, stale_profile,
-                                     waits_ns)
+                                     outermost_ns, reference_copy_s, reference_gemm_s, rel_error, report,
+                                     separated_pairs, stale_profile, waits_ns)
+from stpc.cli.bench_fidelity import _RING_OP
 from stpc.cli.bench_runtime import StpcEngine, _peak_of_step, _step
 from stpc.frontend import models
 from stpc.runtime.launch import spawn
@@ -274,6 +275,20 @@ def test_waits_ns_keeps_the_outermost_waits_of_one_thread_in_order():
     assert waits_ns(events, 2) == [[20, 80]] and waits_ns(events, 3) == []
 
 
+def test_ring_ops_whole_are_their_outermost_events():
+    """The ring ops' wall time in a step: a forward op and backward's autograd node, each once
+    (the kernel the node runs inside it, not again); their GEMMs inside them; other ops not."""
+    events = [_Event("stpc::primepar_linear", 10, 40), _Event("aten::mm", 12, 30),
+              _Event("GeneratedBackwardFor_stpc_primepar_linear_default", 100, 160),
+              _Event("stpc::primepar_linear_backward", 101, 159), _Event("aten::mm", 110, 150),
+              _Event("stpc::ring_allgather_matmul", 200, 230), _Event("stpc::ring_matmul_reducescatter", 240, 250),
+              _Event("stpc::ring_matmul_reducescatter", 300, 330, thread=2),
+              _Event("aten::linear", 400, 500)]
+    got = outermost_ns(events, _RING_OP, 1)
+    assert got == [[10, 40], [100, 160], [200, 230], [240, 250]]
+    assert sum(e - s for s, e in got) == 30 + 60 + 30 + 10
+
+
 def _late_rank(rank: int, world: int, late_s: float) -> list:
     """Two all-reduces, each waited on at once; rank 1 reaches the second ``late_s`` late."""
     x = torch.ones(1024)
@@ -430,6 +445,7 @@ def test_phase_split_peak_is_bench_runtimes_peak():
     assert got["forward_end_bytes"] > got["start_bytes"] - sum(p.numel() * 4 for p in model.parameters())
     assert got["gemm_s"] > 0 and got["forward_s"] > 0 and got["backward_s"] > 0
     assert got["waits_ns"] == []  # one process, no collective: no meeting
+    assert got["ring_ops_s"] == 0  # and no ring op
     # what forward left alive, per top-level op: the linears' outputs saved for backward among them
     alive = dict(got["forward_alive_by_op"])
     assert any(b > 0 for b in alive.values()) and any("linear" in op or "mm" in op for op in alive)
@@ -473,6 +489,11 @@ def test_end_to_end_tiny(tmp_path):
     fams = {r["plan"]: r["families"] for r in recs}
     assert fams["p2x2"].get("p2x2") and fams["ag_rs"].get("ag_ring") and fams["ag_rs"].get("rs_ring")
     assert fams["grid"].get("p2x2") == fams["p2x2"]["p2x2"]
+    # the ring ops whole, modelled and measured: in the plans that have them, and only there
+    for r in recs:
+        rings = any(k in ("ag_ring", "rs_ring", "p2x2") for k in r["families"])
+        assert (r["predicted_parts"]["ring_ops_s"] > r["predicted_parts"]["exposed_ring_s"]) == rings, r["plan"]
+        assert all((p["ring_ops_s"] > 0) == rings for p in r["profiled"]), r["plan"]
     assert "dp" in recs[0]["layout"]          # the megatron preset's chosen layout is named
     # every plan trained the same model from the same weights
     losses = [r["first_loss"] for r in recs]

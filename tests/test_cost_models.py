@@ -678,17 +678,20 @@ def test_node_and_step_memory():
 def test_step_scratch_holds_the_last_summed_gradients_second_copy_under_fused_adamw():
     """(together, one at a time) bytes of a parameter of 1000 elements this device steps: fused
     AdamW has no scratch, so the phase's one-at-a-time part is backward's end, where a gradient
-    summed over ranks is there twice (autograd's and its bucket's); the other implementations'
-    own scratch already covers it (foreach: every parameter's 4 B at once; single: 8 B)."""
+    summed over ranks is there twice (autograd's and its bucket's), and a tied one three times
+    (its two readers' and their sum); the other implementations' own scratch already covers it
+    (foreach: every parameter's 4 B at once; single: 8 B)."""
     n = 1000
     assert MemoryModel(optimizer_impl="fused").step_scratch(n) == (0.0, 0.0)
     assert MemoryModel(optimizer_impl="fused").step_scratch(n, reduced=True) == (0.0, 4.0 * n)
     assert MemoryModel("mixed-adam", optimizer_impl="fused").step_scratch(n, reduced=True) == (0.0, 4.0 * n)
     assert MemoryModel("mixed-adam", fp32_grad_accum=False, optimizer_impl="fused").step_scratch(
         n, reduced=True) == (0.0, 2.0 * n)
-    for reduced in (False, True):
+    for reduced in (False, True):  # a tied one: its two readers' gradients beside their sum
+        assert MemoryModel(optimizer_impl="fused").step_scratch(n, reduced, tied=True) == (0.0, 8.0 * n)
         assert MemoryModel(optimizer_impl="foreach").step_scratch(n, reduced) == (4.0 * n, 0.0)
         assert MemoryModel(optimizer_impl="single").step_scratch(n, reduced) == (0.0, 8.0 * n)
+        assert MemoryModel(optimizer_impl="single").step_scratch(n, reduced, tied=True) == (0.0, 8.0 * n)
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "gpt-50m", "opt-6.7b", "bloom-7b1", "llama3-8b"])

@@ -404,7 +404,11 @@ def judge(records: list[dict], memory_target: float = MEMORY_TARGET, time_target
 
 _GEMM = re.compile(r"^aten::(mm|addmm_?|bmm|baddbmm_?|_addmm_activation)$|scaled_dot_product|flash_attention")
 _WAIT = "_c10d_functional::wait_tensor"  # a functional collective's wait: where the ranks meet
+_WAIT_OP = re.compile("^" + re.escape(_WAIT) + "$")
 _RING = re.compile(r"^stpc::|^GeneratedBackwardFor_stpc_")   # ring/PrimePar ops: self time = their P2P waits
+# the ring/PrimePar ops whole (their step GEMMs inside): forward, and backward's autograd node
+_RING_OP = re.compile(r"^stpc::(ring_allgather_matmul|ring_matmul_reducescatter|primepar_linear)$"
+                      r"|^GeneratedBackwardFor_stpc_(ring_allgather_matmul|ring_matmul_reducescatter|primepar_linear)")
 _COMM = re.compile(r"gloo|c10d|nccl|wait|all_?gather|reduce_?scatter|all_?reduce|all_to_all|broadcast|send|recv|"
                    r"barrier|isend|irecv", re.I)
 
@@ -540,10 +544,24 @@ def _profile_step(engine: StpcEngine, opt) -> dict:
             ring += s
         elif _COMM.search(a.key):
             comm += s
+    thread = next(e.start_thread_id() for e in events if e.name() == "fidelity::forward")
     out.update({"gemm_s": gemm, "comm_s": comm, "ring_s": ring, "other_s": total - gemm - comm - ring,
+                "ring_ops_s": sum(end - start for start, end in outermost_ns(events, _RING_OP, thread)) / 1e9,
                 "top_ops": sorted(ops, key=lambda t: -t[1])[:12],
-                "waits_ns": waits_ns(events, next(e.start_thread_id() for e in events
-                                                  if e.name() == "fidelity::forward"))})
+                "waits_ns": waits_ns(events, thread)})
+    return out
+
+
+def outermost_ns(events, pattern: re.Pattern, thread: int) -> list[list[int]]:
+    """[start, end] (ns) of the events of profiler thread ``thread`` whose names match
+    ``pattern``, in program order, the outermost only (an op that records itself again
+    inside itself, a custom op's autograd wrapper around its kernel, once)."""
+    out: list[list[int]] = []
+    mine = ((e.start_ns(), e.end_ns()) for e in events if pattern.search(e.name()) and e.start_thread_id() == thread)
+    for start, end in sorted(mine, key=lambda t: (t[0], -t[1])):  # (an outer one first at a tie)
+        if out and start < out[-1][1]:
+            continue  # inside the previous one
+        out.append([start, end])
     return out
 
 
@@ -556,13 +574,7 @@ def waits_ns(events, thread: int) -> list[list[int]]:
     records the op again inside itself (its subclass dispatch waiting on the tensor it
     wraps), one meeting. (Host-side: a CUDA wait returns to the host at once, so on GPUs
     these are not where the ranks meet.)"""
-    out: list[list[int]] = []
-    mine = ((e.start_ns(), e.end_ns()) for e in events if e.name() == _WAIT and e.start_thread_id() == thread)
-    for start, end in sorted(mine, key=lambda t: (t[0], -t[1])):  # (an outer one first at a tie)
-        if out and start < out[-1][1]:
-            continue  # inside the previous one
-        out.append([start, end])
-    return out
+    return outermost_ns(events, _WAIT_OP, thread)
 
 
 def arrival_skew(profiled: list[dict]) -> dict | None:
@@ -779,8 +791,8 @@ def contributors(r: dict) -> dict:
     phase_max = {ph: w[f"{ph}_max_bytes"] for ph in ("forward", "backward", "optimizer")}
     peak_phase = max(phase_max, key=phase_max.get)
     prof = r["profiled"]
-    mean = {k: statistics.mean(p[k] for p in prof) for k in ("gemm_s", "comm_s", "ring_s", "other_s", "forward_s",
-                                                             "backward_s", "optimizer_s")}
+    mean = {k: statistics.mean(p.get(k, 0.0) for p in prof)  # (ring_ops_s: not in records before s62)
+            for k in ("gemm_s", "comm_s", "ring_s", "ring_ops_s", "other_s", "forward_s", "backward_s", "optimizer_s")}
     # (the head's gradient reduction and the last layer's backward: both in backward)
     backward = max(pp.get("backward_peak_bytes", 0.0), pp.get("head_backward_peak_bytes", 0.0))
     return {"state_predicted": state_pred, "state_measured": state_meas,
@@ -799,6 +811,7 @@ def contributors(r: dict) -> dict:
             "exposed_predicted_s": pp.get("exposed_s", 0.0),
             "gemm_measured_s": mean["gemm_s"], "comm_measured_s": mean["comm_s"], "ring_measured_s": mean["ring_s"],
             "other_measured_s": mean["other_s"],
+            "ring_ops_predicted_s": pp.get("ring_ops_s", 0.0), "ring_ops_measured_s": mean["ring_ops_s"],
             "optimizer_step_measured_s": r["measured_optimizer_s"], "fwd_bwd_measured_s": r["measured_fwd_bwd_s"],
             "meetings": arrival_skew(prof), "collective_sync_s": r.get("collective_sync_s")}
 
@@ -945,7 +958,8 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
               "measured state (the highest rank), its activations + largest transient against what forward added "
               "on top of the state (measured live level at the end of forward, less the state), its optimizer-step "
               "peak (state + AdamW's scratch: foreach's one temporary per tensor; fused, none, but the phase holds the "
-              "end of backward too, with the state + the last summed gradient's second copy, its bucket's, which "
+              "end of backward too, with the state + the last summed gradient's second copy, its bucket's, or a "
+              "tied table's two readers' gradients beside their sum, which "
               "the measurement sees in backward) against the highest live "
               "level during the step, and the phase in "
               "which the modelled peak falls (end of forward / last layer's backward / optimizer step or backward's "
@@ -955,7 +969,9 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
               "exposed communication "
               "against the profiled step's self CPU time (the mean over ranks; the profiler slows a step a little) "
               "in GEMM and attention kernels, in every other op, in collectives and their waits, and in the ring / "
-              "PrimePar ops' own bodies (their P2P waits), and the measured optimizer step. Where the ranks meet: "
+              "PrimePar ops' own bodies (their P2P waits), and the measured optimizer step; and the ring / PrimePar "
+              "ops whole, their step GEMMs inside: the model's seconds of them (compute and exposed transfers) "
+              "against the profiled step's wall time in them (the mean over ranks). Where the ranks meet: "
               "in the profiled step, every rank's waits on functional collectives (the activations' reshards, the "
               "loss's sums; not a ring's P2P, not the gradient buckets' waits), paired by position across ranks on "
               "the host's clock; a meeting, a wait that held every rank until the last one came (no rank left "
@@ -966,10 +982,11 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
               "one profiled step each.", "",
               "| plan | state MiB model / measured | activations + transient MiB model / forward added, "
               "measured | optimizer step MiB model / measured | peak phase, model (fwd / bwd / opt MiB) | measured peak phase (fwd / bwd / opt MiB) | compute s model | GEMM + attention s | other ops s | "
-              "exposed comm s model | collectives s | ring ops s | optimizer step s model / measured | "
+              "exposed comm s model | collectives s | ring ops s | ring ops whole s model / measured | "
+              "optimizer step s model / measured | "
               "meetings of collective waits | arrival skew s measured / the model's per collective x meetings | "
               "after the last arrival s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         c = contributors(r)
         pm = c["phase_max"]
@@ -981,6 +998,7 @@ def report(cfg: dict, records: list[dict], verdict: dict, machine: str, command:
                      f"({_mib(pm['forward'])} / {_mib(pm['backward'])} / {_mib(pm['optimizer'])}) | "
                      f"{c['compute_predicted_s']:.3f} | {c['gemm_measured_s']:.3f} | {c['other_measured_s']:.3f} | "
                      f"{c['exposed_predicted_s']:.3f} | {c['comm_measured_s']:.3f} | {c['ring_measured_s']:.3f} | "
+                     f"{c['ring_ops_predicted_s']:.3f} / {c['ring_ops_measured_s']:.3f} | "
                      f"{c['optimizer_step_predicted_s']:.3f} / {c['optimizer_step_measured_s']:.3f} | "
                      + _meetings_cells(c) + " |")
     lines += ["", "Per plan, the biggest contributors found:", ""]

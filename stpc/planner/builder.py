@@ -303,9 +303,11 @@ class Builder:
                     cost = [optimizer_step_time(self.cm.device, val.numel() / w, self.memory.layout,
                                                  self.memory.optimizer_impl) for w in shards]
                     # ... with its scratch beside the whole state (``MemoryModel.step_scratch``)
-                    # (and at backward's end a reduced gradient's second copy: replicated on an axis)
+                    # (and at backward's end a reduced gradient's second copy: replicated on an axis;
+                    # a tied one's readers' two gradients beside their sum)
+                    tied = node.name in self.tg.tied_params or node.name in self.tg.tied_params.values()
                     scratch = [self.memory.step_scratch(val.numel() / w, any(
-                        t == REPLICATE and n > 1 for t, n in zip(p, self.mesh))) for p, w in zip(choices, shards)]
+                        t == REPLICATE and n > 1 for t, n in zip(p, self.mesh)), tied) for p, w in zip(choices, shards)]
                     step = ([m + s for m, (s, _) in zip(mem, scratch)], [t for _, t in scratch])
                 else:
                     step = (mem, [0.0] * len(choices))
