@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--blocks", default=",".join(map(str, BLOCKS)),
                     help="GEMMs before the collective, comma-separated (default: %(default)s)")
-    ap.add_argument("--cluster", default="benchmarks/data/calibration_cpu_vm_s50.json",
+    ap.add_argument("--cluster", default="benchmarks/data/calibration_cpu_vm_s61.json",
                     help="the calibration profile whose figures the table sets beside the measurement")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json")
