@@ -16,11 +16,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from stpc.cli import bench
 from stpc.cli._stats import sign_test_p
-from stpc.cli.bench_fidelity import (DEFAULT_PLANS, KNOWN_PLANS, _profile_step, arrival_skew, json_records, judge,
-                                     kendall_tau, machine_speed, notes, other_ops, param_mismatches, plan_spec,
-                                     outermost_ns, reference_copy_s, reference_gemm_s, rel_error, report,
-                                     separated_pairs, stale_profile, waits_ns)
-from stpc.cli.bench_fidelity import _RING_OP
+from stpc.cli.bench_fidelity import (_RING_OP, DEFAULT_PLANS, KNOWN_PLANS, _profile_step, arrival_skew, json_records,
+                                     judge, kendall_tau, machine_speed, notes, other_ops, outermost_ns, param_mismatches,
+                                     plan_spec, reference_copy_s, reference_gemm_s, rel_error, report, separated_pairs,
+                                     stale_profile, waits_ns)
 from stpc.cli.bench_runtime import StpcEngine, _peak_of_step, _step
 from stpc.frontend import models
 from stpc.runtime.launch import spawn

@@ -188,6 +188,8 @@ class Builder:
         self.recompute = self.hints.recompute in ("full", "selective")
         self.selective = self.hints.recompute == "selective"
         self._tied_copies = self.tg.tied_copies()
+        # every name of a tied parameter (its readers' gradients are summed: ``MemoryModel.step_scratch``)
+        self._tied_names = set(self.tg.tied_params) | set(self.tg.tied_params.values())
         self._force_hits: set[int] = set()  # the Hints.force patterns that matched a decision node
         self._layer_bytes = layer_param_bytes(self.graph)
         # a parameter several ops read: its reads in forward order, its modes per choice (``grad_sum``)
@@ -305,9 +307,9 @@ class Builder:
                     # ... with its scratch beside the whole state (``MemoryModel.step_scratch``)
                     # (and at backward's end a reduced gradient's second copy: replicated on an axis;
                     # a tied one's readers' two gradients beside their sum)
-                    tied = node.name in self.tg.tied_params or node.name in self.tg.tied_params.values()
                     scratch = [self.memory.step_scratch(val.numel() / w, any(
-                        t == REPLICATE and n > 1 for t, n in zip(p, self.mesh)), tied) for p, w in zip(choices, shards)]
+                        t == REPLICATE and n > 1 for t, n in zip(p, self.mesh)), node.name in self._tied_names)
+                               for p, w in zip(choices, shards)]
                     step = ([m + s for m, (s, _) in zip(mem, scratch)], [t for _, t in scratch])
                 else:
                     step = (mem, [0.0] * len(choices))
