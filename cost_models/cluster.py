@@ -28,7 +28,9 @@ Overlap and synchronisation figures: ``overlap_slowdown``, how much slower compu
 beside an asynchronous collective (a parameter's: gradient buckets, ZeRO gathers;
 ``cost_models.overlap``; None: the published GPU figure there); ``ring_overlap_slowdown``,
 the same beside a ring step's P2P, which every rank waits on at each step (None: the
-same figure); ``ring_step_overhead_s``, what one step of a ring schedule costs beyond its
+same figure); ``grid_overlap_slowdown``, the same beside a P(2^k x 2^k) op's steps, whose
+blocks go to two grid neighbours at once and whose backward hides two transfers behind
+its last GEMMs (None: ``ring_overlap_slowdown``); ``ring_step_overhead_s``, what one step of a ring schedule costs beyond its
 GEMM and its P2P (launching the step's kernels and waiting on its transfer); and
 ``collective_sync_s``, what a blocking collective on the critical path (an activation's
 reshard) costs beyond its isolated time because the ranks reach it at different moments
@@ -37,7 +39,7 @@ modelled, a named assumption); ``ring_sync_s``, the same for a transfer that run
 after a ring op's backward (the gradient relaid out of a P(2^k x 2^k) op's skewed input
 layout), where the ranks met at the ring's last exchange one step of GEMM before,
 not a whole stretch of compute (None: ``collective_sync_s``). A calibration profile
-measures all five on its machine; the presets name theirs below.
+measures all six on its machine; the presets name theirs below.
 """
 from __future__ import annotations
 
@@ -104,6 +106,7 @@ class Cluster:
     overlap_slowdown: float | None = None
     ring_step_overhead_s: float = RING_STEP_OVERHEAD_S
     ring_overlap_slowdown: float | None = None
+    grid_overlap_slowdown: float | None = None
     collective_sync_s: float = 0.0
     ring_sync_s: float | None = None
     usable_memory_fraction: float = USABLE_MEMORY_FRACTION
@@ -119,9 +122,10 @@ class Cluster:
             raise ValueError(f"Cluster {self.name!r}: nodes and devices_per_node must be >= 1")
         if self.ring_step_overhead_s < 0 or self.collective_sync_s < 0 or any(
                 x is not None and x < 0 for x in (self.overlap_slowdown, self.ring_overlap_slowdown,
-                                                  self.ring_sync_s)):
+                                                  self.grid_overlap_slowdown, self.ring_sync_s)):
             raise ValueError(f"Cluster {self.name!r}: overlap_slowdown, ring_overlap_slowdown, "
-                             f"ring_step_overhead_s, collective_sync_s and ring_sync_s must be >= 0")
+                             f"grid_overlap_slowdown, ring_step_overhead_s, collective_sync_s and ring_sync_s "
+                             f"must be >= 0")
         if not 0 < self.usable_memory_fraction <= 1:
             raise ValueError(f"Cluster {self.name!r}: usable_memory_fraction must be in (0, 1], "
                              f"got {self.usable_memory_fraction}")

@@ -83,6 +83,8 @@ class CostModel:
         self.ring_step_overhead_s = cluster.ring_step_overhead_s
         self.ring_overlap_slowdown = (self.overlap_slowdown if cluster.ring_overlap_slowdown is None
                                       else float(cluster.ring_overlap_slowdown))
+        self.grid_overlap_slowdown = (self.ring_overlap_slowdown if cluster.grid_overlap_slowdown is None
+                                      else float(cluster.grid_overlap_slowdown))
         self.collective_sync_s = cluster.collective_sync_s
         self.ring_sync_s = cluster.collective_sync_s if cluster.ring_sync_s is None else cluster.ring_sync_s
         self.device = cluster.device
@@ -314,23 +316,25 @@ class CostModel:
             return 0.0
         return collective_s + (self.ring_sync_s if after_ring else self.collective_sync_s)
 
-    def ring_step(self, compute_s: float, transfer_s: float) -> float:
+    def ring_step(self, compute_s: float, transfer_s: float, slowdown: float | None = None) -> float:
         """One double-buffered ring step: the longer of its GEMM and its transfer, the
         shorter one running beside it at the ring's overlap slowdown (``overlap``: compute
         beside communication runs slower; on shared CPU cores the two barely overlap at all;
-        ``Cluster.ring_overlap_slowdown``), and the step's own launch/synchronisation
-        overhead (``Cluster.ring_step_overhead_s``). ``transfer_s`` includes the P2P's latency."""
-        s = self.ring_overlap_slowdown
+        ``slowdown``, default ``Cluster.ring_overlap_slowdown``), and the step's own
+        launch/synchronisation overhead (``Cluster.ring_step_overhead_s``). ``transfer_s``
+        includes the P2P's latency."""
+        s = self.ring_overlap_slowdown if slowdown is None else slowdown
         if compute_s > transfer_s:
             return compute_s + s * transfer_s + self.ring_step_overhead_s
         return transfer_s + s * compute_s + self.ring_step_overhead_s
 
-    def ring(self, compute_s: float, transfers_s) -> float:
+    def ring(self, compute_s: float, transfers_s, slowdown: float | None = None) -> float:
         """A ring schedule as the runtime runs it (``runtime.ops.ring``): one step per entry
         of ``transfers_s``, each running ``compute_s`` of GEMMs beside the transfer it
         posted, 0 for a step that moves nothing (a ring of n blocks moves n - 1 of them:
-        the AG ring's last step and the RS ring's first compute on what is there)."""
-        return sum(self.ring_step(compute_s, t) for t in transfers_s)
+        the AG ring's last step and the RS ring's first compute on what is there).
+        ``slowdown``: as :meth:`ring_step`'s (a P(2^k x 2^k) op's: ``grid_overlap_slowdown``)."""
+        return sum(self.ring_step(compute_s, t, slowdown) for t in transfers_s)
 
     # ------------------------------------------------------------------ memory
     @property

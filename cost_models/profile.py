@@ -48,7 +48,10 @@ kept beside them (a clone that size against a copy into a warm buffer, per round
 ``overlap`` (written by ``calibrate`` since it measures it; older profiles lack it and get
 the presets' figures): ``slowdown`` is how much of an asynchronous collective's time
 compute running beside it loses (``cost_models.overlap``: a parameter's gradient bucket or
-gather), ``ring_slowdown`` the same beside a ring step's P2P, ``ring_step_overhead_s`` one
+gather), ``ring_slowdown`` the same beside a ring step's P2P, ``grid_slowdown`` beside a
+P(2^k x 2^k) op's steps, from the ``grid`` probe kept beside it (its forward + backward
+against its GEMMs and transfers alone; profiles measured on ranks that form no grid, or
+before it was measured, lack it: ``ring_slowdown``), ``ring_step_overhead_s`` one
 ring step's time beyond its GEMM and its P2P, and ``collective_sync_s`` what a blocking
 collective after a stretch of compute costs beyond its isolated time (the ranks' skew;
 profiles written before it was measured lack it: 0), ``ring_sync_s`` the same right after
@@ -253,6 +256,7 @@ def load_profile(path: str) -> Cluster:
                    ring_step_overhead_s=float(overlap.get("ring_step_overhead_s", RING_STEP_OVERHEAD_S)),
                    # (profiles written before the two were told apart measured one slowdown, on a ring)
                    ring_overlap_slowdown=overlap.get("ring_slowdown", overlap.get("slowdown")),
+                   grid_overlap_slowdown=overlap.get("grid_slowdown"),  # (None before the grid was probed apart)
                    collective_sync_s=float(overlap.get("collective_sync_s", 0.0)),
                    ring_sync_s=float(overlap["ring_sync_s"]) if "ring_sync_s" in overlap else None,
                    gather_staging=int(p.get("gather_staging", 1)))  # (calibrate runs gloo ranks)

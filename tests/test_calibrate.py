@@ -38,6 +38,9 @@ def test_calibrate_two_ranks_smoke(tmp_path):
     assert ov["long"]["gemm_s"] > 100 * ov["tiny"]["gemm_s"]
     assert (cl.overlap_slowdown, cl.ring_step_overhead_s) == (ov["slowdown"], ov["ring_step_overhead_s"])
     assert cl.ring_overlap_slowdown == ov["ring_slowdown"] >= 0
+    # 4 ranks form a 2x2 grid: the P(2x2) op's own figure, measured on it apart from the ring's
+    assert ov["grid"]["grid"] == 2 and ov["grid"]["op_s"] > ov["grid"]["gemms_s"] > 0
+    assert cl.grid_overlap_slowdown == ov["grid_slowdown"] >= 0
     # the fresh allocation, on CPU ranks: the clone above glibc's mmap cap against a warm copy
     f = prof["fresh_alloc"]
     assert f["clone_s"] > 0 and f["warm_copy_s"] > 0
@@ -174,6 +177,36 @@ def test_amend_measures_the_overlap_probes_again_and_fits_them_as_the_planner_co
     assert got == {k: v for k, v in prof.items() if k != "overlap"}
     cl = get_cluster(path)
     assert (cl.ring_overlap_slowdown, cl.ring_step_overhead_s) == (ov["ring_slowdown"], ov["ring_step_overhead_s"])
+
+
+@pytest.mark.multirank
+def test_amend_measures_the_p2x2_op_into_a_profile_of_a_grid_of_ranks(tmp_path, capsys):
+    """``--amend --probe grid``: stpc's P(2x2) linear, forward + backward, against its GEMMs and
+    its transfers alone on the profile's 4 ranks, read against the profile's ring-step
+    overhead; the planner then prices a P(2x2) op's steps with it. The rest of the profile
+    kept. A profile of 2 ranks forms no grid: refused, with the fix."""
+    from stpc.cost_models import save_profile
+
+    prof = {**_older_profile(), "ranks": 4, "overlap": {"slowdown": 0.5, "ring_slowdown": 2.0,
+                                                         "ring_step_overhead_s": 1e-4}}
+    path = str(tmp_path / "grid.json")
+    save_profile(prof, path)
+    assert main_calibrate(["--amend", path, "--probe", "grid", "--rounds", "2"]) == 0
+    assert "a P(2x2) op's forward + backward" in capsys.readouterr().out
+    got = json.load(open(path))
+    grid = got["overlap"].pop("grid")
+    assert grid["grid"] == 2 and grid["rounds"] == 2 and grid["slowdown"] >= 0
+    assert grid["op_s"] > grid["gemms_s"] > 0 and grid["transfers_s"] > 0
+    assert got["overlap"].pop("grid_slowdown") == grid["slowdown"]
+    assert [(n["probe"], n["ranks"]) for n in got.pop("amended")] == [("grid", 4)]
+    assert got == prof
+    cl = get_cluster(path)
+    assert (cl.grid_overlap_slowdown, cl.ring_overlap_slowdown) == (grid["slowdown"], 2.0)
+    pair = str(tmp_path / "pair.json")
+    save_profile(_older_profile(), pair)
+    assert main_calibrate(["--amend", pair, "--probe", "grid"]) == 1
+    err = capsys.readouterr().err
+    assert "form no P(2^k x 2^k) grid" in err and "Fix:" in err
 
 
 def _amended(tmp_path, probe: str, *flags: str) -> tuple[dict, str]:

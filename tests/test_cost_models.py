@@ -403,6 +403,38 @@ def test_fit_overlap_reads_overhead_from_the_tiny_ring_and_slowdown_from_the_lon
         fit_overlap([ranks[0]])
 
 
+def test_fit_grid_reads_the_p2x2_op_as_the_planner_costs_it():
+    """The P(2x2) probe (``calibrate._grid_times``): the op's forward + backward against its
+    GEMMs and its transfers alone, read as ``CostModel.ring`` costs the op's 3q steps (each
+    its overhead; the moving ones their transfer times the grid's slowdown, the GEMMs
+    outlasting them); per round the slowest rank's parts, then the median over rounds. The
+    overlap fit takes it where every rank ran it, with the tiny ring's overhead."""
+    from stpc.cli.calibrate import fit_grid, fit_overlap
+
+    o, W, q = 2e-4, 4, 2
+    rounds = [(0.140 * f, 0.022 * f, 0.140 * f + s * 0.022 * f + 3 * q * o)
+              for f, s in zip([1.0, 1.5, 1.0, 1.2, 1.0], [1.4, 1.6, 1.5, 9.0, 1.5])]
+    faster = [(g * 0.9, c, g * 0.9 + c) for g, c, _ in rounds]
+    got = fit_grid([rounds, faster, faster, faster], o, W)
+    assert got["slowdown"] == pytest.approx(1.5) and got["grid"] == 2 and got["rounds"] == 5
+    assert got["gemms_s"] == pytest.approx(0.140) and got["transfers_s"] == pytest.approx(0.022)
+    # noise below a free overlap does not make a negative figure
+    assert fit_grid([[(0.14, 0.02, 0.13)]], o, W)["slowdown"] == 0.0
+    with pytest.raises(ValueError, match="no P\\(2\\^k x 2\\^k\\) grid"):
+        fit_grid([rounds], o, 8)
+    tiny = (1e-6, 1e-4, ((W - 1) * (1e-4 + 1e-6 + o) + 1e-6 + o) / W)
+    long = (0.02, 0.004, 0.025)
+    ov = fit_overlap([{"long": long, "tiny": tiny, "grid": rounds}] * W)
+    assert ov["ring_step_overhead_s"] == pytest.approx(o) and ov["grid_slowdown"] == pytest.approx(1.5)
+    assert "grid_slowdown" not in fit_overlap([{"long": long, "tiny": tiny, "grid": None}] * W)
+    # what the planner charges a P(2x2) op with these figures takes the probe's time back
+    cl = dataclasses.replace(get_cluster("cpu-local"), ring_overlap_slowdown=ov["ring_slowdown"],
+                             grid_overlap_slowdown=ov["grid_slowdown"], ring_step_overhead_s=o)
+    cm = CostModel(cl, (W,))
+    g, c = 0.140 / (3 * q), 0.022 / (3 * q - 2)
+    assert cm.ring(g, [c] * (3 * q - 2) + [0.0] * 2, cm.grid_overlap_slowdown) == pytest.approx(0.140 + 1.5 * 0.022 + 3 * q * o)
+
+
 def test_fit_overlap_takes_each_term_per_round_then_the_median():
     # the machine slows between rounds: a round's parts move together, and its terms hold;
     # the medians of the parts, taken apart, would put the drift into the difference

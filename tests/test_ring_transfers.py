@@ -102,7 +102,7 @@ class _Bytes(CostModel):
     def p2p(self, nbytes, axis):
         return float(nbytes)
 
-    def ring_step(self, compute_s, transfer_s):
+    def ring_step(self, compute_s, transfer_s, slowdown=None):
         self.steps.append(transfer_s)
         return 0.0
 
@@ -155,3 +155,42 @@ def test_a_p2x2_linear_moves_in_each_step_the_blocks_its_op_posts():
     assert posted_fwd == [x + w]
     # the op's posts: the backward phase's step, the dI shift, the gradient phase's step, the accumulator
     assert posted_bwd == [out + w, x, x + out, w]
+
+
+def test_calibrates_grid_probe_moves_the_blocks_the_model_charges_a_p2x2_linear():
+    """``calibrate``'s P(2x2) probe times the op's transfers alone step by step
+    (``grid_transfer_steps``) and reads its slowdown against them: the steps must be the
+    ones the planner charges, block for block."""
+    from stpc.cli.calibrate import grid_transfer_steps
+
+    forward, backward = _modelled("p2x2")
+    size = {"x": B * S // 2 * IN // 2 * 4, "w": IN // 2 * OUT // 2 * 4, "o": B * S // 2 * OUT // 2 * 4}
+    probed = [sum(size[b] for b in step) for step in grid_transfer_steps(2)]
+    assert probed == [t for t in forward + backward if t]
+    # q - 1 moving steps in forward and backward, all q of the gradient phase (its last: dW's accumulator)
+    assert len(grid_transfer_steps(4)) == 3 * 4 - 2
+
+
+def test_a_p2x2_linear_pays_the_grids_own_slowdown_and_a_ring_the_rings():
+    """``Cluster.grid_overlap_slowdown`` prices a P(2x2) op's transfers, and only its: an AG
+    ring keeps ``ring_overlap_slowdown``; unset, the grid takes the ring's figure."""
+    import dataclasses
+
+    lin = torch.nn.Linear(IN, OUT, bias=False, device="meta")
+    tg = trace(lin, (torch.empty(B, S, IN, device="meta", requires_grad=True),))
+    node = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.linear.default)
+    strategies = enumerate_strategies(node, (P,))[0]
+    p2x2 = next(s for s in strategies if s.kind == "p2x2")
+    ag = next(s for s in strategies if s.kind == "ag_ring")
+    base = dataclasses.replace(get_cluster("dgx-h100"), ring_overlap_slowdown=2.0)
+
+    def cost(cluster, s):
+        return NodeTimer(node, CostModel(cluster, (P,)), [True, True])(s)
+
+    assert CostModel(base, (P,)).grid_overlap_slowdown == 2.0
+    at = {x: dataclasses.replace(base, grid_overlap_slowdown=x) for x in (0.5, 1.0, 2.0)}
+    assert cost(at[0.5], ag) == cost(base, ag)
+    assert cost(at[2.0], p2x2) == pytest.approx(cost(base, p2x2))
+    # linear in the figure: each moving step adds it times the shorter of its GEMM and transfer
+    assert cost(at[1.0], p2x2) > cost(at[0.5], p2x2)
+    assert cost(at[2.0], p2x2) - cost(at[0.5], p2x2) == pytest.approx(3 * (cost(at[1.0], p2x2) - cost(at[0.5], p2x2)))

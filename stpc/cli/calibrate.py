@@ -57,6 +57,14 @@ planner models):
     the ring's steps but the last, which moves nothing (``CostModel.ring``, as the planner
     costs a ring: :func:`fit_overlap`). Every rank waits on every step, so the figure also
     holds the ranks' skew at each step;
+  - a P(2^k x 2^k) op's steps (``grid_slowdown``, where the ranks form a grid: 4, 16, ...):
+    stpc's own ``primepar_linear`` forward + backward on blocks whose step GEMM is the long
+    ring's, against its 3q step GEMMs alone and its transfers alone, posted step by step as
+    the planner charges them (:func:`grid_transfer_steps`): slowdown = (op - GEMMs - 3q
+    overheads) / transfers (:func:`fit_grid`). On the development VM the two figures
+    differ (2.41 and 1.42 in the s61 profile; likely, not tested apart: its blocks go to two
+    neighbours at once and its backward hides two transfers behind its last GEMMs, where
+    each AG-ring step waits on the one before around the ring);
   - an asynchronous collective beside compute (``slowdown``: a data-parallel gradient
     bucket, a ZeRO gather): an all-reduce of ``ASYNC_BYTES`` issued, a block of
     ``ASYNC_GEMMS`` GEMMs run, the all-reduce waited; against the two alone;
@@ -124,12 +132,14 @@ from stpc.cli._common import TORCH_DTYPES, Failure, Parser, add_flags, verb
 from stpc.cli._progress import Status
 from stpc.cli.calibrate_ops import PROBES, fit_op_slowdown, probe_facts, probe_step
 from stpc.cost_models import DeviceSpec, get_device
+from stpc.cost_models.cluster import RING_STEP_OVERHEAD_S
 from stpc.cost_models.compute import (COPY_OP, FUSED_OPTIMIZER_OP, OPTIMIZER_OP, collective_output_bytes,
                                       fresh_alloc_time, optimizer_step_bytes)
 from stpc.cost_models.profile import (KINDS, device_spec, fit_alpha_beta, fit_bands, fit_gemm_curve, read_profile,
                                       save_profile)
 from stpc.runtime.launch import SpawnTimeout, spawn
-from stpc.runtime.ops import ring_allgather_matmul
+from stpc.runtime.ops import primepar_linear, ring_allgather_matmul
+from stpc.runtime.ops.ring import primepar_peers
 from stpc.runtime.ops.kernels import ring_step_matmul
 from stpc.runtime.reshard import _c10d
 
@@ -350,10 +360,72 @@ def _ring_times(dev, world: int, rows: int, n: int, k: int, window_s: float,
     return [(g, c, ring / world) for g, c, ring in times]
 
 
+def grid_transfer_steps(q: int) -> list[tuple[str, ...]]:
+    """The blocks each transfer step of a P(q x q) linear's forward + backward moves (x: an
+    input block, w: a weight block, o: an output-gradient block), as the planner charges
+    them (``planner.costs.NodeTimer``'s ``p2x2``): q - 1 steps each of the forward (x, w) and
+    the backward (o, w); the gradient phase's first step (x, o) with the dI shift's x, its
+    middle ones (x, o), its last the dW accumulator's w."""
+    return [("x", "w")] * (q - 1) + [("o", "w")] * (q - 1) + [("x", "o", "x")] + [("x", "o")] * (q - 2) + [("w",)]
+
+
+def grid_side(world: int) -> int | None:
+    """q of the P(q x q) grid, q = 2^k >= 2, that ``world`` ranks form; None if they form none."""
+    q = math.isqrt(world)
+    return q if q * q == world and q >= 2 and q & (q - 1) == 0 else None
+
+
+def _grid_times(dev, world: int, rows: int, n: int, k: int, window_s: float,
+                rounds: int) -> list[tuple[float, float, float]] | None:
+    """(GEMMs, transfers, op) seconds of stpc's P(q x q) linear (``runtime.ops.primepar_linear``),
+    forward + backward on blocks x [rows, n], w [n, k], every rank at once: its 3q step GEMMs
+    alone, its transfers alone (:func:`grid_transfer_steps`, each step's blocks posted together
+    to the op's grid neighbours and waited), and the op, in ``rounds`` :func:`_rounds`; None
+    where ``world`` ranks form no such grid."""
+    q = grid_side(world)
+    if q is None:
+        return None
+    x = torch.randn(rows, n, device=dev, requires_grad=True)
+    w = torch.randn(n, k, device=dev, requires_grad=True)
+    do = torch.randn(rows, k, device=dev)
+    blocks = {"x": x.detach(), "w": w.detach(), "o": do}
+    out, di, dw = (torch.empty(rows, k, device=dev), torch.empty(rows, n, device=dev),
+                   torch.empty(n, k, device=dev))
+    (i_to, i_from, _), (w_to, w_from, _) = primepar_peers(dist.get_rank(), q.bit_length() - 1)
+
+    def op():
+        primepar_linear(x, w, dist.group.WORLD, q.bit_length() - 1).backward(do)
+        x.grad = w.grad = None
+
+    def gemms():
+        xs, ws = blocks["x"], blocks["w"]
+        for t in range(q):
+            ring_step_matmul(xs, ws, out, accumulate=t > 0)
+        for t in range(q):
+            ring_step_matmul(do, ws.t(), di, accumulate=t > 0)
+        for t in range(q):
+            ring_step_matmul(xs.t(), do, dw, accumulate=t > 0)
+
+    recv = {(j, name): torch.empty_like(b) for j in range(3) for name, b in blocks.items()}
+
+    def transfers():
+        for step in grid_transfer_steps(q):  # (alternate neighbours, as the op sends its two streams)
+            ops = []
+            for j, name in enumerate(step):
+                to, frm = (i_to, i_from) if j % 2 == 0 else (w_to, w_from)
+                ops += [dist.P2POp(dist.isend, blocks[name], peer=to, tag=j),
+                        dist.P2POp(dist.irecv, recv[j, name], peer=frm, tag=j)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    return _rounds([gemms, transfers, op], dev, window_s, rounds)
+
+
 # Rounds of each overlap probe. At 5, two calibrations of the development VM minutes apart
 # (the fiftieth session) gave ring slowdowns of 1.56 and 2.40, the asynchronous one 1.34 and
 # 1.04, the blocking sync 13.2 and 8.5 ms (a scratch run of stpc::primepar_linear's fwd + bwd
-# on the fidelity GPT's blocks paid 1.8-2.4x its modelled transfers over its GEMMs alone): a
+# on the fidelity GPT's blocks paid 1.8-2.4x its modelled transfers over its GEMMs alone; the
+# grid probe, _grid_times, measures that op's own figure now): a
 # median of five differences of parts on a shared 2-core machine is still one unlucky round
 # from another. At 15, four calibrations that session gave 1.87-2.43, 0.97-1.15, 7.4-12.3 ms.
 OVERLAP_ROUNDS = 15
@@ -506,12 +578,13 @@ def _rounds(fns: list, dev, window_s: float, rounds: int = OVERLAP_ROUNDS) -> li
 
 
 def _overlap(dev, world: int, rounds: int | None = None, window_s: float = 0.2) -> dict:
-    """This rank's ring-step times, long and tiny blocks, and its asynchronous and blocking
-    collective probes (see the module docstring), each a list of ``rounds`` (default
-    ``OVERLAP_ROUNDS``) :func:`_rounds`."""
+    """This rank's ring-step times, long and tiny blocks, its P(q x q) op's (None where the
+    ranks form no grid), and its asynchronous and blocking collective probes (see the module
+    docstring), each a list of ``rounds`` (default ``OVERLAP_ROUNDS``) :func:`_rounds`."""
     rounds = rounds or OVERLAP_ROUNDS
     return {"long": _ring_times(dev, world, *OVERLAP_LONG, window_s, rounds),
             "tiny": _ring_times(dev, world, *OVERLAP_TINY, window_s / 2, rounds),
+            "grid": _grid_times(dev, world, *OVERLAP_LONG, window_s, rounds),
             "probes": _async_and_blocking(dev, rounds)}
 
 
@@ -596,6 +669,9 @@ def fit_overlap(per_rank: list[dict], world: int | None = None) -> dict:
                     "shape": list(OVERLAP_LONG)},
            "tiny": {"gemm_s": med(tiny, 0), "p2p_s": med(tiny, 1), "ring_step_s": med(tiny, 2),
                     "shape": list(OVERLAP_TINY)}}
+    if all(r.get("grid") for r in per_rank):
+        out["grid"] = fit_grid([r["grid"] for r in per_rank], overhead, W)
+        out["grid_slowdown"] = out["grid"]["slowdown"]
     if all("probes" in r for r in per_rank):
         rounds = slowest("async", "probes")
         out["slowdown"] = statistics.median(max(0.0, (both - max(g, c)) / min(g, c)) for g, c, both in rounds)
@@ -631,6 +707,23 @@ def fit_overlap(per_rank: list[dict], world: int | None = None) -> dict:
                              "shape": list(OVERLAP_LONG), "rounds_s": [list(r) for r in rounds],
                              "typical_ring_rounds_s": typical}
     return out
+
+
+def fit_grid(per_rank: list[list[tuple[float, float, float]]], overhead_s: float, world: int) -> dict:
+    """The profile's ``overlap.grid`` from every rank's :func:`_grid_times` rounds, read as the
+    planner costs a P(q x q) op (``CostModel.ring`` with ``grid_overlap_slowdown``): 3q steps,
+    each its GEMM and, where it moves blocks, ``slowdown`` times their transfer beside it
+    (the probe's GEMMs outlast its transfers), and the step's overhead (``overhead_s``, the
+    tiny ring's). So slowdown = (op - GEMMs - 3q overheads) / transfers, per round the slowest
+    rank's parts, at least 0; the median over rounds, each part's too."""
+    q = grid_side(world)
+    if q is None:
+        raise ValueError(f"fit_grid: {world} ranks form no P(2^k x 2^k) grid; it needs 4, 16, 64, ... ranks")
+    rounds = slowest_rounds(per_rank)
+    slowdown = statistics.median(max(0.0, (op - g - 3 * q * overhead_s) / c) for g, c, op in rounds)
+    return {"slowdown": slowdown, "gemms_s": statistics.median(r[0] for r in rounds),
+            "transfers_s": statistics.median(r[1] for r in rounds), "op_s": statistics.median(r[2] for r in rounds),
+            "grid": q, "shape": list(OVERLAP_LONG), "rounds": len(rounds), "rounds_s": [list(r) for r in rounds]}
 
 
 def _worker(rank: int, world: int, task: dict) -> dict | None:
@@ -856,7 +949,9 @@ def _amend_fresh(profile: dict, per_rank: list) -> str:
 def overlap_line(ov: dict) -> str:
     """One line of the profile's ``overlap`` entry (:func:`fit_overlap`)."""
     return (f"overlap: compute beside an asynchronous collective slows by {ov['slowdown']:.2f} of the "
-            f"collective's time, beside a ring step's transfer by {ov['ring_slowdown']:.2f}; a ring step's overhead "
+            f"collective's time, beside a ring step's transfer by {ov['ring_slowdown']:.2f}"
+            + (f", beside a P(2^k x 2^k) op's by {ov['grid_slowdown']:.2f}" if "grid_slowdown" in ov else "")
+            + f"; a ring step's overhead "
             f"{ov['ring_step_overhead_s'] * 1e6:.0f} us; a blocking collective's synchronisation "
             f"{ov.get('collective_sync_s', 0.0) * 1e3:.2f} ms"
             + (f", right after a ring {ov['ring_sync_s'] * 1e3:.2f} ms" if "ring_sync_s" in ov else ""))
@@ -864,6 +959,27 @@ def overlap_line(ov: dict) -> str:
 
 def _measure_overlap(dev, rounds: int | None = None) -> dict:
     return _overlap(dev, dist.get_world_size(), rounds)
+
+
+def _measure_grid(dev, rounds: int | None = None):
+    return _grid_times(dev, dist.get_world_size(), *OVERLAP_LONG, 0.2, rounds or OVERLAP_ROUNDS)
+
+
+def _amend_grid(profile: dict, per_rank: list) -> str:
+    """The P(q x q) op's figure into ``profile["overlap"]``, against the ring step's overhead
+    there (the default's where the profile has none); the rest of the overlap kept."""
+    ov = profile.setdefault("overlap", {})
+    ov["grid"] = fit_grid(per_rank, float(ov.get("ring_step_overhead_s", RING_STEP_OVERHEAD_S)), int(profile["ranks"]))
+    ov["grid_slowdown"] = ov["grid"]["slowdown"]
+    return grid_line(ov["grid"])
+
+
+def grid_line(g: dict) -> str:
+    """One line of the profile's ``overlap.grid`` entry (:func:`fit_grid`)."""
+    return (f"a P({g['grid']}x{g['grid']}) op's forward + backward on {'x'.join(map(str, g['shape']))} blocks: "
+            f"{g['op_s'] * 1e3:.1f} ms against its GEMMs' {g['gemms_s'] * 1e3:.1f} ms and its transfers' "
+            f"{g['transfers_s'] * 1e3:.1f} ms alone: compute beside its transfers slows by {g['slowdown']:.2f} "
+            f"of their time")
 
 
 def _op_times(dev, rounds: int | None = None) -> dict[str, float]:
@@ -973,6 +1089,7 @@ def _size_text(n: int) -> str:
 # and group size it has.
 AMENDABLE = {"batched_gemm": (_batched_block, _amend_batched), "fresh_alloc": (_fresh_alloc, _amend_fresh),
              "collectives": (None, _amend_collectives), "overlap": (_measure_overlap, _amend_overlap),
+             "grid": (_measure_grid, _amend_grid),
              "ops": (_op_times, _amend_ops), "optimizer": (_optimizer_steps, _amend_optimizer)}
 # The probes that measure CPU ranks only: a GPU's caching allocator keeps blocks (fresh_alloc),
 # and an op probe this size times its kernel's launch, not the kernel (ops, optimizer).
@@ -981,8 +1098,9 @@ CPU_ONLY = ("fresh_alloc", "ops", "optimizer")
 
 def amendable_probes(backend: str) -> tuple[str, ...]:
     """The probes ``--amend`` measures into a profile of ``backend``'s ranks unless told which:
-    all of them on CPU (gloo) ranks; on GPU (NCCL) ranks all but :data:`CPU_ONLY`."""
-    return tuple(p for p in AMENDABLE if backend == "gloo" or p not in CPU_ONLY)
+    all of them on CPU (gloo) ranks; on GPU (NCCL) ranks all but :data:`CPU_ONLY`; the grid's
+    alone never (the overlap probe measures it too)."""
+    return tuple(p for p in AMENDABLE if p != "grid" and (backend == "gloo" or p not in CPU_ONLY))
 
 
 def amend(path: str, probes=None, timeout_s: float = 600.0, rounds: int | None = None) -> list[str]:
@@ -1000,6 +1118,9 @@ def amend(path: str, probes=None, timeout_s: float = 600.0, rounds: int | None =
     unknown = [p for p in probes if p not in AMENDABLE]
     if unknown:
         raise ValueError(f"unknown probe(s) {unknown}: choose from {sorted(AMENDABLE)}")
+    if "grid" in probes and grid_side(world) is None:
+        raise ValueError(f"{path} was measured on {world} ranks, which form no P(2^k x 2^k) grid: the grid probe "
+                         "runs on 4, 16, 64, ... ranks. Fix: leave it out")
     cpu_only = [p for p in probes if p in CPU_ONLY]
     if cpu_only and backend != "gloo":
         what = f"the {cpu_only[0]} probe measures" if len(cpu_only) == 1 else \

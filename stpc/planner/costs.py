@@ -385,13 +385,14 @@ class NodeTimer:
             # (fwd: I and W; bwd: dO and W; grad: I and dO). The gradient phase's first step
             # also carries the dI shift (one x block to a third neighbour, posted as the phase
             # begins), its last the dW accumulator (a weight block, beside the last GEMM).
-            peers = cm.p2p_to_peers
-            forward = cm.ring(fwd, [peers((x_local, w_local), a)] * (g - 1) + [0.0])
+            # (beside a grid's steps compute slows by the grid's own measured figure)
+            peers, slow = cm.p2p_to_peers, cm.grid_overlap_slowdown
+            forward = cm.ring(fwd, [peers((x_local, w_local), a)] * (g - 1) + [0.0], slow)
             if forward_only:
                 return forward
-            backward = cm.ring(bwd, [peers((out_local, w_local), a)] * (g - 1) + [0.0])
+            backward = cm.ring(bwd, [peers((out_local, w_local), a)] * (g - 1) + [0.0], slow)
             gradient = cm.ring(grad, [peers((x_local, out_local, x_local), a)]
-                               + [peers((x_local, out_local), a)] * (g - 2) + [peers((w_local,), a)])
+                               + [peers((x_local, out_local), a)] * (g - 2) + [peers((w_local,), a)], slow)
             return forward + backward + gradient
         raise ValueError(f"unknown strategy family {s.kind!r}")
 

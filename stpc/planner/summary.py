@@ -75,7 +75,7 @@ class _FreeComm(CostModel):
 
     reduce_scatter = all_reduce = all_to_all = p2p = all_gather
 
-    def ring_step(self, compute_s, transfer_s):  # (a ring step's overhead counts with its transfer)
+    def ring_step(self, compute_s, transfer_s, slowdown=None):  # (a ring step's overhead counts with its transfer)
         return compute_s
 
 
