@@ -16,6 +16,12 @@ runtime must not keep more.
   freed once the exchange is done, on this thread: ``reshard._release``, not where gloo's
   worker drops its reference). Both held three before (the send buffer to the end). The
   least climb of three calls is the one compared (a stray allocation of another thread).
+* a P(2x2) linear's backward (``stpc::primepar_linear``): the working set the memory model
+  charges it (``costs.ring_backward_bytes``), its gradients included, and not a block more.
+  It held two more: the gradients autograd made as zeros for the op's two stashed outputs
+  (non-differentiable, never read), and the backward phase's last weight receive buffer,
+  still named through the gradient phase; both gone (the fidelity bench's p2x2 and grid
+  plans, at the slow test's size, measured 16% over their modelled peak with them).
 """
 from __future__ import annotations
 
@@ -23,11 +29,16 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from stpc import trace
+from stpc.planner.costs import ring_backward_bytes
+from stpc.planner.strategies import enumerate_strategies
 from stpc.runtime.launch import spawn
+from stpc.runtime.ops import primepar_linear
 from stpc.runtime.param_gather import _cut, _holding, _rank_major
 from stpc.runtime.reshard import _grid_block, all_to_all, grid_gather, redistribute, shard_slice
 
 FULL = (8, 12, 16)   # dims 1 and 2 split by the 2 x 2 grid; dim 0 by 4 ranks
+B, S, IN, OUT = 2, 8, 16, 64  # a linear x [B, S, IN] @ W.t(), W [OUT, IN], on a P(2x2) grid of 4
 
 
 def _climb(fn):
@@ -66,6 +77,16 @@ def _worker(rank, world):
     runs = [_climb(lambda: redistribute(block, "B1.2", "S0", name)) for _ in range(3)]
     res["redistribute"] = (all(torch.equal(out, full.chunk(world, 0)[rank]) for out, _ in runs),
                            min(t for _, t in runs), 2 * block.numel() * block.element_size())
+    # a P(2x2) linear's local blocks: x [B*S/2, IN/2], w [IN/2, OUT/2]; its backward's climb
+    x = torch.randn(B * S // 2, IN // 2, requires_grad=True)
+    w = torch.randn(IN // 2, OUT // 2, requires_grad=True)
+    tops = []
+    for _ in range(3):
+        y = primepar_linear(x, w, name, 1)
+        g = torch.ones_like(y)
+        tops.append(_climb(lambda: y.backward(g))[1])
+        x.grad = w.grad = None
+    res["p2x2_backward"] = min(tops)
     return res
 
 
@@ -131,3 +152,14 @@ def test_backward_keeps_a_regathered_buffer_only_while_a_parameter_is_a_view_of_
         views = [f.untyped_storage().data_ptr() == base for f in fulls]
         assert (any(views)) is expect_views, (dims, views)
         assert (_holding(buf, fulls) is buf) is expect_views  # what backward's re-gather keeps of it
+
+
+def test_a_p2x2_linears_backward_holds_what_the_memory_model_charges(results):
+    lin = torch.nn.Linear(IN, OUT, bias=False, device="meta")
+    tg = trace(lin, (torch.empty(B, S, IN, device="meta", requires_grad=True),))
+    node = next(n for n in tg.graph.nodes if n.target is torch.ops.aten.linear.default)
+    s = next(s for s in enumerate_strategies(node, (4,))[0] if s.kind == "p2x2")
+    charged = ring_backward_bytes(node, [s], (4,))[0]
+    for rank, r in enumerate(results):
+        assert r["p2x2_backward"] == charged, (f"rank {rank}: a P(2x2) backward climbed {r['p2x2_backward']} B; "
+                                               f"the memory model charges {charged:.0f} B")

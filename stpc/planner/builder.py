@@ -703,11 +703,12 @@ class Builder:
         keeps the blocks its ring received instead (``stpc::primepar_linear``'s stashes,
         ``costs.stash_bytes``; the fidelity bench's p2x2 plan measured its norms' and GELU's
         outputs not kept), is not held: its bytes at its producer's placement, taken off
-        where its saver takes such a strategy. (A tensor several ops save, such as the norm
-        before q, k and v, stays charged whatever they take: a named simplification.) Not
-        for what only the head saves (its phases free it anyway). Under recomputation, the
-        entry edges of the recomputed layers' checkpoints (``_kept_entry_edges``), and these
-        only for a saver in a layer that is not recomputed (``Hints.recompute_layers``)."""
+        where its saver takes such a strategy. A tensor several ops save, such as the norm
+        before q, k and v, is not held where all of them take one (:meth:`_shared_saved_edges`;
+        without recomputation). Not for what only the head saves (its phases free it anyway).
+        Under recomputation, the entry edges of the recomputed layers' checkpoints
+        (``_kept_entry_edges``), and these only for a saver in a layer that is not recomputed
+        (``Hints.recompute_layers``)."""
         f = self.facts
         out = self._kept_entry_edges() if self.recompute else []
         saved = f.kept_saved if self.recompute else f.saved_uses
@@ -727,6 +728,42 @@ class Builder:
             table = {(pc, 1): -int(round(count * self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh))))
                      for pc, p in enumerate(place)}
             out.append(Edge(it.group, saver.group, tuple(range(len(place))), keeps_blocks, table))
+        return out + ([] if self.recompute else self._shared_saved_edges())
+
+    def _shared_saved_edges(self) -> list[Edge]:
+        """The saved-tensor memory edges of a tensor that n >= 2 ops (of different groups, every
+        one reading it as an operand) save, and that none holds where all of them take a
+        P(2^k x 2^k) strategy (each keeps its own blocks; the fidelity bench's p2x2 plan held
+        none of its q/k/v norms' outputs, 32 MiB its model had charged). Held is B (1 - x_1 ...
+        x_n), x_i = 1 where saver i keeps blocks and B the tensor's bytes at its producer's
+        placement: a product of n choices, which pairwise edges cannot say exactly. They say
+        B (1 - x_1) + B_max x_1 sum_{i >= 2} (1 - x_i): exact where the first saver keeps no
+        blocks and where all of them do, more than B where the first one does and another does
+        not (memory charged, never missed; B_max the largest B over the producer's placements)."""
+        f = self.facts
+        out = []
+        for it, shares in f.savers.items():
+            count = f.saved_uses[it]
+            if not count or f.head_saved[it] or it in f.sole_saver:
+                continue
+            savers = [saver for saver, _ in shares]
+            groups = {saver.group for saver in savers}
+            if (len(groups) != len(savers) or len(savers) < 2 or it.group in groups
+                    or any(saver.kind != "decision" for saver in savers)
+                    or any(abs(share - count / len(savers)) > 1e-9 for share, _ in shares.values())):
+                continue  # (a saver reading it not as an operand, two in one group, or copies of it
+                # in tied layers saved by different ops: left charged)
+            keeps = [tuple(int(s.kind == "p2x2") for s in self.groups[saver.group].strategies) for saver in savers]
+            if not all(any(k) for k in keeps):
+                continue
+            val = it.node.meta["val"]
+            nbytes, place = val.numel() * val.element_size(), self.place[it]
+            held = [int(round(count * self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)))) for p in place]
+            first = savers[0]
+            out.append(Edge(it.group, first.group, tuple(range(len(place))), keeps[0],
+                            {(pc, 1): -b for pc, b in enumerate(held)}))
+            for saver, k in zip(savers[1:], keeps[1:]):
+                out.append(Edge(first.group, saver.group, keeps[0], k, {(1, 0): max(held)}))
         return out
 
     def _kept_entry_edges(self) -> list[Edge]:

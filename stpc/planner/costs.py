@@ -464,9 +464,10 @@ def ring_backward_bytes(node, strategies, mesh) -> list[float]:
     reused), dI and dX (activation blocks), min(q - 1, 2) activation blocks in flight, the
     dW accumulator, the partial received from the neighbour and dW itself (weight blocks):
     its operands' gradients included. 0 for every other family (their backward's working
-    set is their gradients, ``grad_bytes``). The fidelity bench's grid plan measured the
-    head's P(2x2) backward at 80 MiB beside a 16 MiB dO block (this: 62 MiB, the dO block
-    itself the loss's)."""
+    set is their gradients, ``grad_bytes``). What the op's backward allocates, to the byte
+    (``tests/test_reshard_memory.py``; the fidelity bench's grid plan measured the head's at
+    80 MiB, this 62 MiB, until the sixty-third session took off the zeros autograd made for
+    the stashes' gradients and a spent weight receive buffer the gradient phase held)."""
     ops = tensor_operands(node)
     val = node.meta["val"]
     sizes = [o.meta["val"].numel() * o.meta["val"].element_size() for o in ops[:2]]

@@ -492,7 +492,7 @@ def _primepar_linear_backward(
         _wait(works)
         if t < q - 1:
             cur_do, cur_w = do_recv, w_recv
-    del w_bufs, cur_w
+    del w_bufs, cur_w, w_recv  # (w_recv too: the last one named a buffer the gradient phase would hold)
     # now cur_do = dO_{r, c-1} (a receive buffer), the gradient phase's first dO
 
     # ---- the dI shift (dI_{r, r+c-1} belongs to (r, c-1)), hidden behind the gradient phase
@@ -550,6 +550,9 @@ def _pp_setup_context(ctx, inputs, output):
     # the stashed blocks replace x and w: nothing else from the forward is kept
     ctx.save_for_backward(x_stash, w_stash)
     ctx.mark_non_differentiable(x_stash, w_stash)
+    # (their gradients are never read: left undefined, not materialised as zeros, which held
+    # a weight block and an input block beside the backward's own buffers at its peak)
+    ctx.set_materialize_grads(False)
     ctx.group_name, ctx.k = group_name, k
     ctx.x_shape = x.shape
 
