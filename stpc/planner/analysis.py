@@ -340,6 +340,23 @@ class GraphFacts:
                 return i
         return None
 
+    def joint_savers(self, it: Item) -> list[Item] | None:
+        """The ops that save ``it`` together, in ``savers`` order, where each could keep its
+        own blocks of it instead (``Builder._shared_saved_edges``): n >= 2 decision ops of
+        distinct groups, none ``it``'s own, every one reading it as an operand, in equal
+        shares (no copies of it in tied layers saved by different ops), and not the head's
+        alone. None otherwise (then each saver's part of it stays charged)."""
+        count = self.saved_uses[it]
+        shares = self.savers.get(it, {})
+        if not count or self.head_saved[it] or it in self.sole_saver or len(shares) < 2:
+            return None
+        savers = [saver for saver, _ in shares]
+        groups = {saver.group for saver in savers}
+        if (len(groups) != len(savers) or it.group in groups or any(saver.kind != "decision" for saver in savers)
+                or any(abs(share - count / len(savers)) > 1e-9 for share, _ in shares.values())):
+            return None
+        return savers
+
     def _recompute_facts(self, graph, head_nodes):
         """What a plan that recomputes the layers (``passes.recompute``; those of
         ``self.recomputed``) keeps from forward to backward: the tensors an op outside them

@@ -742,17 +742,12 @@ class Builder:
         not (memory charged, never missed; B_max the largest B over the producer's placements)."""
         f = self.facts
         out = []
-        for it, shares in f.savers.items():
-            count = f.saved_uses[it]
-            if not count or f.head_saved[it] or it in f.sole_saver:
-                continue
-            savers = [saver for saver, _ in shares]
-            groups = {saver.group for saver in savers}
-            if (len(groups) != len(savers) or len(savers) < 2 or it.group in groups
-                    or any(saver.kind != "decision" for saver in savers)
-                    or any(abs(share - count / len(savers)) > 1e-9 for share, _ in shares.values())):
+        for it in f.savers:
+            savers = f.joint_savers(it)
+            if savers is None:
                 continue  # (a saver reading it not as an operand, two in one group, or copies of it
                 # in tied layers saved by different ops: left charged)
+            count = f.saved_uses[it]
             keeps = [tuple(int(s.kind == "p2x2") for s in self.groups[saver.group].strategies) for saver in savers]
             if not all(any(k) for k in keeps):
                 continue

@@ -79,7 +79,9 @@ def memory_timeline(plan, tg=None) -> dict:
         val = t.meta["val"]
         nbytes = val.numel() * val.element_size()
         held = MemoryModel.saved_bytes(nbytes, shard_factor(tuple(plan.nodes[t.name].out), mesh))
-        saved[t.name] = held + sum(_read_delta(t, s, held, nbytes, len(savers[t]), facts, plan, mesh) for s in savers[t])
+        joint = None if plan.stats.get("recompute") else facts.joint_savers(it)
+        base = held if joint is None else _jointly_held(it, joint, held, nbytes, plan, sv, mesh)
+        saved[t.name] = base + sum(_read_delta(t, s, held, nbytes, len(savers[t]), facts, plan, mesh) for s in savers[t])
     # ZeRO-2's whole weights, kept for backward, count with the activations (drawn alive from
     # the first op: the model does not place each layer's gather)
     ops, act, tr, alive = [], [], [], float((parts or {}).get("kept_weight_bytes", 0.0))
@@ -96,6 +98,20 @@ def memory_timeline(plan, tg=None) -> dict:
             tr.append(float(working[g]) if kind == "decision" else 0.0)
     out.update(ops=ops, activations=np.array(act), transient=np.array(tr) if sv is not None else None)
     return out
+
+
+def _jointly_held(it, joint, held, nbytes, plan, sv, mesh) -> float:
+    """What the model holds of a tensor several ops save, each of which could keep its own
+    blocks instead (``Builder._shared_saved_edges``): B (1 - x_1) + B_max x_1 sum_{i >= 2}
+    (1 - x_i), x_i = 1 where saver i is P(2^k x 2^k). B_max is the largest over the
+    producer's placements in the solved problem (without it, replicated: the largest a
+    placement can hold)."""
+    x = [plan.nodes[s.node.name].kind == "p2x2" for s in joint]
+    if not x[0]:
+        return held
+    place = sv.b.place[it] if sv is not None else [()]
+    most = max(MemoryModel.saved_bytes(nbytes, shard_factor(tuple(p), mesh)) for p in place)
+    return most * sum(not k for k in x[1:])
 
 
 def _read_delta(t, s, held, nbytes, n, facts, plan, mesh) -> float:
