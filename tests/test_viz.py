@@ -106,6 +106,27 @@ def test_memory_timeline_is_the_memory_model(plans, family):
     assert plan.peak_memory_bytes == max(bd["forward_peak_bytes"], bd["backward_peak_bytes"], bd["step_peak_bytes"])
 
 
+@pytest.mark.parametrize("blocks, rest, rest_may_keep_blocks", [
+    (r"q_proj$", r"(k_proj|v_proj)$", True),    # first saver P(2x2), the others may be: over-charged
+    (r"(k_proj|v_proj)$", r"q_proj$", True),    # first saver not P(2x2): exact
+    (r"q_proj$", r"(k_proj|v_proj)$", False)])  # the others cannot keep blocks: charged whole
+def test_memory_timeline_holds_a_jointly_saved_tensor_as_the_model_does(tg, blocks, rest, rest_may_keep_blocks):
+    """The norm q, k and v save, where some of them keep their own blocks (P(2x2)) and the
+    others read it (spatial): the timeline holds what ``Builder._shared_saved_edges`` charges
+    in each of its cases, so its end of forward is the model's."""
+    from stpc.planner import Hints
+
+    kinds = ("p2x2", "spatial") if rest_may_keep_blocks else ("spatial",)
+    hints = Hints(force=[(blocks, lambda s: s.kind == "p2x2"), (rest, lambda s: s.kind in kinds)], name="mixed")
+    plan = search(tg, (4,), cluster="cpu-local", hints=hints)
+    facts = plan.solved.b.facts
+    joint = [facts.joint_savers(it) for it in facts.savers]
+    mixed = [{plan.nodes[s.node.name].kind for s in j} for j in joint if j is not None]
+    assert {"p2x2", "spatial"} in mixed  # (the solver took spatial where it could take either)
+    tl = viz.memory_timeline(plan)
+    assert _close(tl["activations"][-1], breakdown(plan)["activation_bytes"])
+
+
 def test_memory_figure_panels_and_parts(plans, tmp_path):
     plan = plans["ag_ring"]
     out = tmp_path / "sub" / "mem.png"  # a missing folder is made

@@ -103,13 +103,14 @@ def memory_timeline(plan, tg=None) -> dict:
 def _jointly_held(it, joint, held, nbytes, plan, sv, mesh) -> float:
     """What the model holds of a tensor several ops save, each of which could keep its own
     blocks instead (``Builder._shared_saved_edges``): B (1 - x_1) + B_max x_1 sum_{i >= 2}
-    (1 - x_i), x_i = 1 where saver i is P(2^k x 2^k). B_max is the largest over the
-    producer's placements in the solved problem (without it, replicated: the largest a
-    placement can hold)."""
+    (1 - x_i), x_i = 1 where saver i is P(2^k x 2^k), B_max the largest over the producer's
+    placements; B where a saver has no P(2^k x 2^k) strategy to take (the builder makes no
+    such edges), and without the solved problem (a plan from disk: its strategies unknown)."""
     x = [plan.nodes[s.node.name].kind == "p2x2" for s in joint]
-    if not x[0]:
-        return held
-    place = sv.b.place[it] if sv is not None else [()]
+    if sv is None or not x[0] or not all(any(t.kind == "p2x2" for t in sv.b.groups[s.group].strategies)
+                                          for s in joint):
+        return held  # (a saver that cannot keep blocks: no such edges, the tensor charged whole)
+    place = sv.b.place[it]
     most = max(MemoryModel.saved_bytes(nbytes, shard_factor(tuple(p), mesh)) for p in place)
     return most * sum(not k for k in x[1:])
 
