@@ -743,14 +743,11 @@ class Builder:
         f = self.facts
         out = []
         for it in f.savers:
-            savers = f.joint_savers(it)
-            if savers is None:
-                continue  # (a saver reading it not as an operand, two in one group, or copies of it
-                # in tied layers saved by different ops: left charged)
-            count = f.saved_uses[it]
-            keeps = [tuple(int(s.kind == "p2x2") for s in self.groups[saver.group].strategies) for saver in savers]
-            if not all(any(k) for k in keeps):
+            joint = self.joint_keeps(it)
+            if joint is None:
                 continue
+            savers, keeps = joint
+            count = f.saved_uses[it]
             val = it.node.meta["val"]
             nbytes, place = val.numel() * val.element_size(), self.place[it]
             held = [int(round(count * self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)))) for p in place]
@@ -760,6 +757,18 @@ class Builder:
             for saver, k in zip(savers[1:], keeps[1:]):
                 out.append(Edge(first.group, saver.group, keeps[0], k, {(1, 0): max(held)}))
         return out
+
+    def joint_keeps(self, it) -> tuple[list, list[tuple[int, ...]]] | None:
+        """The savers of ``it`` that :meth:`_shared_saved_edges` relieves together
+        (``GraphFacts.joint_savers``) and, per saver, which of its group's strategies keep
+        their own blocks (1: P(2^k x 2^k)); None where they are not joint savers or one of them
+        has no such strategy (then the tensor stays charged whole)."""
+        savers = self.facts.joint_savers(it)
+        if savers is None:
+            return None  # (a saver reading it not as an operand, two in one group, or copies of
+            # it in tied layers saved by different ops)
+        keeps = [tuple(int(s.kind == "p2x2") for s in self.groups[saver.group].strategies) for saver in savers]
+        return (savers, keeps) if all(any(k) for k in keeps) else None
 
     def _kept_entry_edges(self) -> list[Edge]:
         """Under full recomputation, the memory edges of what a layer's checkpoint keeps beyond

@@ -79,8 +79,9 @@ def memory_timeline(plan, tg=None) -> dict:
         val = t.meta["val"]
         nbytes = val.numel() * val.element_size()
         held = MemoryModel.saved_bytes(nbytes, shard_factor(tuple(plan.nodes[t.name].out), mesh))
-        joint = None if plan.stats.get("recompute") else facts.joint_savers(it)
-        base = held if joint is None else _jointly_held(it, joint, held, nbytes, plan, sv, mesh)
+        # (a plan from disk keeps no problem, so no strategies: such a tensor drawn whole)
+        joint = None if plan.stats.get("recompute") or sv is None else sv.b.joint_keeps(it)
+        base = held if joint is None else _jointly_held(it, joint[0], held, nbytes, plan, sv, mesh)
         saved[t.name] = base + sum(_read_delta(t, s, held, nbytes, len(savers[t]), facts, plan, mesh) for s in savers[t])
     # ZeRO-2's whole weights, kept for backward, count with the activations (drawn alive from
     # the first op: the model does not place each layer's gather)
@@ -102,16 +103,13 @@ def memory_timeline(plan, tg=None) -> dict:
 
 def _jointly_held(it, joint, held, nbytes, plan, sv, mesh) -> float:
     """What the model holds of a tensor several ops save, each of which could keep its own
-    blocks instead (``Builder._shared_saved_edges``): B (1 - x_1) + B_max x_1 sum_{i >= 2}
-    (1 - x_i), x_i = 1 where saver i is P(2^k x 2^k), B_max the largest over the producer's
-    placements; B where a saver has no P(2^k x 2^k) strategy to take (the builder makes no
-    such edges), and without the solved problem (a plan from disk: its strategies unknown)."""
+    blocks instead (``Builder.joint_keeps``, ``Builder._shared_saved_edges``): B (1 - x_1) +
+    B_max x_1 sum_{i >= 2} (1 - x_i), x_i = 1 where saver i is P(2^k x 2^k), B (``held``) at
+    the producer's placement, B_max the largest over its placements."""
     x = [plan.nodes[s.node.name].kind == "p2x2" for s in joint]
-    if sv is None or not x[0] or not all(any(t.kind == "p2x2" for t in sv.b.groups[s.group].strategies)
-                                          for s in joint):
-        return held  # (a saver that cannot keep blocks: no such edges, the tensor charged whole)
-    place = sv.b.place[it]
-    most = max(MemoryModel.saved_bytes(nbytes, shard_factor(tuple(p), mesh)) for p in place)
+    if not x[0]:
+        return held
+    most = max(MemoryModel.saved_bytes(nbytes, shard_factor(tuple(p), mesh)) for p in sv.b.place[it])
     return most * sum(not k for k in x[1:])
 
 
