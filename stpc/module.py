@@ -261,9 +261,10 @@ class Compiled:
 
     def _agree(self, key) -> None:
         """Every call, before any of its communication: the ranks compare the call's
-        signature (one all-gather of a 32-byte digest), so ranks called with different
-        shapes (each compiled, or one new) raise :class:`ShapeMismatch` together instead
-        of running different programs against each other."""
+        signature's digest (one all-reduce of two integers, ``runtime.check_plan_agreement``;
+        the whole digests are all-gathered only where they differ, to name the ranks), so ranks
+        called with different shapes (each compiled, or one new) raise :class:`ShapeMismatch`
+        together instead of running different programs against each other."""
         digest = self._digests.get(key)
         if digest is None:
             digest = self._digests[key] = hashlib.sha256(repr(key).encode()).hexdigest()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from _multirank import make_plan  # noqa: E402
 
-from stpc.runtime import ScheduleMismatch, agreement  # noqa: E402
+from stpc.runtime import PlanMismatch, ScheduleMismatch, agreement  # noqa: E402
 from stpc.runtime.launch import SpawnError, spawn  # noqa: E402
 
 B, S = 4, 16
@@ -169,9 +169,57 @@ def test_every_agreement_collective_takes_the_groups_device(monkeypatch, check):
         seen.append({mine.device.type} | {t.device.type for t in out})
         raise _Gathered
 
+    def all_reduce(t, op=None, group=None):
+        seen.append({t.device.type})
+        raise _Gathered
+
     monkeypatch.setattr(agreement, "_comm_device", lambda group=None: torch.device("meta"), raising=False)  # as cuda
     monkeypatch.setattr(dist, "all_gather", all_gather)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     with pytest.raises(_Gathered):
         check()
     assert seen == [{"meta"}]
+
+
+def _plan_check_against(monkeypatch, others: list[str]):
+    """check_plan_agreement on rank 0 of a world of one that stands for ``1 + len(others)``
+    ranks, the others holding the hashes ``others``: the collectives answer as they would
+    there. Returns the collectives it issued and the error it raised (or None)."""
+    issued = []
+
+    def word(h: str) -> int:
+        return int.from_bytes(bytes.fromhex(h)[:8], "little") >> 2
+
+    def all_reduce(t, op=None, group=None):
+        issued.append("all_reduce")
+        assert op == dist.ReduceOp.MAX and t.dtype == torch.int64 and t.numel() == 2
+        words = [t[0].item()] + [word(h) for h in others]
+        t.copy_(torch.tensor([max(words), -min(words)]))
+
+    def all_gather(out, mine, group=None):
+        issued.append("all_gather")
+        for o, h in zip(out, [bytes(mine.tolist()).hex()] + others):
+            o.copy_(torch.tensor(list(bytes.fromhex(h)), dtype=torch.uint8))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1 + len(others))
+    try:
+        agreement.check_plan_agreement("ab" * 32)
+    except PlanMismatch as e:
+        return issued, str(e)
+    return issued, None
+
+
+def test_plan_agreement_is_one_small_all_reduce_where_the_ranks_agree(world_of_one, monkeypatch):
+    assert _plan_check_against(monkeypatch, ["ab" * 32] * 3) == (["all_reduce"], None)
+
+
+@pytest.mark.parametrize("differs", [[2], [1, 3]], ids=["one rank", "two ranks"])
+def test_plan_agreement_names_the_ranks_that_differ(world_of_one, monkeypatch, differs):
+    """The all-reduce finds that some hash differs; the all-gather that follows (on every rank:
+    all read the same verdict) names the ranks."""
+    issued, error = _plan_check_against(monkeypatch, ["cd" * 32 if r in differs else "ab" * 32 for r in (1, 2, 3)])
+    assert issued == ["all_reduce", "all_gather"], issued
+    assert error is not None and f"ranks {differs}" in error and "Fix:" in error, error

