@@ -110,10 +110,10 @@ def _all_equal(word: int, group=None) -> bool:
     """Whether every rank of ``group`` holds the same ``word`` (0 <= word < 2**62): one
     all-reduce of two integers, the largest word and the largest negated one, so every rank
     reads the same verdict. Two elements, not an all-gather of the digests, because the
-    compiled model runs this check on every call: on 4 ranks of the 2-core development VM gloo
-    all-reduced a tensor of fewer elements than ranks in 0.5-0.9 ms and one of 4 or more in
-    3.5-6.5 ms (its ring's steps, likely; not read from gloo's source), and this check took
-    0.8 ms against the all-gather's 4.3 (8 ranks: 1.7 against 13.3)."""
+    compiled model runs this check on every call and gloo's small collectives cost by their
+    element count against the ranks' (``benchmarks/agreement_check.py``; on 4 ranks of the
+    2-core development VM this check took 2.1 ms against the all-gather's 4.5, on 8 ranks 7.3
+    against 15.0, on 2 a tie)."""
     t = torch.tensor([word, -word], dtype=torch.int64, device=_comm_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     high, low = t.tolist()
