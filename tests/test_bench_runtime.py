@@ -235,3 +235,28 @@ def test_last_losses_say_whether_the_engines_trained_alike():
     assert "DISAGREE" in last_losses(drifted)
     assert "DISAGREE" in last_losses(same + [{"last_loss": float("nan")}])
     assert last_losses(same + [{"first_loss": 1.0}]) == ""
+
+
+def test_each_row_says_whether_its_rounds_separate_the_two_engines():
+    """Beside each ratio of medians, the rounds stpc was faster in and a sign test over them;
+    a missed target says whether the run tells the two apart at all."""
+    from stpc.cli.bench_runtime import report
+    recs = [_rec("data parallel", "stpc", "dp", 1.01, 100), _rec("data parallel", "torch", "ddp", 1.0, 120),
+            _rec("solved", "stpc", "solved", 1.002, 50)]
+    recs[1]["steps_s"] = [1.0] * 20
+    recs[0]["steps_s"] = [1.01] * 20            # slower in every round: separated
+    recs[2]["steps_s"] = [0.99, 1.02] * 10      # a median above DDP's, the rounds split: not separated
+    rows = {r["pair"]: r for r in evaluate(recs)}
+    assert (rows["data parallel"]["rounds_stpc_faster"], rows["data parallel"]["rounds"]) == (0, 20)
+    assert rows["data parallel"]["sign_test_p"] < 1e-5
+    assert (rows["solved"]["rounds_stpc_faster"], rows["solved"]["rounds"]) == (10, 20)
+    assert rows["solved"]["sign_test_p"] == 1.0 and not rows["solved"]["time_met"]
+    cfg = {"model": "m", "layers": 1, "batch": 1, "seq": 1, "ranks": 2, "warmup": 0, "steps": 20}
+    text = report(cfg, recs, "machine", "cmd")
+    assert "| 0 of 20 (1.9e-06) |" in text and "| 10 of 20 (1) |" in text
+    assert text.rstrip().splitlines()[-1] == (
+        "Targets met: 1 of 2 rows. Missed: solved (time 1.002; stpc faster in 10 of 20 rounds, not separated: p 1)")
+    # records without rounds (a JSON from before they were kept): no claim either way
+    del recs[2]["steps_s"]
+    row = {r["pair"]: r for r in evaluate(recs)}["solved"]
+    assert row["rounds"] == 0 and "rounds" not in report(cfg, recs, "machine", "cmd").splitlines()[-1]
