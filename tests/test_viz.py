@@ -229,3 +229,28 @@ def test_plan_cli_plot_writes_the_pictures(tmp_path, capsys):
     for p in written:
         assert open(p, "rb").read(8) == PNG and f"wrote {p}" in printed
     assert "--plot FILE.png" in cli_plan.__doc__  # --help shows the module docstring
+
+
+@pytest.mark.parametrize("rest", [("p2x2",), ("p2x2", "spatial")])
+def test_a_loaded_plan_holds_a_jointly_saved_tensor_as_it_was_planned(tg, rest):
+    """The norm q, k and v save, q forced to P(2x2) and k, v to ``rest``, read from disk (no
+    strategies): the timeline's end of forward is still the model's, as before saving. Before
+    the planner's figure went with the plan, a loaded plan drew that tensor at its producer's
+    placement: above the model where all three keep their own blocks (it holds none), below
+    it where one does not (it charges the largest placement for each such saver)."""
+    from stpc.planner import Hints
+
+    hints = Hints(force=[(r"q_proj$", lambda s: s.kind == "p2x2"),
+                         (r"(k_proj|v_proj)$", lambda s: s.kind in rest)], name="qkv")
+    plan = search(tg, (4,), cluster="cpu-local", hints=hints)
+    joint = plan.stats["jointly_saved_bytes"]
+    assert joint and all(isinstance(v, int) for v in joint.values())
+    assert (set(joint.values()) == {0}) == (rest == ("p2x2",))
+    want = breakdown(plan)["activation_bytes"]
+    assert _close(viz.memory_timeline(plan)["activations"][-1], want)
+    loaded = Plan.from_json(plan.to_json())
+    assert loaded.solved is None and loaded.stats["jointly_saved_bytes"] == joint
+    assert _close(viz.memory_timeline(loaded, tg)["activations"][-1], want)
+    del loaded.stats["jointly_saved_bytes"]  # (a plan saved before the figure was kept)
+    old = viz.memory_timeline(loaded, tg)["activations"][-1]
+    assert old > want * (1 + 1e-6) if rest == ("p2x2",) else old < want * (1 - 1e-6)

@@ -770,6 +770,25 @@ class Builder:
         keeps = [tuple(int(s.kind == "p2x2") for s in self.groups[saver.group].strategies) for saver in savers]
         return (savers, keeps) if all(any(k) for k in keeps) else None
 
+    def jointly_saved_bytes(self, kinds: dict[str, str]) -> dict[str, int]:
+        """What the model holds (per device) of each tensor several ops save jointly
+        (:meth:`joint_keeps`) whose first saver keeps its own blocks, under a plan whose ops
+        take the families ``kinds`` (node name -> strategy kind): B_max x the savers after the
+        first that keep none (:meth:`_shared_saved_edges`' charge, B_max the largest B over
+        the producer's placements). A tensor not named here is held at its producer's
+        placement. Kept in ``plan.stats["jointly_saved_bytes"]``, so a plan read from disk,
+        which keeps no strategies, draws it as it was planned (``viz.memory_timeline``)."""
+        out = {}
+        for it in self.facts.savers:
+            joint = self.joint_keeps(it)
+            if joint is None or kinds.get(joint[0][0].node.name) != "p2x2":
+                continue
+            val = it.node.meta["val"]
+            nbytes = val.numel() * val.element_size()
+            most = max(self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)) for p in self.place[it])
+            out[it.node.name] = int(round(most * sum(kinds.get(s.node.name) != "p2x2" for s in joint[0][1:])))
+        return out
+
     def _kept_entry_edges(self) -> list[Edge]:
         """Under full recomputation, the memory edges of what a layer's checkpoint keeps beyond
         the tensor entering it (``GraphFacts.kept_saved`` counts that one, at its producer's
@@ -1440,6 +1459,8 @@ def make_plan(b: Builder, problem: Problem, sol: Solution, build_time_s: float, 
         sol = replace(sol, choice=choice, objective_ns=sol.objective_ns - saved)
     plan = b.to_plan(sol.choice, sol, problem, {"dtype": dtype, "budget": b.budget, "stats": stats})
     plan.stats["strategy_counts"] = plan.strategy_counts()
+    if not b.recompute:  # (under recomputation no saved tensor is relieved jointly)
+        plan.stats["jointly_saved_bytes"] = b.jointly_saved_bytes({k: n.kind for k, n in plan.nodes.items()})
     plan.attach(b, problem, sol)  # the problem, for plan.explain's re-solves (not serialised, not hashed)
     return plan
 

@@ -25,7 +25,9 @@ every activation, wherever that transient occurs. The x axis is op order, not ti
 plan keeps no per-op forward/backward times.
 
 A plan loaded from disk keeps no problem: without the traced graph only the parts at the
-peak are drawn; with it (``tg=``) the activations too, without transients.
+peak are drawn; with it (``tg=``) the activations too, without transients. A tensor several
+P(2^k x 2^k) ops save jointly is drawn as the planner charged it either way
+(``plan.stats["jointly_saved_bytes"]``, saved with the plan).
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def memory_timeline(plan, tg=None) -> dict:
     mesh = tuple(plan.mesh_shape)
     saved = {}
     savers = saved_savers(tg.graph, facts.rg, facts.params)
+    joint = plan.stats.get("jointly_saved_bytes") or {}
     for t in savers:
         it = facts.node_item.get(t)
         if it is None or it.kind == "param" or not isinstance(t.meta.get("val"), torch.Tensor):
@@ -79,9 +82,9 @@ def memory_timeline(plan, tg=None) -> dict:
         val = t.meta["val"]
         nbytes = val.numel() * val.element_size()
         held = MemoryModel.saved_bytes(nbytes, shard_factor(tuple(plan.nodes[t.name].out), mesh))
-        # (a plan from disk keeps no problem, so no strategies: such a tensor drawn whole)
-        joint = None if plan.stats.get("recompute") or sv is None else sv.b.joint_keeps(it)
-        base = held if joint is None else _jointly_held(it, joint[0], held, nbytes, plan, sv, mesh)
+        # several savers that may keep their own blocks: what the planner charged, kept with
+        # the plan (a plan saved before it was kept: drawn at its producer's placement)
+        base = held if plan.stats.get("recompute") else float(joint.get(it.node.name, held))  # (tied copies: one item)
         saved[t.name] = base + sum(_read_delta(t, s, held, nbytes, len(savers[t]), facts, plan, mesh) for s in savers[t])
     # ZeRO-2's whole weights, kept for backward, count with the activations (drawn alive from
     # the first op: the model does not place each layer's gather)
@@ -99,18 +102,6 @@ def memory_timeline(plan, tg=None) -> dict:
             tr.append(float(working[g]) if kind == "decision" else 0.0)
     out.update(ops=ops, activations=np.array(act), transient=np.array(tr) if sv is not None else None)
     return out
-
-
-def _jointly_held(it, joint, held, nbytes, plan, sv, mesh) -> float:
-    """What the model holds of a tensor several ops save, each of which could keep its own
-    blocks instead (``Builder.joint_keeps``, ``Builder._shared_saved_edges``): B (1 - x_1) +
-    B_max x_1 sum_{i >= 2} (1 - x_i), x_i = 1 where saver i is P(2^k x 2^k), B (``held``) at
-    the producer's placement, B_max the largest over its placements."""
-    x = [plan.nodes[s.node.name].kind == "p2x2" for s in joint]
-    if not x[0]:
-        return held
-    most = max(MemoryModel.saved_bytes(nbytes, shard_factor(tuple(p), mesh)) for p in sv.b.place[it])
-    return most * sum(not k for k in x[1:])
 
 
 def _read_delta(t, s, held, nbytes, n, facts, plan, mesh) -> float:
