@@ -748,15 +748,19 @@ class Builder:
                 continue
             savers, keeps = joint
             count = f.saved_uses[it]
-            val = it.node.meta["val"]
-            nbytes, place = val.numel() * val.element_size(), self.place[it]
-            held = [int(round(count * self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)))) for p in place]
+            held = [int(round(count * b)) for b in self._saved_by_place(it)]
             first = savers[0]
-            out.append(Edge(it.group, first.group, tuple(range(len(place))), keeps[0],
+            out.append(Edge(it.group, first.group, tuple(range(len(held))), keeps[0],
                             {(pc, 1): -b for pc, b in enumerate(held)}))
             for saver, k in zip(savers[1:], keeps[1:]):
                 out.append(Edge(first.group, saver.group, keeps[0], k, {(1, 0): max(held)}))
         return out
+
+    def _saved_by_place(self, it) -> list[float]:
+        """The bytes per device ``it`` takes saved for backward at each of its placements."""
+        val = it.node.meta["val"]
+        nbytes = val.numel() * val.element_size()
+        return [self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)) for p in self.place[it]]
 
     def joint_keeps(self, it) -> tuple[list, list[tuple[int, ...]]] | None:
         """The savers of ``it`` that :meth:`_shared_saved_edges` relieves together
@@ -783,9 +787,7 @@ class Builder:
             joint = self.joint_keeps(it)
             if joint is None or kinds.get(joint[0][0].node.name) != "p2x2":
                 continue
-            val = it.node.meta["val"]
-            nbytes = val.numel() * val.element_size()
-            most = max(self.memory.saved_bytes(nbytes, shard_factor(p, self.mesh)) for p in self.place[it])
+            most = max(self._saved_by_place(it))
             out[it.node.name] = int(round(most * sum(kinds.get(s.node.name) != "p2x2" for s in joint[0][1:])))
         return out
 
