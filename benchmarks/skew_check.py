@@ -9,9 +9,12 @@ reshard) its own time plus the ranks' skew in reaching it: ``Cluster.collective_
 which ``calibrate`` measures after one block of GEMMs, and ``Cluster.ring_sync_s`` where the
 transfer runs right after a P(2^k x 2^k) op's backward, the ranks having met at its last
 exchange (``CostModel.blocking``). This script measures the skew after several lengths of
-compute, and (on 4 ranks) after a P(2x2) op against the same GEMMs as a plain block: how
-the skew depends on the compute since the ranks met, which the model's two figures stand
-for.
+compute, and (on 4 ranks) after a P(2x2) op against the same GEMMs as a plain block, and
+after a LayerNorm kept in the grid layout (``runtime.grid_layer_norm``), whose statistics
+every rank all-gathers before it normalises its block: how the skew depends on the compute
+since the ranks met, which the model's figures stand for (a reshard right after such a norm
+is charged the square-root law of the norm's own compute, ``CostModel.blocking``'s
+``since_meeting_s``).
 
 Each case, every rank at once from a barrier, ``REPS`` calls a window, in interleaved
 rounds (one window of every part a round): the compute alone, the collective alone (a
@@ -36,16 +39,25 @@ import time
 import torch
 import torch.distributed as dist
 
+import stpc
 from stpc.cli.bench import machine_line, write_section
 from stpc.cli.calibrate import OVERLAP_LONG, SYNC_BYTES
+from stpc.cost_models import CostModel, get_cluster
 from stpc.cost_models.profile import read_profile
+from stpc.planner.costs import NodeTimer
+from stpc.planner.strategies import enumerate_strategies
 from stpc.runtime.launch import spawn
+from stpc.runtime.grid_norm import grid_layer_norm
 from stpc.runtime.ops import primepar_linear
 
 BLOCKS = (1, 2, 4, 16)        # GEMMs of OVERLAP_LONG's shape before the collective (--blocks)
 # The P(2x2) op's blocks: the fidelity bench GPT's q/k/v projection on 4 ranks (2048 tokens,
 # d 1024): x [1024, 512] and w [512, 512] per rank, two steps of one 1024 x 512 x 512 GEMM.
 P2X2_BLOCKS = ((1024, 512), (512, 512))
+# The grid LayerNorm's block: the same GPT's norm input on 4 ranks, [2048, 1024] split over
+# the 2x2 grid's rows and columns (B0.1 on the axis of 4)
+GRID_NORM_BLOCK = (1024, 512)
+GRID_NORM_CASE = "grid LayerNorm (statistics all-gathered)"
 REPS = 3
 
 
@@ -76,6 +88,10 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         px, pw = torch.randn(P2X2_BLOCKS[0]), torch.randn(P2X2_BLOCKS[1])
         cases["P(2x2) op, 2 steps"] = lambda: primepar_linear(px, pw, dist.group.WORLD, 1)
         cases["its 2 GEMMs as a block"] = lambda: (torch.mm(px, pw), torch.mm(px, pw))
+        nx = torch.randn(GRID_NORM_BLOCK)
+        nw, nb = torch.ones(GRID_NORM_BLOCK[1] * 2), torch.zeros(GRID_NORM_BLOCK[1] * 2)
+        world_name = dist.group.WORLD.group_name
+        cases[GRID_NORM_CASE] = lambda: grid_layer_norm(nx, nw, nb, 1e-5, world_name)
     out = {name: {"compute": [], "collective": [], "both": []} for name in cases}
     for r in range(cfg["rounds"] + 1):          # (round 0 warms up)
         for name, fn in cases.items():
@@ -103,7 +119,26 @@ def skew_rows(per_rank: list[dict]) -> list[dict]:
     return rows
 
 
-def report(cfg: dict, rows: list[dict], profile: dict | None, machine: str, command: str) -> str:
+def grid_norm_tail_s(cluster: str, ranks: int = 4) -> float | None:
+    """The compute the planner charges a grid LayerNorm of this script's block after its
+    statistics' exchange (``NodeTimer.meeting_tail``: its forward compute, the whole
+    [ranks/2 x 1024 rows, 1024] tensor in B layout on an axis of ``ranks``), on ``cluster``'s
+    cost model; None where the planner gives that layout no such compute."""
+    rows, width = GRID_NORM_BLOCK
+    q = int(ranks ** 0.5)
+    with torch.device("meta"):
+        tg = stpc.trace(torch.nn.LayerNorm(width * q), (torch.empty(rows * q, width * q),))
+    ln = next(n for n in tg.gm.graph.nodes if n.target is torch.ops.aten.layer_norm.default)
+    cm = CostModel(get_cluster(cluster), (ranks,))
+    for s in enumerate_strategies(ln, (ranks,))[0]:
+        if s.out[0][0] == "B":
+            tail = NodeTimer(ln, cm, [True, True, True]).meeting_tail(s)
+            return None if tail is None else tail[0]
+    return None
+
+
+def report(cfg: dict, rows: list[dict], profile: dict | None, machine: str, command: str,
+           norm_tail_s: float | None = None) -> str:
     ov = (profile or {}).get("overlap", {})
     sync, ref = ov.get("collective_sync_s"), ov.get("blocking", {}).get("gemms_typical_s")
     ring_sync = ov.get("ring_sync_s")
@@ -124,7 +159,8 @@ def report(cfg: dict, rows: list[dict], profile: dict | None, machine: str, comm
              "square-root law through the profile's figure ms |",
              "|---|---|---|---|---|"]
     for r in rows:
-        law = f"{sync * math.sqrt(r['compute_s'] / ref) * 1e3:.1f}" if sync is not None and ref else "-"
+        since = norm_tail_s if r["case"] == GRID_NORM_CASE else r["compute_s"]
+        law = f"{sync * math.sqrt(since / ref) * 1e3:.1f}" if sync is not None and ref and since is not None else "-"
         lines.append(f"| {r['case']} | {r['compute_s'] * 1e3:.1f} | {r['skew_s'] * 1e3:.2f} | "
                      f"{r['min_s'] * 1e3:.1f} .. {r['max_s'] * 1e3:.1f} | {law} |")
     by = {r["case"]: r for r in rows}
@@ -135,6 +171,17 @@ def report(cfg: dict, rows: list[dict], profile: dict | None, machine: str, comm
                   + (f"; the profile's `ring_sync_s`, what the model charges a transfer right after a P(2^k x 2^k) "
                      f"op's backward, is {ring_sync * 1e3:.2f} ms (`calibrate`'s after-ring probe: an AG ring of its "
                      f"probe blocks, four steps, then the all-reduce)" if ring_sync is not None else "") + "."]
+    if GRID_NORM_CASE in by:
+        norm = by[GRID_NORM_CASE]
+        lines += ["", f"After the grid LayerNorm (`runtime.grid_layer_norm` on a block of {list(GRID_NORM_BLOCK)} per "
+                  f"rank: its statistics all-gathered over the ranks, every rank waiting there, then its block "
+                  f"normalised; its {norm['compute_s'] * 1e3:.1f} ms hold that exchange) the skew was "
+                  f"{norm['skew_s'] * 1e3:.2f} ms"
+                  + (f". The model charges a reshard of such a norm's output (its skew into a P(2x2) linear's input) "
+                     f"the square-root law of the norm's forward compute as the planner models it, "
+                     f"{norm_tail_s * 1e3:.2f} ms (`NodeTimer.meeting_tail`), not the stretch's "
+                     f"{sync * 1e3:.2f} ms: its row's last column" if norm_tail_s is not None and sync is not None
+                     else "") + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -144,7 +191,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--blocks", default=",".join(map(str, BLOCKS)),
                     help="GEMMs before the collective, comma-separated (default: %(default)s)")
-    ap.add_argument("--cluster", default="benchmarks/data/calibration_cpu_vm_s61.json",
+    ap.add_argument("--cluster", default="benchmarks/data/calibration_cpu_vm_s66.json",
                     help="the calibration profile whose figures the table sets beside the measurement")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json")
@@ -156,7 +203,8 @@ def main(argv=None) -> int:
     res = spawn(_worker, args.ranks, cfg, timeout_s=args.timeout)[0]
     rows = skew_rows(res["per_rank"])
     command = "python benchmarks/skew_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = report(cfg, rows, profile, machine_line(), command.strip())
+    tail = grid_norm_tail_s(args.cluster, args.ranks) if args.cluster and args.ranks == 4 else None
+    text = report(cfg, rows, profile, machine_line(), command.strip(), tail)
     print(text)
     if args.json:
         with open(args.json, "w") as f:

@@ -38,8 +38,12 @@ reshard) costs beyond its isolated time because the ranks reach it at different 
 modelled, a named assumption); ``ring_sync_s``, the same for a transfer that runs right
 after a ring op's backward (the gradient relaid out of a P(2^k x 2^k) op's skewed input
 layout), where the ranks met at the ring's last exchange one step of GEMM before,
-not a whole stretch of compute (None: ``collective_sync_s``). A calibration profile
-measures all six on its machine; the presets name theirs below.
+not a whole stretch of compute (None: ``collective_sync_s``); ``collective_sync_compute_s``,
+the compute after which ``collective_sync_s`` was measured (the typical rank's, in
+``calibrate``'s blocking probe; None: unknown), through which a collective that runs a
+known, short compute after the ranks last met is charged the square-root law of that
+compute (``CostModel.blocking``). A calibration profile measures all seven on its machine;
+the presets name theirs below.
 """
 from __future__ import annotations
 
@@ -109,6 +113,7 @@ class Cluster:
     grid_overlap_slowdown: float | None = None
     collective_sync_s: float = 0.0
     ring_sync_s: float | None = None
+    collective_sync_compute_s: float | None = None
     usable_memory_fraction: float = USABLE_MEMORY_FRACTION
     intra_peer: Link | None = None   # one neighbour's share of the intra-node links (None: all of them)
     # Extra copies of an all-gather's output the backend allocates while it is in flight:
@@ -122,10 +127,11 @@ class Cluster:
             raise ValueError(f"Cluster {self.name!r}: nodes and devices_per_node must be >= 1")
         if self.ring_step_overhead_s < 0 or self.collective_sync_s < 0 or any(
                 x is not None and x < 0 for x in (self.overlap_slowdown, self.ring_overlap_slowdown,
-                                                  self.grid_overlap_slowdown, self.ring_sync_s)):
+                                                  self.grid_overlap_slowdown, self.ring_sync_s)) or (
+                self.collective_sync_compute_s is not None and self.collective_sync_compute_s <= 0):
             raise ValueError(f"Cluster {self.name!r}: overlap_slowdown, ring_overlap_slowdown, "
                              f"grid_overlap_slowdown, ring_step_overhead_s, collective_sync_s and ring_sync_s "
-                             f"must be >= 0")
+                             f"must be >= 0, collective_sync_compute_s > 0")
         if not 0 < self.usable_memory_fraction <= 1:
             raise ValueError(f"Cluster {self.name!r}: usable_memory_fraction must be in (0, 1], "
                              f"got {self.usable_memory_fraction}")

@@ -87,6 +87,7 @@ class CostModel:
                                       else float(cluster.grid_overlap_slowdown))
         self.collective_sync_s = cluster.collective_sync_s
         self.ring_sync_s = cluster.collective_sync_s if cluster.ring_sync_s is None else cluster.ring_sync_s
+        self.collective_sync_compute_s = cluster.collective_sync_compute_s
         self.device = cluster.device
         D = cluster.devices_per_node
         self._axes = []  # per axis: (n, crosses, n_in, n_out)
@@ -306,15 +307,29 @@ class CostModel:
         (``overlap.exposed`` with this model's slowdown; numpy arrays broadcast)."""
         return exposed(comm_s, window_s, self.overlap_slowdown)
 
-    def blocking(self, collective_s: float, after_ring: bool = False) -> float:
+    def blocking(self, collective_s: float, after_ring: bool = False, since_meeting_s: float | None = None) -> float:
         """Seconds a collective of ``collective_s`` adds where every rank waits on it at once
         (an activation's reshard): its own time and the ranks' skew in reaching it
         (``Cluster.collective_sync_s``), or where it runs right after a ring op's backward
         (``after_ring``: the ranks met at the ring's last exchange, one GEMM step before;
-        ``Cluster.ring_sync_s``); 0 for no collective."""
+        ``Cluster.ring_sync_s``); 0 for no collective.
+
+        ``since_meeting_s``: where the ranks of its group met a known compute before (a norm
+        kept in a grid layout all-gathers its statistics, then normalises: a reshard of its
+        output follows that compute), the skew that compute leaves, by the square-root law
+        through the profile's figure (``collective_sync_s * sqrt(since / the compute it was
+        measured after)``, at most ``collective_sync_s``): the ranks' skew grows with the
+        compute since they met, as the skew section of benchmarks/RESULTS.md measures it
+        (``benchmarks/skew_check.py``: after a grid LayerNorm about none, after one GEMM
+        block 5-6 ms, after four 11-13). Without the profile's compute, the full figure."""
         if collective_s <= 0:
             return 0.0
-        return collective_s + (self.ring_sync_s if after_ring else self.collective_sync_s)
+        if after_ring:
+            return collective_s + self.ring_sync_s
+        sync = self.collective_sync_s
+        if since_meeting_s is not None and self.collective_sync_compute_s:
+            sync *= min(1.0, math.sqrt(max(0.0, since_meeting_s) / self.collective_sync_compute_s))
+        return collective_s + sync
 
     def ring_step(self, compute_s: float, transfer_s: float, slowdown: float | None = None) -> float:
         """One double-buffered ring step: the longer of its GEMM and its transfer, the

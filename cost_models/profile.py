@@ -259,6 +259,9 @@ def load_profile(path: str) -> Cluster:
                    grid_overlap_slowdown=overlap.get("grid_slowdown"),  # (None before the grid was probed apart)
                    collective_sync_s=float(overlap.get("collective_sync_s", 0.0)),
                    ring_sync_s=float(overlap["ring_sync_s"]) if "ring_sync_s" in overlap else None,
+                   # (the typical rank's compute before the blocking probe's collective)
+                   collective_sync_compute_s=(float(overlap["blocking"]["gemms_typical_s"])
+                                              if "gemms_typical_s" in overlap.get("blocking", {}) else None),
                    gather_staging=int(p.get("gather_staging", 1)))  # (calibrate runs gloo ranks)
 
 

@@ -152,7 +152,8 @@ def test_order_over_the_pairs_the_measurement_separates():
 
 
 def test_plan_specs():
-    assert DEFAULT_PLANS == ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "grid", "recompute", "selective")
+    assert DEFAULT_PLANS == ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "p2x2_rnorm", "recompute", "selective")
+    assert "grid" in KNOWN_PLANS and "grid" not in DEFAULT_PLANS
     assert plan_spec("recompute", 4)[1].recompute == "full"
     assert plan_spec("selective", 4)[1].recompute == "selective"
     assert (plan_spec("partial", 4, 6)[1].recompute, plan_spec("partial", 4, 6)[1].recompute_layers) == ("full", 3)
@@ -163,7 +164,9 @@ def test_plan_specs():
     assert mesh == (4,) and hints.name == "p2x2"
     mesh, hints = plan_spec("grid", 4)
     assert mesh == (4,) and hints.name == "grid" and len(hints.force) == 2
-    for name in ("p2x2", "grid"):
+    mesh, hints = plan_spec("p2x2_rnorm", 4)
+    assert mesh == (4,) and hints.name == "p2x2_rnorm" and len(hints.force) == 2
+    for name in ("p2x2", "p2x2_rnorm", "grid"):
         with pytest.raises(ValueError, match="axis of 4"):
             plan_spec(name, 8)
     with pytest.raises(ValueError, match="unknown plan"):
@@ -487,7 +490,7 @@ def test_end_to_end_tiny(tmp_path):
     assert any(arrival_skew(r["profiled"]) for r in recs)
     fams = {r["plan"]: r["families"] for r in recs}
     assert fams["p2x2"].get("p2x2") and fams["ag_rs"].get("ag_ring") and fams["ag_rs"].get("rs_ring")
-    assert fams["grid"].get("p2x2") == fams["p2x2"]["p2x2"]
+    assert fams["p2x2_rnorm"].get("p2x2") == fams["p2x2"]["p2x2"]
     # where the modelled peak is backward's end (the step phase: here the megatron plan's, its
     # tied table's two readers' gradients beside their sum, 2 MiB at this size), it is the
     # measured one (charged one copy, as before the sixty-second session, it was 15.9% under)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import statistics
 import warnings
 
@@ -832,3 +834,38 @@ def test_a_transfer_right_after_a_ring_pays_the_skew_of_one_step_not_of_a_stretc
     assert grid_relayout_s(cm, ("W0.1",), w, False) == pytest.approx(base.p2p(w / 4, 0))
     with pytest.raises(ValueError, match="ring_sync_s"):
         dataclasses.replace(cl, ring_sync_s=-1.0)
+
+
+def test_a_collective_a_short_compute_after_the_ranks_met_pays_the_skew_that_compute_leaves():
+    """``since_meeting_s``: where the ranks met a known compute before the collective (a grid
+    norm's statistics exchange, then its normalisation), the skew charged is the square-root
+    law of that compute through the profile's figure, which ``collective_sync_compute_s``
+    says it was measured after, and never more than that figure. Without it, the figure."""
+    cl = get_cluster("primepar-v100")
+    assert cl.collective_sync_compute_s is None
+    skewed = dataclasses.replace(cl, collective_sync_s=8e-3, collective_sync_compute_s=0.1)
+    cm, base = CostModel(skewed, (4,)), CostModel(cl, (4,))
+    assert cm.blocking(2e-3, since_meeting_s=0.025) == pytest.approx(2e-3 + 8e-3 * 0.5)
+    assert cm.blocking(2e-3, since_meeting_s=0.0) == pytest.approx(2e-3)
+    assert cm.blocking(2e-3, since_meeting_s=0.4) == pytest.approx(1e-2)   # (at most the stretch's)
+    assert cm.blocking(2e-3) == pytest.approx(1e-2) and cm.blocking(0.0, since_meeting_s=0.025) == 0.0
+    unknown = CostModel(dataclasses.replace(cl, collective_sync_s=8e-3), (4,))
+    assert unknown.blocking(2e-3, since_meeting_s=0.025) == pytest.approx(1e-2)
+    # a reshard: its forward collective follows the meeting; its backward dual (here after
+    # the P2x2's backward: ring_sync_s, unmeasured: the stretch's) does not
+    nbytes = 8e6
+    step = base.p2p(nbytes / 4, 0)
+    assert axis_reshard(cm, 0, "B0.1", "X0.1", nbytes, True, True, since_meeting_s=0.025) == pytest.approx(
+        2 * step + 4e-3 + 8e-3)
+    assert axis_reshard(cm, 0, "B0.1", "X0.1", nbytes, True, True) == pytest.approx(2 * step + 2 * 8e-3)
+    with pytest.raises(ValueError, match="collective_sync_compute_s"):
+        dataclasses.replace(cl, collective_sync_compute_s=0.0)
+
+
+def test_a_profile_says_what_compute_its_blocking_skew_followed():
+    """``collective_sync_compute_s`` is the typical rank's compute before ``calibrate``'s
+    blocking probe's collective, as the profile recorded it."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data", "calibration_cpu_vm_s66.json")
+    with open(path) as f:
+        blocking = json.load(f)["overlap"]["blocking"]
+    assert get_cluster(path).collective_sync_compute_s == blocking["gemms_typical_s"] > 0

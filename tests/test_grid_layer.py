@@ -91,6 +91,45 @@ def test_the_grid_norm_is_charged_its_two_statistics_exchanges():
     assert timer.forward(by_out[("B1.2",)]) == pytest.approx(timer.forward(by_out[("S1",)]) + stats)
 
 
+def test_a_reshard_right_after_a_grid_norm_pays_the_skew_of_the_norms_compute_alone():
+    """A norm kept in the grid layout all-gathers its statistics, every rank of the axis
+    waiting on it, then normalises its block: the skew of its output into a P(2x2) linear's
+    skewed input runs that compute after the ranks met, and is charged the square-root
+    law of it through the profile's figure (``CostModel.blocking``'s ``since_meeting_s``;
+    measured: benchmarks/skew_check.py's grid LayerNorm row), not a whole stretch's skew.
+    Every other edge (a gelu's output into fc2's skew, the backward duals) is charged as
+    before; where the profile does not say what compute its figure followed, nothing moves."""
+    with torch.device("meta"):
+        m = models.build("gpt-tiny", bias=False)
+    tg = stpc.trace(m, models.example_inputs("gpt-tiny", B, S))
+    stretch = dataclasses.replace(get_cluster("cpu-local"), collective_sync_s=5e-3)
+    met = dataclasses.replace(stretch, collective_sync_compute_s=5e-2)
+    hints = family_hints("p2x2-grid")
+    before, after = (search(tg, (4,), cluster=c, hints=hints) for c in (stretch, met))
+    assert {k: n.describe() for k, n in before.nodes.items()} == {k: n.describe() for k, n in after.nodes.items()}
+    cm = CostModel(met, (4,))
+    nodes = {n.name: n for n in tg.gm.graph.nodes}
+    norms = {k for k, n in after.nodes.items() if nodes[k].target is aten.layer_norm.default}
+    assert norms and all(after.nodes[k].out[0][0] == "B" for k in norms)
+    saved = {}  # per norm: the forward skew it no longer pays
+    for k in norms:
+        strategy = next(s for s in enumerate_strategies(nodes[k], (4,))[0] if list(s.out) == after.nodes[k].out)
+        tail = NodeTimer(nodes[k], cm, [True, True, True]).meeting_tail(strategy)
+        assert tail is not None and 0 < tail[0] < 5e-2
+        saved[k] = 5e-3 * (1 - (tail[0] / 5e-2) ** 0.5)
+    readers = {k for k in after.nodes if any(getattr(a, "name", None) in norms for a in nodes[k].args)}
+    assert readers and all(nodes[k].target is aten.linear.default for k in readers)
+    drop = {k: before.nodes[k].comm_s - after.nodes[k].comm_s for k in after.nodes}
+    # each norm's output skewed once (q, k and v share it: their first reader pays)
+    for k in norms:
+        got = sum(drop[r] for r in readers if nodes[r].args[0].name == k)
+        assert got == pytest.approx(saved[k], rel=1e-6), k
+    assert all(drop[k] == pytest.approx(0.0, abs=1e-12) for k in after.nodes if k not in readers)
+    assert before.modelled_step_time_s - after.modelled_step_time_s == pytest.approx(sum(saved.values()), rel=1e-6)
+    # no figure for the compute the skew was measured after: the stretch's, as before
+    assert search(tg, (4,), cluster=stretch, hints=hints).modelled_step_time_s == before.modelled_step_time_s
+
+
 def _grid_program(model="gpt-tiny"):
     tg, plan = traced_and_plan(model, "4", "p2x2-grid", **({"bias": False} if model == "gpt-tiny" else {}))
     return plan, run_passes(tg.gm, plan)

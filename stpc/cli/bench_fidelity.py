@@ -14,9 +14,16 @@ plan                       mesh                                 how it is obtain
                                                                 the RS ring (the classic pairing)
 ``p2x2``                   ``(N,)`` (an axis of 4: PrimePar's   every linear forced to P(2x2), the rest the
                            2x2 grid)                            solver's choice
-``grid``                   ``(N,)`` (an axis of 4)              every linear P(2x2) and every LayerNorm kept in
-                                                                the grid layout (``runtime.grid_layer_norm``):
-                                                                a layer in grid layout between its linears
+``p2x2_rnorm``             ``(N,)`` (an axis of 4)              every linear P(2x2) and every LayerNorm
+                                                                replicated: each linear's output gathered whole
+                                                                for the norm (the layout the solver took for
+                                                                ``p2x2`` until a reshard right after a grid
+                                                                norm was charged the skew its compute leaves)
+``grid``                   ``(N,)`` (an axis of 4)              optional (``--plans``): every linear P(2x2) and
+                                                                every LayerNorm kept in the grid layout
+                                                                (``runtime.grid_layer_norm``): a layer in grid
+                                                                layout between its linears (on the development
+                                                                VM's profile, the solver's own ``p2x2`` plan)
 ``recompute``              the planner's choice of shape        ``search(hints=Hints(recompute="full"))``:
                                                                 stpc's own plan, every layer recomputed
 ``selective``              the planner's choice of shape        ``Hints(recompute="selective")``: every
@@ -154,15 +161,16 @@ from stpc.frontend import models
 from stpc.planner import Hints, Plan, search
 from stpc.planner.baselines import describe_layout
 from stpc.planner.summary import breakdown
-from stpc.placement import shard_factor
+from stpc.placement import REPLICATE, shard_factor
 from stpc.runtime.launch import spawn
 
 PEAK_STEPS = 3  # profiled steps whose highest peak is the measured one (after a priming step)
 
 MEMORY_TARGET = 0.05   # |predicted - measured| / measured peak, at most, on every plan
 TIME_TARGET = 0.25     # |predicted - measured| / measured step time, at most, on every plan
-DEFAULT_PLANS = ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "grid", "recompute", "selective")
-KNOWN_PLANS = DEFAULT_PLANS + ("partial", "ag_ring", "rs_ring", "dp", "spatial")
+DEFAULT_PLANS = ("megatron", "fsdp-tp", "solved", "ag_rs", "p2x2", "p2x2_rnorm", "recompute", "selective")
+KNOWN_PLANS = DEFAULT_PLANS + ("grid", "partial", "ag_ring", "rs_ring", "dp", "spatial")
+GRID_PLANS = ("p2x2", "p2x2_rnorm", "grid")  # plans that need a mesh axis of 4 (a 2x2 grid)
 
 # The default model: a GPT of d 1024, 4 layers, seq 512 (issue 12's size) at batch 4.
 DEFAULTS = {"model": "gpt-50m", "layers": 4, "d_model": 1024, "heads": 16, "ffn": 4096, "batch": 4, "seq": 512,
@@ -211,13 +219,16 @@ def plan_spec(name: str, n: int, layers: int = DEFAULTS["layers"]):
     if name == "ag_rs":             # the classic pairing (tests/_multirank.family_hints)
         return (n,), Hints(force=[(COLUMN, lambda s: s.kind == "ag_ring"), (ROW, lambda s: s.kind == "rs_ring")],
                            name="ag_rs")
-    if name in ("p2x2", "grid") and n != 4:
+    if name in GRID_PLANS and n != 4:
         raise ValueError(f"the {name} plan needs a mesh axis of 4 devices (--ranks 4)")
     if name in ("ag_ring", "rs_ring", "p2x2"):
         return (n,), Hints(force=[(r"^linear", lambda s, k=name: s.kind == k)], name=name)
     if name == "grid":
         return (n,), Hints(force=[(r"^linear", lambda s: s.kind == "p2x2"),
                                   (r"^layer_norm", lambda s: any(t[0] == "B" for t in s.out))], name=name)
+    if name == "p2x2_rnorm":
+        return (n,), Hints(force=[(r"^linear", lambda s: s.kind == "p2x2"),
+                                  (r"^layer_norm", lambda s: all(t == REPLICATE for t in s.out))], name=name)
     raise ValueError(f"unknown plan {name!r}; known: {', '.join(KNOWN_PLANS)}")
 
 
@@ -1135,7 +1146,7 @@ def main_fidelity(argv: list[str], machine_line, write_section) -> int:
     for p in plans:
         if p not in KNOWN_PLANS:
             ap.error(f"unknown plan {p!r}; known: {', '.join(KNOWN_PLANS)}. Fix: give --plans from those")
-    for p in ("p2x2", "grid"):
+    for p in GRID_PLANS:
         if p in plans and args.ranks != 4:
             ap.error(f"the {p} plan needs a mesh axis of 4 devices. Fix: --ranks 4, or leave {p} out of --plans")
     cfg = {k: getattr(args, k) for k in ("model", "layers", "d_model", "heads", "ffn", "batch", "seq", "ranks",

@@ -162,6 +162,9 @@ class Builder:
                                                 #   key per choice of each consumer)
         self._item_order: dict | None = None    # item -> its place in graph order (read-back)
         self.timers: dict[int, NodeTimer] = {}  # decision group -> its node's timer (overlap windows)
+        # decision item -> per strategy, per axis the compute its forward ends after the ranks
+        # met there (``NodeTimer.meeting_tail``); only items where some strategy has one
+        self.meets: dict = {}
         self._choice_lists: dict = {}           # placement choices by content: one list object each
         # Answers that depend on the cost model and their keys alone, kept in its memo for
         # every problem built on it (a search's families and hints on one mesh shape:
@@ -407,6 +410,10 @@ class Builder:
         self._open_group(it, strategies, cost, mem, tr)
         self.place[it] = place
         self.timers[it.group] = timer
+        tails = self._shared_result(("tails", it.signature, id(strategies)),
+                                    lambda: [timer.meeting_tail(s) for s in strategies])
+        if any(t is not None for t in tails):
+            self.meets[it] = tails
         if it in self.facts.head:
             self.groups[it.group].head_mem += self._weight_grad_bytes(it, strategies)
         if it in self.facts.last_layer:
@@ -906,7 +913,8 @@ class Builder:
                 strategies = self.groups[dst.group].strategies
                 keys.append(np.array([index.setdefault((s.ins[i], s.split_axes()), len(index)) for s in strategies]))
             key_list = list(index)
-            producer = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))
+            tails = self.meets.get(sr.src)
+            producer = self._producer_axis_classes(place, tails)
             replayed = self.recompute and any((sr.src, d, i) in self.facts.replayed_edges for d, i in sr.uses)
             axes, seconds = [], np.zeros((len(place), len(key_list)))
             for a in range(len(self.mesh)):
@@ -914,12 +922,14 @@ class Builder:
                 kcls, kkeys = _classes([(ins[a], split[a]) for ins, split in key_list])
                 sig = self.cm.axis_signature(a)
                 table = np.zeros((len(ukeys), len(kkeys)))
-                for pc, (tok, sf) in enumerate(ukeys):
+                for pc, ukey in enumerate(ukeys):
+                    (tok, sf), since = ukey if tails is not None else (ukey, None)
                     for qc, (q, split) in enumerate(kkeys):
-                        k = (sig, tok, q, nbytes / sf, split, rg, replayed)
+                        k = (sig, tok, q, nbytes / sf, split, rg, replayed, since)
                         c = self._reshard.get(k)
                         if c is None:
-                            c = self._reshard[k] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg, replayed)
+                            c = self._reshard[k] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg, replayed,
+                                                                since)
                         table[pc, qc] = c
                 if not table.any():
                     continue
@@ -959,9 +969,11 @@ class Builder:
             return self._shared_result(key, lambda: self._param_edge(place, nbytes, layer, rg, strategies, i, win,
                                                                      inline, kept, roles, saves))
         replayed = self.recompute and (src, dst, i) in self.facts.replayed_edges
-        key = ("edges", id(place), nbytes, rg, id(strategies), i, replayed)
+        tails = self.meets.get(src)
+        key = ("edges", id(place), nbytes, rg, id(strategies), i, replayed, id(tails))
         return self._shared_result(key, lambda: [
-            e for e in (self._axis_edge(place, nbytes, rg, strategies, i, a, replayed) for a in range(len(self.mesh)))
+            e for e in (self._axis_edge(place, nbytes, rg, strategies, i, a, replayed, tails)
+                        for a in range(len(self.mesh)))
             if e[2]])
 
     def _windows(self, dst: Item, i: int) -> list[tuple[float, float]]:
@@ -1080,10 +1092,11 @@ class Builder:
         rows = [(s.ins[i], s.split_axes(), w) for s, w in zip(strategies, win)]
         return [_classes([(p[a], sp[a], w) for p, sp, w in rows]) for a in range(len(self.mesh))]
 
-    def _axis_edge(self, place, nbytes, rg, strategies, i, a, replayed=False):
+    def _axis_edge(self, place, nbytes, rg, strategies, i, a, replayed=False, tails=None):
         # On axis a the cost sees only the producer's token there and how finely the
-        # other axes cut the tensor, and the consumer's token and work split there.
-        ucls, ucls_keys = self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))[a]
+        # other axes cut the tensor (and, with ``tails``, the compute since the ranks met
+        # there), and the consumer's token and work split there.
+        ucls, ucls_keys = self._producer_axis_classes(place, tails)[a]
         vcls, vcls_keys = self._shared_result(("vcls", id(strategies), i), lambda: self._consumer_classes(
             strategies, i))[a]
         # Edges of many operands see the same class keys on an axis: one table for all.
@@ -1094,21 +1107,24 @@ class Builder:
         if merged is None:
             table = {}
             memo = self._reshard
-            for pc, (tok, sf) in enumerate(ucls_keys):
+            for pc, ukey in enumerate(ucls_keys):
+                (tok, sf), since = ukey if tails is not None else (ukey, None)
                 for qc, (q, split) in enumerate(vcls_keys):
-                    k = (sig, tok, q, nbytes / sf, split, rg, replayed)
+                    k = (sig, tok, q, nbytes / sf, split, rg, replayed, since)
                     c = memo.get(k)
                     if c is None:
-                        c = memo[k] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg, replayed)
+                        c = memo[k] = axis_reshard(self.cm, a, tok, q, nbytes / sf, split, rg, replayed, since)
                     if c:
                         table[(pc, qc)] = c
             merged = self._axis_tables[key] = _merge_classes(len(ucls_keys), len(vcls_keys), table)
         rmap, cmap, table = merged
         return tuple([rmap[c] for c in ucls]), tuple([cmap[c] for c in vcls]), table
 
-    def _producer_classes(self, place):
+    def _producer_classes(self, place, tails=None):
         """Per axis: producers alike on that axis (its token, and how finely the other
-        axes cut the tensor) share a class."""
+        axes cut the tensor) share a class. With ``tails`` (``meets``: per producer choice,
+        per axis the compute since the ranks met there, or None), a class key is
+        ``((token, split), tail)``."""
         memo = self._axis_keys
         rows = []
         for p in place:
@@ -1118,7 +1134,16 @@ class Builder:
                 total = math.prod(f)
                 k = memo[p] = tuple([(t, total // fa) for t, fa in zip(p, f)])
             rows.append(k)
+        if tails is not None:
+            return [_classes([(r[a], t[a] if t is not None else None) for r, t in zip(rows, tails)])
+                    for a in range(len(self.mesh))]
         return [_classes([r[a] for r in rows]) for a in range(len(self.mesh))]
+
+    def _producer_axis_classes(self, place, tails=None):
+        """:meth:`_producer_classes`, once per placement list (and tails)."""
+        if tails is None:
+            return self._shared_result(("ucls", id(place)), lambda: self._producer_classes(place))
+        return self._shared_result(("ucls-met", id(place), id(tails)), lambda: self._producer_classes(place, tails))
 
     def _consumer_classes(self, strategies, i):
         """Per axis: consumers alike on that axis for operand i (the token they need

@@ -146,15 +146,18 @@ def grid_relayout_s(cm: CostModel, placement: tuple[str, ...], nbytes: float, ne
 
 
 def axis_reshard(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
-                 needs_grad: bool, replayed: bool = False) -> float:
+                 needs_grad: bool, replayed: bool = False, since_meeting_s: float | None = None) -> float:
     """Seconds to turn token ``p`` into ``q`` on one axis, forward plus backward dual: an
     activation's, which every rank waits on where it runs (``CostModel.blocking``).
     ``replayed``: inside a recomputed layer, whose forward runs again in backward. Into a
     skewed grid token (X, W: only a P(2^k x 2^k) op reads one), the dual runs where that
     op's backward hands back the gradient, the ranks having met at its last exchange
-    (``after_ring``)."""
+    (``after_ring``). ``since_meeting_s``: the producer's forward ended that many seconds of
+    compute after the ranks of this axis met (``NodeTimer.meeting_tail``): the forward
+    collective is charged the skew that compute leaves."""
     fwd, bwd = axis_reshard_phases(cm, axis, p, q, nbytes, consumer_split, needs_grad)
-    return cm.blocking(fwd) * (2 if replayed else 1) + cm.blocking(bwd, after_ring=q[0] in "XW")
+    return (cm.blocking(fwd, since_meeting_s=since_meeting_s) * (2 if replayed else 1)
+            + cm.blocking(bwd, after_ring=q[0] in "XW"))
 
 
 def reshard_cost(cm: CostModel, src: tuple[str, ...], dst: tuple[str, ...], full_bytes: float,
@@ -279,6 +282,22 @@ class NodeTimer:
                 stats = self.cm.blocking(self.cm.all_gather(self.mesh[a] * rows * per_row * width, a))
                 return stats * (1 if forward_only or not self.needs_bwd else 2)
         return 0.0
+
+    def meeting_tail(self, s: Strategy) -> tuple[float | None, ...] | None:
+        """Per mesh axis, where this node's forward under ``s`` ends a known compute after the
+        ranks of that axis met, that compute's seconds (None on the other axes); None where
+        it ends after no meeting. A norm kept in a grid layout (``runtime.grid_layer_norm``,
+        ``grid_rms_norm``) all-gathers its per-row statistics over the axis of its B token,
+        every rank waiting on it, then normalises its block: a reshard of its output follows
+        that normalisation only. Charged as the node's whole forward compute there (the
+        statistics' own pass before the exchange included: an upper bound)."""
+        if self.node.target not in _GRID_NORM_STATS or s.kind not in ("spatial", "replicate-fallback"):
+            return None
+        for a, tok in enumerate(s.out):
+            if tok[0] == "B" and self.mesh[a] > 1:
+                fwd = self.phases(_work_split(s, self.mesh))[0]
+                return tuple(fwd if b == a else None for b in range(len(self.mesh)))
+        return None
 
     def _grid_loss_statistics(self, s: Strategy) -> float:
         """A cross-entropy reading its logits in a grid layout (``runtime.grid_cross_entropy``)
