@@ -320,8 +320,8 @@ class CostModel:
         through the profile's figure (``collective_sync_s * sqrt(since / the compute it was
         measured after)``, at most ``collective_sync_s``): the ranks' skew grows with the
         compute since they met, as the skew section of benchmarks/RESULTS.md measures it
-        (``benchmarks/skew_check.py``: after a grid LayerNorm about none, after one GEMM
-        block 5-6 ms, after four 11-13). Without the profile's compute, the full figure."""
+        (``benchmarks/skew_check.py``: on the development VM, after a grid LayerNorm under a
+        millisecond, after one GEMM block about 5 ms, after four about 12). Without the profile's compute, the full figure."""
         if collective_s <= 0:
             return 0.0
         if after_ring:
