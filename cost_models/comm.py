@@ -321,7 +321,8 @@ class CostModel:
         measured after)``, at most ``collective_sync_s``): the ranks' skew grows with the
         compute since they met, as the skew section of benchmarks/RESULTS.md measures it
         (``benchmarks/skew_check.py``: on the development VM, after a grid LayerNorm under a
-        millisecond, after one GEMM block about 5 ms, after four about 12). Without the profile's compute, the full figure."""
+        millisecond, after one GEMM block about 5 ms, after four about 12). Without the
+        profile's compute, the full figure."""
         if collective_s <= 0:
             return 0.0
         if after_ring:
