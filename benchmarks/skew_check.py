@@ -121,9 +121,10 @@ def skew_rows(per_rank: list[dict]) -> list[dict]:
 
 def grid_norm_tail_s(cluster: str, ranks: int = 4) -> float | None:
     """The compute the planner charges a grid LayerNorm of this script's block after its
-    statistics' exchange (``NodeTimer.meeting_tail``: its forward compute, the whole
-    [ranks/2 x 1024 rows, 1024] tensor in B layout on an axis of ``ranks``), on ``cluster``'s
-    cost model; None where the planner gives that layout no such compute."""
+    statistics' exchange (``NodeTimer.meeting_tail``: its forward compute; the whole tensor,
+    ``GRID_NORM_BLOCK`` times the grid's side in each dim, in B layout on an axis of
+    ``ranks``), on ``cluster``'s cost model; None where the planner gives that layout no
+    such compute."""
     rows, width = GRID_NORM_BLOCK
     q = int(ranks ** 0.5)
     with torch.device("meta"):
@@ -181,9 +182,9 @@ def report(cfg: dict, rows: list[dict], profile: dict | None, machine: str, comm
                   f"normalised; its {norm['compute_s'] * 1e3:.1f} ms hold that exchange) the skew was "
                   f"{norm['skew_s'] * 1e3:.2f} ms"
                   + (f". The model charges a reshard of such a norm's output (its skew into a P(2x2) linear's input) "
-                     f"the square-root law of the norm's forward compute as the planner models it, "
-                     f"{norm_tail_s * 1e3:.2f} ms (`NodeTimer.meeting_tail`), not the stretch's "
-                     f"{sync * 1e3:.2f} ms: its row's last column" if norm_tail_s is not None and sync is not None
+                     f"the square-root law of the norm's forward compute as the planner models it "
+                     f"({norm_tail_s * 1e3:.2f} ms, `NodeTimer.meeting_tail`): its row's last column, not the "
+                     f"stretch's {sync * 1e3:.2f} ms" if norm_tail_s is not None and sync is not None
                      else "") + "."]
     return "\n".join(lines) + "\n"
 
