@@ -11,13 +11,14 @@ is when the gradients go out; this script times each one alone, with the bench's
 (``stpc.cli.bench_runtime.timed_step``), interleaved in one run so the machine's drift hits
 all alike:
 
-* the gradient buckets. stpc's reducer allocates them in each backward and frees them with
-  the gradients; DDP keeps its buckets allocated from step to step. The same stpc program is
-  run twice: as shipped, and with its reducer keeping its buffers
-  (``GradReducer(keep_buffers=True)``, DDP's way; off in stpc), with DDP as the third
-  engine. Their step times and parts, page faults and peak memory (the bench's measure, plus
-  the kept buffers, which no parameter holds between steps);
-* when the gradients go out. The shipped program reads each parameter where it first uses
+* the gradient buckets. DDP keeps its buckets allocated from step to step; so does stpc's
+  reducer where the plan's device hands freed memory back to the system (a CPU:
+  ``cost_models.keeps_grad_buckets``, ``GradReducer(keep_buffers=True)``), and elsewhere it
+  allocates them in each backward and frees them with the gradients. The same stpc program
+  is run twice, its buckets made in each backward and kept, with DDP as the third engine.
+  Their step times and parts, page faults and peak memory (the bench's measure, the kept
+  buffers included);
+* when the gradients go out. The program reads each parameter where it first uses
   it (``passes.read_params_at_use``), so backward hands a layer's gradients to the reducer
   as soon as they are made and the buckets' all-reduces overlap the rest of backward. A
   fifth engine is the same program with its parameters read at the step's start (the
@@ -61,11 +62,12 @@ from stpc.cli.bench_runtime import (OPTIMIZER_IMPL, _peak_of_step, _stpc_engine,
 from stpc.frontend import models
 from stpc.runtime.launch import spawn
 
-ENGINES = ("stpc dp (buckets fresh each step, as shipped)", "stpc dp (buckets kept, DDP's way)",
+ENGINES = ("stpc dp (buckets made in each backward)", "stpc dp (buckets kept, DDP's way; as shipped on a CPU)",
            "stpc dp (buckets kept, plain-tensor parameters)", "ddp",
-           "stpc dp (parameters read at the step's start, before read_params_at_use)")
-KEPT = (1, 2)  # the engines whose reducers keep their buffers
-STAMPED = (0, 4)  # the engines whose bucket launches are timed: as shipped, and read at the start
+           "stpc dp (buckets made in each backward, parameters read at the step's start, before "
+           "read_params_at_use)")
+KEPT = (1, 2)  # the engines whose reducers keep their buffers (the others make them in each backward)
+STAMPED = (0, 4)  # the engines whose bucket launches are timed: read where used, and at the start
 PARTS = ("step", "fwd_bwd", "optimizer", "cpu", "faults")
 
 
@@ -106,12 +108,6 @@ class _Stamps:
 
 def _reducers(engine):
     return [prog.reducer for prog in engine.model.stpc.programs.values() if prog.reducer is not None]
-
-
-def _kept_bytes(engine) -> int:
-    """Bytes of the bucket buffers the reducers hold between steps (``keep_buffers``)."""
-    return sum(b.spare.untyped_storage().nbytes() for r in _reducers(engine) for b in r.buckets
-               if b.spare is not None)
 
 
 def _plain_parameters(engine) -> None:
@@ -188,9 +184,13 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         last[i] = float(loss)
         if r == 0:
             losses[i] = last[i]
-            if i in KEPT:  # the reducer exists from the first call on: keep its buffers from now on
-                for red in _reducers(engines[i]):
-                    red.keep_buffers = True
+            # the reducer exists from the first call on: keep its buffers, or not, from now on
+            # (whatever the plan's device calls for)
+            for red in (_reducers(engines[i]) if hasattr(engines[i].model, "stpc") else ()):  # (not DDP)
+                red.keep_buffers = i in KEPT
+                if i not in KEPT:
+                    for b in red.buckets:
+                        b.spare = None
             if i == 0:
                 opt_pair = _optimizer_pair(engines[0], impl)
         if r >= cfg["warmup"]:
@@ -207,7 +207,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     peaks = []
     for i, e in enumerate(engines):
         dist.barrier()
-        p = torch.tensor([_peak_of_step(e, opts[i]) + (_kept_bytes(e) if i in KEPT else 0)], dtype=torch.float64)
+        p = torch.tensor([_peak_of_step(e, opts[i])], dtype=torch.float64)  # (kept buffers included)
         dist.all_reduce(p, op=dist.ReduceOp.MAX)
         peaks.append(int(p))
     if rank:
@@ -250,7 +250,7 @@ def report(cfg: dict, res: dict, machine: str, command: str) -> str:
                      f"{m['faults']:.0f} | {e['peak_bytes'] / 2**20:.1f} | {m['step'] / ddp['step']:.3f} |")
     opt = res["optimizer"]
     o_dt, o_plain = statistics.median(opt["dtensor_s"]), statistics.median(opt["plain_s"])
-    lines += ["", f"AdamW's step alone over the same parameters and gradients (the shipped dp program's, copied), "
+    lines += ["", f"AdamW's step alone over the same parameters and gradients (the dp program's, copied), "
                   f"every rank at once, the slowest rank's, median of {len(opt['dtensor_s'])}: as DTensors "
                   f"{o_dt * 1e3:.1f} ms, as plain tensors {o_plain * 1e3:.1f} ms (plain "
                   f"{_faster(opt['plain_s'], opt['dtensor_s'])}).", ""]
@@ -262,17 +262,17 @@ def report(cfg: dict, res: dict, machine: str, command: str) -> str:
         return f"forward + backward {ms(a, b, 'fwd_bwd')}, optimizer {ms(a, b, 'optimizer')}"
 
     lines.append(
-        f"Taken apart: the shipped program's step is {ms(fresh, ddp)} from DDP's ({fresh['step'] / ddp['step']:.3f}x). "
-        f"Keeping the buckets moves it by {ms(kept, fresh)} (kept than fresh: {_faster(steps[1], steps[0])}; "
+        f"Taken apart: with its buckets made in each backward, the program's step is {ms(fresh, ddp)} from DDP's "
+        f"({fresh['step'] / ddp['step']:.3f}x). Keeping the buckets (as stpc ships it on a CPU) moves it by {ms(kept, fresh)} (kept than fresh: {_faster(steps[1], steps[0])}; "
         f"page faults {fresh['faults']:.0f} -> {kept['faults']:.0f} a step) at "
         f"{(eng[1]['peak_bytes'] - eng[0]['peak_bytes']) / 2**20:+.1f} MiB of peak. Plain-tensor parameters in place "
         f"of the DTensors move the kept program by {ms(plain, kept)} ({parts(plain, kept)}; plain than DTensors: "
         f"{_faster(steps[2], steps[1])}); the optimizer's DTensor dispatch alone costs {(o_dt - o_plain) * 1e3:+.1f} ms "
         f"a step over plain tensors. Left with kept buckets and plain parameters, neither of the two: "
         f"{ms(plain, ddp)} ({plain['step'] / ddp['step']:.3f}x DDP; {parts(plain, ddp)}; plain than DDP: "
-        f"{_faster(steps[2], steps[3])}). With DTensor parameters, as stpc ships them, and kept buckets: "
+        f"{_faster(steps[2], steps[3])}). With DTensor parameters and kept buckets, as stpc ships it on a CPU: "
         f"{ms(kept, ddp)} ({kept['step'] / ddp['step']:.3f}x DDP; kept than DDP: {_faster(steps[1], steps[3])}); "
-        f"the shipped program than DDP: {_faster(steps[0], steps[3])}.")
+        f"with buckets made in each backward, than DDP: {_faster(steps[0], steps[3])}.")
     lines += ["", _overlap_sentence(res, fresh, start, steps)]
     return "\n".join(lines) + "\n"
 
@@ -287,7 +287,7 @@ def _when(records: list[dict]) -> str:
 
 def _overlap_sentence(res: dict, fresh: dict, start: dict, steps: list) -> str:
     when = res["when"]
-    return (f"When the gradients go out (rank 0, medians over the rounds, ms from the step's start): as shipped, each "
+    return (f"When the gradients go out (rank 0, medians over the rounds, ms from the step's start): buckets made in each backward, each "
             f"parameter read where first used ({res['read_at_use'][0]} reads), {_when(when[ENGINES[0]])}; with every "
             f"parameter read at the step's start ({res['read_at_use'][1]} reads where used), "
             f"{_when(when[ENGINES[4]])}. Reading them where used moves the step by "

@@ -234,6 +234,7 @@ def _program(tg, plan: Plan, mesh: DeviceMesh, groups, opts: _Options) -> Progra
                 for ph, names in gm.meta.get("stpc_deferred_grads", {}).items()}
     return Program(plan, gm, fn, feed, tg.in_spec, tg.out_spec, out_placements, out_shapes, snapshots,
                    deferred=deferred, bucket_bytes=int((opts.bucket_mb or 0) * 2**20),
+                   keep_buckets=bool(plan.stats.get("keep_grad_buckets", False)),
                    calls=list(tg.meta.get("module_calls", [])), backend=opts.backend,
                    # ZeRO-3 regathers in backward; on a ZeRO-2 axis what forward gathered is kept
                    regathers=_regathered_groups(gm, plan, groups) if opts.backend is None else frozenset())

@@ -73,6 +73,8 @@ class Program:
     deferred: dict = field(default_factory=dict)  # param FQN -> group its gradient is summed over after
                                                   # backward, in the order backward completes them
     bucket_bytes: int = 0
+    keep_buckets: bool = False      # the reducer keeps its buckets between steps (the plan's memory model
+                                    # held them through forward: ``MemoryModel.kept_buckets``)
     reducer: object = None          # the runtime.GradReducer of ``deferred`` (made at the first run)
     calls: list = field(default_factory=list)     # the traced submodule calls (frontend.module_calls)
     backend: str | None = None      # torch.compile backend of ``fn`` (None: eager)
@@ -217,7 +219,7 @@ class Compiled:
                 prog.reducer = None
             if prog.reducer is None:  # a tied parameter (several names) in a bucket of its own
                 names = collections.Counter(id(p) for p in params.values())
-                prog.reducer = GradReducer(deferred, prog.bucket_bytes,
+                prog.reducer = GradReducer(deferred, prog.bucket_bytes, keep_buffers=prog.keep_buckets,
                                            alone=frozenset(i for i, n in names.items() if n > 1))
         for other in self.programs.values():
             if other.reducer is not None:

@@ -250,3 +250,49 @@ def _tied_bucket(rank, world):
 def test_a_tied_weight_is_reduced_in_a_bucket_of_its_own():
     for r in spawn(_tied_bucket, 2, timeout_s=120):
         assert r["deferred"] and r["its_bucket"] == [1] and r["buckets"] > 1, r
+
+
+def _kept_buckets(rank, world):
+    import copy
+    import dataclasses
+
+    import stpc
+    from stpc import models
+    from stpc.cost_models import get_cluster
+
+    base = get_cluster("cpu-local")
+    # a device whose allocator hands freed memory back to the system (glibc on a CPU; the figures
+    # a calibration profile measures): the plan keeps the buckets, the program's reducer follows
+    kept = dataclasses.replace(base, device=dataclasses.replace(base.device, fresh_alloc_bytes=2.0**25,
+                                                                 fresh_page_bw=1e9))
+    torch.manual_seed(0)
+    model = models.build("gpt-tiny")
+    inputs = models.example_inputs("gpt-tiny", B, S, device="cpu")
+    out = {}
+    for name, cluster in (("kept", kept), ("made", base)):
+        pm = stpc.compile(copy.deepcopy(model), (world,), inputs, hints="dp", cluster=cluster, cache=False)
+        prog = next(iter(pm.stpc.programs.values()))
+        ptrs, grads = [], []
+        for step in range(3):
+            pm.zero_grad(set_to_none=True)
+            pm(*inputs).backward()
+            ptrs.append(pm.get_parameter("layers.0.mlp.fc1.weight").grad.to_local().untyped_storage().data_ptr())
+            # (copies: a view of a bucket held past zero_grad keeps the reducer from writing it again)
+            grads.append({k: g.clone() for k, g in full_grads(pm).items()})
+        out[name] = {"planned": prog.plan.stats["keep_grad_buckets"], "keeps": prog.reducer.keep_buffers,
+                     "reused": ptrs[1] == ptrs[2], "grads": grads}
+    out["same"] = all(torch.equal(a[k], b[k]) for a, b in zip(out["kept"].pop("grads"), out["made"].pop("grads"))
+                      for k in a)
+    return out
+
+
+def test_a_plan_that_keeps_the_buckets_has_its_reducer_keep_them():
+    """The plan's ``keep_grad_buckets`` (the planner's memory model held the buckets through
+    forward: ``cost_models.keeps_grad_buckets``) reaches the compiled program's reducer: its
+    buffers are written again step after step; a plan for a caching allocator's device makes
+    them in each backward (here ``zero_grad`` drops the gradients, so a kept buffer is free to
+    reuse). The same gradients either way, bit for bit: the same sums in the same order."""
+    for r in spawn(_kept_buckets, 2, timeout_s=180):
+        assert r["kept"] == {"planned": True, "keeps": True, "reused": True}, r
+        assert r["made"]["planned"] is False and r["made"]["keeps"] is False, r
+        assert r["same"], r

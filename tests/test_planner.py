@@ -1571,3 +1571,34 @@ def test_problems_on_one_cost_model_equal_those_on_fresh_ones():
         size = len(shared.memo)
         build_problem(tg, shared, None, hints[0])
         assert len(shared.memo) == size
+
+
+def test_where_freed_memory_goes_back_to_the_system_the_buckets_are_held_through_forward():
+    """A device whose allocator hands freed memory back to the system (``fresh_page_bw``:
+    glibc's malloc on a CPU) has the runtime keep its data-parallel gradient buckets from step
+    to step (``cost_models.keeps_grad_buckets``), and the plan says so (``keep_grad_buckets``,
+    which the compiled program's reducer follows). The planner then holds every summed gradient
+    from forward on: a data-parallel plan's end of forward grows by all its gradients (the tied
+    table's once); in the last layer's backward only by the gradients that phase did not already
+    count as computed, those of the other layers and the tied table's bucket (the tied table's
+    readers sum its gradient as ``.grad`` beside its bucket). The same plan and time otherwise (a
+    threshold no tensor reaches: no first touch charged)."""
+    tg = _meta_trace("gpt-tiny")
+    base = get_cluster("cpu-local")
+    kept = dataclasses.replace(base, device=dataclasses.replace(base.device, fresh_alloc_bytes=2.0**50,
+                                                                 fresh_page_bw=1e9))
+    plans = {name: search(tg, (4,), cluster=c, hints="dp") for name, c in (("freed", base), ("kept", kept))}
+    assert plans["freed"].stats["keep_grad_buckets"] is False and plans["kept"].stats["keep_grad_buckets"] is True
+    assert ({k: (n.kind, n.out, n.ins) for k, n in plans["kept"].nodes.items()}
+            == {k: (n.kind, n.out, n.ins) for k, n in plans["freed"].nodes.items()})
+    assert plans["kept"].modelled_step_time_s == plans["freed"].modelled_step_time_s
+    bd = {k: breakdown(p) for k, p in plans.items()}
+    with torch.device("meta"):
+        params = dict(models.build("gpt-tiny").named_parameters())  # (tied: one name)
+    grads = {fqn: p.numel() * 4 for fqn, p in params.items()}
+    assert bd["freed"]["forward_grad_bytes"] == 0
+    assert bd["kept"]["forward_grad_bytes"] == sum(grads.values()) == bd["kept"]["grad_bytes"]
+    assert bd["kept"]["forward_peak_bytes"] - bd["freed"]["forward_peak_bytes"] == pytest.approx(sum(grads.values()))
+    counted = sum(b for fqn, b in grads.items() if fqn.startswith(("layers.1.", "ln_f.")))  # (as computed)
+    assert bd["kept"]["backward_peak_bytes"] - bd["freed"]["backward_peak_bytes"] == pytest.approx(
+        sum(grads.values()) - counted)

@@ -171,8 +171,9 @@ def pairs(n: int) -> list[tuple[str, dict, str | None, tuple]]:
 
 
 def _live_storages(engine: Engine, opt) -> dict[int, int]:
-    """The distinct storages of the parameters, buffers, gradients and optimizer state:
-    their data pointers and bytes."""
+    """The distinct storages of the parameters, buffers, gradients and optimizer state, and
+    the gradient buckets an stpc program's reducer keeps between steps (``keep_buffers``: no
+    parameter holds them after ``zero_grad``): their data pointers and bytes."""
     seen: dict[int, int] = {}
 
     def add(t):
@@ -191,6 +192,10 @@ def _live_storages(engine: Engine, opt) -> dict[int, int]:
     for state in opt.state.values():
         for v in state.values():
             add(v)
+    compiled = getattr(engine.model, "stpc", None)
+    for prog in getattr(compiled, "programs", {}).values():
+        for b in (prog.reducer.buckets if prog.reducer is not None else ()):
+            add(b.spare)
     return seen
 
 
@@ -556,9 +561,10 @@ def report(cfg: dict, records: list[dict], machine: str, command: str) -> str:
                  "not before backward; the target count's issued at the step's start) where the torch engines "
                  "reduce the loss after backward; stpc's parameters are DTensors for every plan, DDP's are plain tensors "
                  "(so the optimizer's ops go through DTensor's dispatch on stpc's side, as on FSDP2's); "
-                 "stpc's gradient buckets are allocated in each backward and freed with the gradients, where DDP keeps "
-                 "its buckets allocated from step to step (part of DDP's higher peak; on a CPU under glibc's malloc, "
-                 "stpc's fresh buckets are paged in again every step: its page-fault column). The "
+                 "stpc's gradient buckets are kept from step to step, as DDP keeps its own, where the plan's device "
+                 "hands freed memory back to the system (a CPU under glibc's malloc, where buckets made in each "
+                 "backward were paged in again every step; `cost_models.keeps_grad_buckets`, and the plan's memory "
+                 "holds them through forward), else made in each backward and freed with the gradients. The "
                  "solved plan is the one stpc's cost model ranks first on the cluster named in its row."
                  + solved_note(records))
     lines.append("")

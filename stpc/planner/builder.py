@@ -71,7 +71,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, MemoryModel, bytes_per_param, optimizer_step_time
+from stpc.cost_models import (GRAD_BUCKET_BYTES, CostModel, MemoryModel, bytes_per_param, keeps_grad_buckets,
+                              optimizer_step_time)
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, fits, shard, shard_factor
 from stpc.planner import grad_sum
@@ -146,6 +147,8 @@ class Builder:
         self.graph = tg.graph
         # (a layout name: that layout's state, stepped by foreach AdamW)
         self.memory = memory if isinstance(memory, MemoryModel) else MemoryModel(memory)
+        if self.memory.kept_buckets is None:  # (as the device's allocator calls for)
+            self.memory = replace(self.memory, kept_buckets=keeps_grad_buckets(cm.device))
         # (only the first k layers recomputed: their own facts, those layers tied apart)
         k = self.hints.recompute_layers if self.hints.recompute in ("full", "selective") else None
         self.facts = analyse(tg, k) if k is not None else facts or analyse(tg)
@@ -180,6 +183,7 @@ class Builder:
         self._axis_keys: dict = {}              # placement -> per-axis producer class key
         self.budget = None
         self.head_params = {src for src, dst, _ in self.facts.edge_uses if dst in self.facts.head}
+        self._last_layer_params = {src for src, dst, _ in self.facts.edge_uses if dst in self.facts.last_layer}
         # head parameters no op outside the head keeps for its backward (an embedding reading
         # a tied one saves only its indices)
         self._freed_by_head = self.head_params - {
@@ -321,7 +325,9 @@ class Builder:
                 kept = [0.0 if self.recompute and layer_of(node) in self.facts.recomputed else
                         kept_gathered_bytes(val, p, self.mesh, self.hints.keep_gathered) for p in choices]
                 own_mem = [m + k for m, k in zip(mem, kept)]  # (what NodePlan.mem_bytes reports)
-                mem = [self.memory.forward_param_bytes(val.numel(), w) + k for w, k in zip(shards, kept)]
+                # (a gradient summed over ranks, where the runtime keeps its bucket: held through forward)
+                mem = [self.memory.forward_param_bytes(val.numel(), w, self._bucketed(node, p)) + k
+                       for p, w, k in zip(choices, shards, kept)]
             # a skewed grid weight is stored as plain blocks and relaid each step (a tied copy's too:
             # the feed relays every placeholder planned so)
             nbytes = val.numel() * val.element_size()
@@ -335,14 +341,30 @@ class Builder:
             cost = [0.0] * len(choices)
         self._open_group(it, choices, cost, mem, [0.0] * len(choices), step, own_mem)
         self.place[it] = choices
+        grad = bytes_per_param(self.memory.layout, self.memory.fp32_grad_accum)[1]
+        # a gradient that lands in a bucket the runtime kept from the last step adds nothing to
+        # backward: the bucket is held from forward on (``forward_param_bytes``). Not a tied
+        # parameter's: its readers' gradients are summed as ``.grad`` before its bucket's copy
+        bucket = np.array([val.numel() * grad / w if self._bucketed(node, p) and node.name not in self._tied_names
+                           else 0.0 for p, w in zip(choices, shards)]) if it.kind == "param" else 0.0
         if it.kind == "param" and node in self.rg and it in self.head_params:
             # the head's backward ran before the last layer's: its gradients are held, as placed
-            grad = bytes_per_param(self.memory.layout, self.memory.fp32_grad_accum)[1]
-            self.groups[it.group].bwd_mem += np.array([val.numel() * grad / w for w in shards])
+            self.groups[it.group].bwd_mem += np.array([val.numel() * grad / w for w in shards]) - bucket
+            self.groups[it.group].head_mem -= bucket  # (the head's ops count them as they compute them)
+        if it.kind == "param" and it in self._last_layer_params:
+            self.groups[it.group].bwd_mem -= bucket  # (... and the last layer's ops)
         if it.kind == "param" and it in self._freed_by_head and kept is not None:
             # its whole copy kept for backward (ZeRO-2) served only the head, whose backward freed it
             self.groups[it.group].bwd_mem -= np.asarray(kept, dtype=float)
             self.groups[it.group].head_mem -= np.asarray(kept, dtype=float)
+
+    def _bucketed(self, node, placement: tuple) -> bool:
+        """Whether parameter ``node``'s gradient, stored at ``placement``, lies in a bucket the
+        runtime keeps between steps (``MemoryModel.kept_buckets``): it is summed over ranks (its
+        placement replicates it over an axis of more than one device, as ``step_scratch``
+        reckons it: an upper bound where no reader splits its work there)."""
+        return bool(self.memory.kept_buckets) and node in self.rg and any(
+            t == REPLICATE and n > 1 for t, n in zip(placement, self.mesh))
 
     def _exact(self, node, what: str, choices: list, want) -> list:
         want = tuple(want)
@@ -1036,7 +1058,8 @@ class Builder:
                         c = self._reshard_phases.get(k)
                         if c is None:
                             copy = sum(param_copy_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=True
-                                                         if gathered else again))
+                                                         if gathered else again,
+                                                         kept_bucket=bool(self.memory.kept_buckets)))
                             # split again on the axis (a replicated weight's slice, whose gradient is
                             # gathered back; a split weight re-cut): a redistribution waited where it
                             # stands, forward and backward (``runtime.shard_slice``, ``redistribute``),
@@ -1081,7 +1104,8 @@ class Builder:
             if tok not in pens:
                 f, b = axis_reshard_phases(self.cm, a, tok, REPLICATE, pen_bytes, True, True, regather=True,
                                            messages=(GRAD_BUCKET_BYTES, 0.0))
-                copy_s = sum(param_copy_phases(self.cm, a, tok, REPLICATE, pen_bytes, True, True, regather=True))
+                copy_s = sum(param_copy_phases(self.cm, a, tok, REPLICATE, pen_bytes, True, True, regather=True,
+                                               kept_bucket=bool(self.memory.kept_buckets)))
                 pens[tok] = grad_sum.penalty(f + b, copy_s, self.cm.overlap_slowdown)
             for qc, (q, split, _) in enumerate(vkeys):
                 cost[pc, qc] = grad_sum.charge(cost[pc, qc], r, grad_sum.needs_sum(tok, q, split, rg), pens[tok])
@@ -1480,7 +1504,9 @@ def make_plan(b: Builder, problem: Problem, sol: Solution, build_time_s: float, 
              "method": sol.method, "num_groups": len(problem.cost), "num_variables": sol.num_variables,
              "num_constraints": sol.num_constraints, "num_nodes": len(b.graph.nodes),
              "tied_nodes": len(b.tie), "fallback_ops": dict(b.fallback), "hints": b.hints.name,
-             "optimizer": {"layout": b.memory.layout, "impl": b.memory.optimizer_impl}}
+             "optimizer": {"layout": b.memory.layout, "impl": b.memory.optimizer_impl},
+             # (the runtime keeps its data-parallel gradient buckets between steps: MemoryModel)
+             "keep_grad_buckets": bool(b.memory.kept_buckets)}
     choice, saved = b.settle_modes(sol.choice, problem)
     if saved:
         sol = replace(sol, choice=choice, objective_ns=sol.objective_ns - saved)

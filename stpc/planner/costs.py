@@ -107,20 +107,23 @@ def axis_reshard_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float,
 
 
 def param_copy_phases(cm: CostModel, axis: int, p: str, q: str, nbytes: float, consumer_split: bool,
-                      needs_grad: bool, regather: bool = False) -> tuple[float, float]:
+                      needs_grad: bool, regather: bool = False, kept_bucket: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of the copies the runtime makes around a parameter's
     collectives on one axis, on the rank's own thread (no overlap; ``CostModel.copy``).
     A weight stored split and read whole (ZeRO): the gathered buffer cut into the whole
     parameter (``runtime.param_gather._cut``), in forward and again for backward's
     re-gather, and its gradient laid out rank-major for the reduce-scatter
     (``_rank_major``). A replicated weight whose gradient is summed (data parallelism): the
-    gradient copied into its bucket (``runtime.grad_reducer``). (A group of one parameter
+    gradient copied into its bucket (``runtime.grad_reducer``), into memory touched before
+    where the runtime keeps its buckets between steps (``kept_bucket``,
+    ``MemoryModel.kept_buckets``: no first touch, ``CostModel.fresh``). (A group of one parameter
     split on its first dim is cut as a view, no copy: charged alike, a named simplification.)"""
     if cm.mesh_shape[axis] == 1:
         return 0.0, 0.0
     pk, qk = p[0], q[0]
     if p == q == REPLICATE:
-        return 0.0, (cm.copy(nbytes) if consumer_split and needs_grad else 0.0)
+        return 0.0, (cm.copy(nbytes) - (cm.fresh(nbytes) if kept_bucket else 0.0) if consumer_split and needs_grad
+                     else 0.0)
     if pk not in "RP" and qk in "RP":
         cut = cm.copy(nbytes)
         if not needs_grad:

@@ -131,6 +131,8 @@ class Plan:
             out["recompute"] = self.stats["recompute"]
             if self.stats.get("recompute_layers") is not None:
                 out["recompute_layers"] = self.stats["recompute_layers"]
+        if self.stats.get("keep_grad_buckets"):  # the reducer's buffers held between steps: another peak
+            out["keep_grad_buckets"] = True
         return out
 
     def hash(self) -> str:

@@ -335,7 +335,7 @@ def _breakdown(sv: Solved) -> dict:
     gathers = groups - compute - ring_exposed  # followers/derived ops that gather to keep going; weights relaid
     exposed = groups - compute + param_real + other_edges
     # memory: persistent parts under the chosen placements + the largest transient
-    weight = grad = opt = kept = head_kept = 0.0
+    weight = grad = opt = kept = head_kept = bucketed = 0.0
     mesh = b.mesh
     for g, it in enumerate(facts.group_items):
         if it.kind != "param" or it.node.name in b._tied_copies:
@@ -345,6 +345,8 @@ def _breakdown(sv: Solved) -> dict:
         parts = optimizer_state_bytes(it.node.meta["val"].numel() / shards, layout, 1, 1, b.memory.fp32_grad_accum)
         weight += parts.weight * it.count
         grad += parts.grad * it.count
+        if b._bucketed(it.node, pl):
+            bucketed += parts.grad * it.count  # (its bucket kept between steps: held through forward)
         opt += parts.optimizer * it.count
         if not (b.recompute and layer_of(it.node) in facts.recomputed):  # (a recomputed layer's are gathered again)
             k = kept_gathered_bytes(it.node.meta["val"], pl, mesh, b.hints.keep_gathered) * it.count
@@ -383,7 +385,8 @@ def _breakdown(sv: Solved) -> dict:
             # the head's gradients reduced, its backward done (0: a problem without that phase)
             "head_backward_peak_bytes": float(head_peak),
             # the gradients the end of forward holds (0: zero_grad frees them, MemoryModel.grads_at_forward)
-            "forward_grad_bytes": grad if b.memory.grads_at_forward else 0.0,
+            # (or the summed ones' buckets, where the runtime keeps them: MemoryModel.kept_buckets)
+            "forward_grad_bytes": grad if b.memory.grads_at_forward else bucketed,
             "kept_weight_bytes": kept,  # (part of activation_bytes)
             "step_scratch_bytes": float(step_peak - (weight + grad + opt)) if p.has_step_phase else 0.0}
 

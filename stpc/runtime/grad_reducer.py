@@ -35,8 +35,10 @@ several layouts, and only some of them are data-parallel, over some mesh axes):
   ``.grad`` already holds a sum keeps it; its hook returns zeros so autograd adds
   nothing, and the reduced gradient is added to ``.grad`` at the end. Buffers are
   allocated per pass, so an earlier pass's ``.grad`` views are never overwritten.
-* ``keep_buffers`` (off by default; ``benchmarks/dp_gap_check.py`` measures what it buys):
-  each bucket keeps its last pass's buffer and the next pass writes into it again, as DDP
+* ``keep_buffers`` (off by default; a compiled program turns it on where its plan's device
+  hands freed memory back to the system, ``cost_models.keeps_grad_buckets``, and its memory
+  model holds the buckets through forward; ``benchmarks/dp_gap_check.py`` measures what it
+  buys): each bucket keeps its last pass's buffer and the next pass writes into it again, as DDP
   keeps its buckets, but only where nothing else holds that buffer any more (the
   ``.grad`` views dropped by ``zero_grad(set_to_none=True)`` and no reference kept), so no
   gradient a caller still holds is overwritten. Memory for time: the buffers stay
