@@ -256,12 +256,9 @@ def keeps_grad_buckets(device) -> bool:
     ``device`` (``cost_models.DeviceSpec``): where its allocator hands freed memory back to
     the system (``fresh_page_bw`` known: glibc's malloc on a CPU), a bucket made in each
     backward is new memory each time, its pages faulted in anew: glibc trims the heap's free
-    top, and a step's buckets, freed together by ``zero_grad``, are such a top. Measured in
-    the sixty-eighth session (a scratch run, 10 interleaved rounds on 4 gloo ranks; the
-    fidelity bench reports each plan's page faults): the fidelity bench's data-parallel plan
-    with selective recomputation, 202 MiB of buckets a rank, took 52 thousand page faults a
-    step with buckets made in each backward and 8 thousand with kept ones, 0.35 s of a 6.9 s
-    step. A caching allocator (CUDA's) hands a freed block back warm, so there a kept bucket
-    would only hold memory through forward that activations could use."""
+    top, and a step's buckets, freed together by ``zero_grad``, are such a top (the fidelity
+    bench's page-fault column: its data-parallel plan with selective recomputation, 202 MiB
+    of buckets a rank, 22699 faults a step with them made in each backward, fid67, and 0 with
+    them kept, fid68). A caching allocator (CUDA's) hands a freed block back warm, so there a
+    kept bucket would only hold memory through forward that activations could use."""
     return getattr(device, "fresh_page_bw", None) is not None
-

@@ -1602,3 +1602,22 @@ def test_where_freed_memory_goes_back_to_the_system_the_buckets_are_held_through
     counted = sum(b for fqn, b in grads.items() if fqn.startswith(("layers.1.", "ln_f.")))  # (as computed)
     assert bd["kept"]["backward_peak_bytes"] - bd["freed"]["backward_peak_bytes"] == pytest.approx(
         sum(grads.values()) - counted)
+
+
+def test_a_gradient_copied_into_a_kept_bucket_pays_no_first_touch():
+    """``costs.param_copy_phases``: a data-parallel gradient's copy into its bucket pays the
+    first touch of a new buffer (``CostModel.fresh``, where the allocator maps one that size
+    fresh) only where the bucket is made in each backward; into a bucket kept from the last
+    step (``kept_bucket``) the copy is a plain one. The other copies (a ZeRO cut) are alike."""
+    from stpc.planner.costs import param_copy_phases
+    base = get_cluster("cpu-local")
+    fresh = dataclasses.replace(base, device=dataclasses.replace(base.device, fresh_alloc_bytes=2**20,
+                                                                  fresh_page_bw=1e9))
+    cm = CostModel(fresh, (4,))
+    n = 8 * 2**20
+    made = param_copy_phases(cm, 0, "R", "R", n, True, True)
+    kept = param_copy_phases(cm, 0, "R", "R", n, True, True, kept_bucket=True)
+    assert made == (0.0, pytest.approx(cm.copy(n))) and cm.fresh(n) == pytest.approx(n / 1e9)
+    assert kept == (0.0, pytest.approx(cm.copy(n) - n / 1e9))
+    assert param_copy_phases(cm, 0, "S0", "R", n, True, True, kept_bucket=True) == param_copy_phases(
+        cm, 0, "S0", "R", n, True, True)

@@ -1044,7 +1044,10 @@ class Builder:
             sig = self.cm.axis_signature(a)
             regather = a not in self.hints.keep_gathered and not kept
             pen_bytes = None if roles is None else roles[1]
-            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, layer, rg, inline, regather, pen_bytes, saves)
+            # (the memo is the cost model's, shared by builders of other memory models: whether the
+            # buckets are kept changes the gradient's copy)
+            key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, layer, rg, inline, regather, pen_bytes, saves,
+                   bool(self.memory.kept_buckets))
             merged = self._axis_tables.get(key)
             if merged is None:
                 need, col = _classes([(q, split) for q, split, _ in vkeys])  # the reshards, without windows
@@ -1054,7 +1057,8 @@ class Builder:
                     again = regather and saves[r == grad_sum.EARLIEST]
                     for qc, (q, split) in enumerate(col):
                         gathered = inline and tok[0] not in "RP" and q[0] in "RP"
-                        k = (sig, tok, q, nbytes / sf, layer / sf, split, rg, again, gathered)
+                        k = (sig, tok, q, nbytes / sf, layer / sf, split, rg, again, gathered,
+                             bool(self.memory.kept_buckets))
                         c = self._reshard_phases.get(k)
                         if c is None:
                             copy = sum(param_copy_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=True

@@ -608,7 +608,9 @@ def summary(plan, cpsat_s: float = 2.0) -> str:
                 f"  optimizer scratch {_bytes(bd['step_scratch_bytes']):>9}  the optimizer step's temporaries (under fused "
                 "AdamW none: there the last summed gradient's second copy at backward's end)",
                 f"  end of forward {_bytes(bd['forward_peak_bytes']):>12}  parameters + optimizer + activations + "
-                "transient" + (" + gradients" if bd.get("forward_grad_bytes") else " (zero_grad freed the gradients)"),
+                "transient" + ((" + gradients" if bd.get("forward_grad_bytes") == bd.get("grad_bytes") else
+                                " + the summed gradients' buckets, kept between steps (zero_grad freed the others)")
+                               if bd.get("forward_grad_bytes") else " (zero_grad freed the gradients)"),
                 f"  head's gradients {_bytes(bd.get('head_backward_peak_bytes', 0.0)):>10}  the end of forward less "
                 "what the head saved (and its weights kept whole) + the gradients the head computed, at the placement "
                 "it read them in + the buffers reducing them",
