@@ -263,7 +263,8 @@ def report(cfg: dict, res: dict, machine: str, command: str) -> str:
 
     lines.append(
         f"Taken apart: with its buckets made in each backward, the program's step is {ms(fresh, ddp)} from DDP's "
-        f"({fresh['step'] / ddp['step']:.3f}x). Keeping the buckets (as stpc ships it on a CPU) moves it by {ms(kept, fresh)} (kept than fresh: {_faster(steps[1], steps[0])}; "
+        f"({fresh['step'] / ddp['step']:.3f}x). Keeping the buckets (as stpc ships it on a CPU) moves it by "
+        f"{ms(kept, fresh)} (kept than fresh: {_faster(steps[1], steps[0])}; "
         f"page faults {fresh['faults']:.0f} -> {kept['faults']:.0f} a step) at "
         f"{(eng[1]['peak_bytes'] - eng[0]['peak_bytes']) / 2**20:+.1f} MiB of peak. Plain-tensor parameters in place "
         f"of the DTensors move the kept program by {ms(plain, kept)} ({parts(plain, kept)}; plain than DTensors: "
@@ -287,7 +288,8 @@ def _when(records: list[dict]) -> str:
 
 def _overlap_sentence(res: dict, fresh: dict, start: dict, steps: list) -> str:
     when = res["when"]
-    return (f"When the gradients go out (rank 0, medians over the rounds, ms from the step's start): buckets made in each backward, each "
+    return (f"When the gradients go out (rank 0, medians over the rounds, ms from the step's start): buckets "
+            f"made in each backward, each "
             f"parameter read where first used ({res['read_at_use'][0]} reads), {_when(when[ENGINES[0]])}; with every "
             f"parameter read at the step's start ({res['read_at_use'][1]} reads where used), "
             f"{_when(when[ENGINES[4]])}. Reading them where used moves the step by "

@@ -22,7 +22,8 @@ from .profile import default_profile_path, fit_alpha_beta, fit_gemm_curve, get_c
 __all__ = [
     "CLUSTERS", "Cluster", "Link", "USABLE_MEMORY_FRACTION", "get_cluster", "CostModel", "GRAD_BUCKET_BYTES", "PhaseCost", "matmul_phase_cost",
     "matmul_phase_flops", "roofline", "gemm_time", "batched_weight_time", "collective_output_bytes", "fresh_alloc_time", "optimizer_step_time", "optimizer_step_bytes", "OPTIMIZER_STEP_BYTES", "FUSED_OPTIMIZER_STEP_BYTES", "DEVICES", "DeviceSpec", "canonical_dtype", "get_device",
-    "LAYOUTS", "OPTIMIZER_IMPLS", "MemoryModel", "MemoryParts", "adamw_step_transient_bytes", "bytes_per_param", "keeps_grad_buckets",
+    "LAYOUTS", "OPTIMIZER_IMPLS", "MemoryModel", "MemoryParts", "adamw_step_transient_bytes", "bytes_per_param",
+    "keeps_grad_buckets",
     "optimizer_state_bytes", "training_step_peak", "fit_alpha_beta", "fit_gemm_curve", "load_profile", "save_profile",
     "world_cluster", "default_profile_path", "OVERLAP_COMPUTE_SLOWDOWN", "exposed",
 ]
