@@ -63,6 +63,23 @@ def _rank1_segfaults_in_a_named_frame(rank, world_size):
     return rank
 
 
+def _rank1_aborts_with_a_native_reason(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        # as libstdc++ does when a C++ thread's exception has no handler: the reason goes to
+        # fd 2, unbuffered, and the process aborts (no Python frame is on that thread)
+        os.write(2, b"terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+                    b"  what():  [enforce fail at pair.cc:446] op.preamble.length <= op.nbytes\n")
+        os.abort()
+    dist.barrier()
+    return rank
+
+
+def _how_started(rank, world_size, key):
+    return {"parent": os.getppid(), "value": os.environ.get(key)}
+
+
 def test_free_port_is_bindable():
     import socket
 
@@ -124,6 +141,38 @@ def test_a_rank_killed_by_a_signal_says_which_and_where():
     # faulthandler's stack of the crashing thread names the Python frame it died in
     assert "_rank1_segfaults_in_a_named_frame" in tb, tb
     assert multiprocessing.active_children() == []
+
+
+def test_a_native_abort_is_reported_with_what_the_rank_last_wrote_to_stderr():
+    """The C++ reason of an abort never reaches faulthandler's Python stacks: the failure
+    quotes the end of the rank's stderr, which a tee process saved as the rank died."""
+    with pytest.raises(SpawnError) as ei:
+        spawn(_rank1_aborts_with_a_native_reason, 2, timeout_s=60)
+    tb = ei.value.remote_traceback
+    assert ei.value.rank == 1 and "SIGABRT" in tb, tb
+    assert "rank 1's stderr" in tb and "gloo::EnforceNotMet" in tb and "op.preamble.length" in tb, tb
+    assert multiprocessing.active_children() == []
+
+
+def test_ranks_are_forked_by_the_server_and_start_with_the_environment_of_the_call(monkeypatch):
+    """The second call's ranks come from the fork server the first call started (not from
+    this process), and see a variable set in between: each rank takes the caller's
+    environment as it is at the call, not the server's."""
+    spawn(_how_started, 2, "HOME", timeout_s=60)
+    monkeypatch.setenv("LAUNCH_TEST_VALUE", "set after the server started")
+    out = spawn(_how_started, 2, "LAUNCH_TEST_VALUE", timeout_s=60)
+    assert all(o["value"] == "set after the server started" for o in out), out
+    assert all(o["parent"] != os.getpid() for o in out) and len({o["parent"] for o in out}) == 1, out
+
+
+def test_a_variable_read_at_load_starts_the_ranks_as_new_interpreters():
+    """glibc reads MALLOC_* when a process starts, which a rank forked from the server never
+    does: with one that differs from the server's, the ranks are this process's children
+    (new interpreters) and have it."""
+    spawn(_how_started, 2, "HOME", timeout_s=60)  # (the server runs)
+    out = spawn(_how_started, 2, "MALLOC_ARENA_MAX", timeout_s=60, env={"MALLOC_ARENA_MAX": "2"})
+    assert all(o["parent"] == os.getpid() and o["value"] == "2" for o in out), out
+    assert "MALLOC_ARENA_MAX" not in os.environ  # (this process's environment as it was)
 
 
 def test_bad_world_size():

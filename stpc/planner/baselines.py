@@ -23,7 +23,9 @@ budget as stpc's own search: ``search`` solves every layout of the space exactly
   every mesh shape ``search.mesh_shapes`` tries, each with sharded weights regathered in
   backward or kept from forward (:func:`own_points`, as stpc's own search).
 
-Activation recomputation is in no plan's space yet, baselines included.
+Activation recomputation joins every space alike, baselines included: a point whose plan
+does not fit the budget is searched again with its first layers recomputed, selectively
+and in full (``search`` module docstring), and the layout says so (:func:`describe_layout`).
 """
 from __future__ import annotations
 

@@ -6,9 +6,11 @@ the parent, a hard timeout, and a failure report that names the rank.
 
     results = spawn(fn, world_size, *args, timeout_s=120)
 
-runs ``fn(rank, world_size, *args)`` in ``world_size`` processes started with
-the "spawn" method (never fork: the parent may hold threads / OpenMP pools),
-each with a process group (``backend``: gloo, NCCL with rank i on GPU i, or per device
+runs ``fn(rank, world_size, *args)`` in ``world_size`` processes forked by a fork server
+(never by the caller, which may hold threads / OpenMP pools: one clean process started
+once, with torch and stpc imported, so a rank starts in a fraction of a second rather than
+seconds; as new interpreters where a variable read at load differs from the server's,
+e.g. ``env``'s), each with a process group (``backend``: gloo, NCCL with rank i on GPU i, or per device
 such as ``"cpu:gloo,cuda:gloo"``, CUDA tensors over gloo with ranks sharing the GPUs) that
 meets at a TCP store on 127.0.0.1 served by the parent (bound before the ranks start, so no
 other socket can take its port meanwhile), and ``threads_per_rank`` intra-op threads. ``fn`` and
@@ -20,7 +22,8 @@ collection of results; on expiry every child is killed and
 :class:`SpawnTimeout` is raised), never leaves orphans (all children are
 killed before any error propagates; on Linux a rank is also killed by the
 kernel when the process that spawned it dies, even by a signal no handler
-sees, such as SIGKILL or an uncaught SIGTERM; a rank's own children, such as
+sees, such as SIGKILL or an uncaught SIGTERM, through the fork server, which ends with
+it; a rank's own children, such as
 inductor's compile workers, are theirs to end), and a failing rank raises
 :class:`SpawnError` carrying the rank and its traceback. When several ranks
 fail (one rank's exception typically breaks its peers' P2P/collectives), the
@@ -42,6 +45,7 @@ import queue as queue_mod
 import socket
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +56,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import forkserver as mp_forkserver
 
 __all__ = ["spawn", "free_port", "SpawnError", "SpawnTimeout"]
 
@@ -101,6 +106,46 @@ def _fault_log(fault_dir: str, rank: int) -> str:
     return os.path.join(fault_dir, f"rank{rank}.fault")
 
 
+def _stderr_log(fault_dir: str, rank: int) -> str:
+    return os.path.join(fault_dir, f"rank{rank}.stderr")
+
+
+# How much of a dead rank's stderr its failure quotes (the end: the native library's reason).
+_STDERR_TAIL_BYTES = 4096
+
+_tee: subprocess.Popen | None = None  # this rank's stderr copier (``_tee_stderr``)
+
+
+def _tee_stderr(path: str) -> None:
+    """Send this rank's fd 2 through ``tee``, to where it went and to ``path`` too. A native
+    abort writes its reason (libstdc++'s "terminate called after throwing an instance of
+    'gloo::EnforceNotMet'", a ``TORCH_CHECK`` of a C++ thread) to fd 2 just before the
+    process dies, where faulthandler, which writes Python stacks, cannot see it and where a
+    CI log's tail rarely shows it; tee, a process of its own, drains the pipe after the
+    rank is gone, and the parent quotes the file's end in the failure it reports."""
+    global _tee
+    try:
+        _tee = subprocess.Popen(["tee", "-i", "-a", path], stdin=subprocess.PIPE, stdout=2)
+    except OSError:
+        return  # no tee on this system: a silent death is reported without its last words
+    sys.stderr.flush()
+    os.dup2(_tee.stdin.fileno(), 2)
+    _tee.stdin.close()  # fd 2 holds the pipe's writing end now
+
+
+def _end_tee() -> None:
+    """Close this rank's end of the pipe to ``tee`` and wait for it to write the rest, so
+    nothing this rank printed is lost and no tee outlives it (unless a child of the rank
+    still holds the pipe open; it then ends with it)."""
+    if _tee is None:
+        return
+    os.close(2)
+    try:
+        _tee.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 
 
@@ -110,9 +155,11 @@ def _die_with_parent(parent_pid: int) -> None:
     it. Linux only (elsewhere the parent's clean-up is the one guard; where the request
     fails, a warning says so). The kernel sends the signal when the parent *thread* that
     started the rank ends, which is the parent's end here: :func:`spawn` starts and waits
-    for its ranks on one thread. Ranks are started with the "spawn" method, so a rank's
-    parent is :func:`spawn`'s process; one that is gone already (it died before the
-    request took hold: the rank is someone else's now): exit at once."""
+    for its ranks on one thread, and the fork server, single-threaded, forks them on its
+    only one. ``parent_pid`` is the process that started the rank: :func:`spawn`'s own
+    (a rank started as a new interpreter) or the fork server, which ends when
+    :func:`spawn`'s process does (its pipe from it closes). A parent that is gone already
+    (it died before the request took hold: the rank is someone else's now): exit at once."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -130,8 +177,19 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
             timeout_s: float, results: Any, backend: str, threads: int, fault_dir: str,
-            parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+            launcher_pid: int, environ: dict[str, str]) -> None:
+    if os.getppid() == launcher_pid:  # (started by the launcher itself)
+        _die_with_parent(launcher_pid)
+    else:  # forked by the fork server, which ends when the launcher does
+        _let_the_server_end()
+        _die_with_parent(os.getppid())
+        if not _alive(launcher_pid):
+            os._exit(1)
+    # the launcher's environment as it is now (a fork server's child has the server's, as it
+    # was when the server started)
+    os.environ.clear()
+    os.environ.update(environ)
+    _tee_stderr(_stderr_log(fault_dir, rank))
     # A native crash (SIGSEGV in a kernel or a communication thread) kills the
     # process before it can report; faulthandler writes every thread's Python
     # stack to a file the parent reads, so the failure says where it happened.
@@ -176,6 +234,29 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
     _fast_exit(results, code)
 
 
+def _let_the_server_end() -> None:
+    """Close this rank's copy of the fork server's "alive" pipe. The server ends when every
+    holder of that pipe's writing end has closed it, and hands one to each process it forks
+    (multiprocessing's ``forkserver``, ``_forkserver_alive_fd``): while a rank held it, a
+    launcher killed by a signal would leave the server, and with it its ranks (who die
+    with the server, :func:`_die_with_parent`), running. (A fork server this rank asks for
+    is then a new one of its own.)"""
+    server = mp_forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (someone else's process by now: not ours)
+        return False
+    return True
+
+
 def _fast_exit(results: Any, code: int) -> None:
     """Exit without the interpreter's teardown of torch's ~2,000 modules
     (seconds per rank on a loaded machine), but only after the report is
@@ -188,6 +269,7 @@ def _fast_exit(results: Any, code: int) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        _end_tee()
         os._exit(code)
 
 
@@ -204,6 +286,37 @@ def _kill_all(procs: list) -> None:
             p.join(timeout=5.0)
 
 
+# What the fork server imports once, so that a rank forked from it starts with them loaded:
+# importing torch and stpc costs a process about 3 s of CPU, 6 s of a 4-rank start on two
+# cores, paid again by every ``spawn`` a test suite makes.
+_PRELOAD = ("torch", "torch.distributed", "stpc")
+
+# Environment variables a library reads when it is loaded or its process starts, by prefix
+# (stpc's ring kernel choice, torch's, Triton's, OpenMP's and glibc's settings): a rank
+# forked from the fork server has the libraries the server loaded, with what they read then.
+_READ_AT_LOAD = ("STPC_", "TORCH", "PYTORCH_", "TRITON_", "MALLOC_", "OMP_", "MKL_", "KMP_", "GLOO_",
+                 "NCCL_", "CUDA_", "LD_", "PYTHON")
+
+_server_env: dict[str, str] | None = None  # those variables as the fork server started with them
+
+
+def _context(load_env: dict[str, str]):
+    """The multiprocessing context the ranks start in: a fork server's (``forkserver``: one
+    clean process, started at the first call, that imported only :data:`_PRELOAD`, forks
+    each rank; never this process, which may hold threads and OpenMP pools), unless the
+    variables of :data:`_READ_AT_LOAD` the ranks are to start with (``load_env``) differ
+    from the ones the server started with: then new interpreters (``spawn``), which read
+    them afresh (``spawn(env=...)``'s glibc ``MALLOC_*`` settings, for one)."""
+    global _server_env
+    if _server_env is None:
+        _server_env = dict(load_env)  # (the server starts with this call's ranks)
+    if load_env != _server_env:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOAD))  # (no effect once the server runs)
+    return ctx
+
+
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, backend: str = "gloo",
           threads_per_rank: int = 1, grace_s: float = _FAILURE_GRACE_S, env: dict[str, str] | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
@@ -211,6 +324,9 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
     ``env``: environment variables the ranks start with (besides ``OMP_NUM_THREADS`` and
     ``MKL_NUM_THREADS``, set to ``threads_per_rank``), for what a process reads only at its
     start (glibc's ``MALLOC_*`` variables); this process's environment is left as it was.
+    Each rank starts with this process's environment as it is at the call; where a
+    variable read when a library loads (:data:`_READ_AT_LOAD`) differs from the fork
+    server's, the ranks start as new interpreters (seconds each), which read it.
 
     Raises :class:`SpawnError` naming the first rank that failed (with its
     traceback; the others' reports, collected for up to ``grace_s`` seconds after
@@ -227,7 +343,10 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
         raise ValueError(f"spawn: {world_size} NCCL ranks need {world_size} GPUs, this machine has "
                          f"{torch.cuda.device_count()}; use backend='gloo' or fewer ranks")
     threads = max(1, int(threads_per_rank))
-    ctx = mp.get_context("spawn")
+    # OMP_NUM_THREADS must be set before torch is imported in a rank (the fork server's
+    # import, or a new interpreter's)
+    start_env = {**(env or {}), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    ctx = _context({k: v for k, v in {**os.environ, **start_env}.items() if k.startswith(_READ_AT_LOAD)})
     results = ctx.Queue()
     # The ranks' rendezvous store is served from this process, bound (to a port the kernel
     # picks) before any rank starts and open until they are gone: no moment in which a port
@@ -240,9 +359,6 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
     port = store.port
     fault_dir = tempfile.mkdtemp(prefix="stpc-spawn-")
     procs = []
-    # Children inherit the environment at start: OMP_NUM_THREADS must be set
-    # before torch is imported there, which happens while unpickling fn.
-    start_env = {**(env or {}), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     saved = {k: os.environ.get(k) for k in start_env}
     os.environ.update(start_env)
     try:
@@ -250,7 +366,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, bac
             p = ctx.Process(
                 target=_worker,
                 args=(fn, rank, world_size, port, args, timeout_s, results, backend, threads, fault_dir,
-                      os.getpid()),
+                      os.getpid(), dict(os.environ)),
                 name=f"stpc-rank{rank}",
             )
             p.start()
@@ -353,16 +469,35 @@ def _hung_stacks(procs: list, ranks: list[int], fault_dir: str) -> str:
 
 def _silent_death(rank: int, exitcode: int, fault_dir: str) -> str:
     """What a rank that died without reporting left behind: its exit code (a negative
-    one is the signal) and the stacks faulthandler wrote when it crashed."""
+    one is the signal), the end of what it wrote to stderr (a native abort's reason) and
+    the stacks faulthandler wrote when it crashed."""
     msg = f"process exited with code {exitcode} without reporting"
     if exitcode < 0:
         try:
             msg += f" (killed by {signal.Signals(-exitcode).name})"
         except ValueError:
             pass
+    last = _tail(_stderr_log(fault_dir, rank), _STDERR_TAIL_BYTES)
+    if last:
+        msg += f"\n--- the end of rank {rank}'s stderr ---\n{last}\n---"
     try:
         with open(_fault_log(fault_dir, rank)) as f:
             stacks = f.read().strip()
     except OSError:
         stacks = ""
     return f"{msg}\n{stacks}" if stacks else msg
+
+
+def _tail(path: str, nbytes: int) -> str:
+    """The last ``nbytes`` of the file at ``path`` (from a line's start), or "" without one."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - nbytes))
+            data = f.read()
+    except OSError:
+        return ""
+    if size > nbytes and b"\n" in data:
+        data = data.split(b"\n", 1)[1]
+    return data.decode(errors="replace").strip()
