@@ -60,6 +60,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .comm import GRAD_BUCKET_BYTES
+
 LAYOUTS = {
     # layout: (weight B/param, grad B/param, optimizer B/param)
     "fp32-adam": (4, 4, 8),
@@ -134,12 +136,19 @@ class MemoryModel:
     # ``keep_buffers``, DDP's way) rather than made in each backward and freed with the
     # gradients. None: as the device's allocator calls for (:func:`keeps_grad_buckets`).
     kept_buckets: bool | None = None
+    # Bytes of the runtime's data-parallel gradient buckets (``stpc.compile``'s ``bucket_mb``:
+    # each one's all-reduce launched as it fills, behind the rest of backward). None: no
+    # buckets, each gradient all-reduced where it is made and waited on there.
+    grad_bucket_bytes: float | None = GRAD_BUCKET_BYTES
 
     def __post_init__(self):
         bytes_per_param(self.layout, self.fp32_grad_accum)  # an unknown layout fails here, not mid-plan
         if self.optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(f"unknown optimizer implementation {self.optimizer_impl!r}; "
                              f"known: {', '.join(OPTIMIZER_IMPLS)}")
+        if self.grad_bucket_bytes is not None and not self.grad_bucket_bytes > 0:
+            raise ValueError(f"grad_bucket_bytes={self.grad_bucket_bytes!r}: a positive number of bytes, "
+                             f"or None for no buckets")
 
     def forward_param_bytes(self, numel: float, shards: float = 1, reduced: bool = False) -> float:
         """What a parameter holds at the end of forward: its weight and optimizer state, and

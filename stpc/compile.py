@@ -324,13 +324,16 @@ def _plan(tg, mesh_spec, opts: _Options, param_exact: dict, input_exact: dict) -
     else:
         hints = _hints_for(opts, shape, param_exact, input_exact) if shape else opts.hints
     budget = opts.budget
-    key = (plan_key(tg, mesh_spec, opts.cluster, budget, hints, opts.temporal, optimizer_impl=opts.optimizer_impl)
+    # (the buckets the runtime will sum data-parallel gradients in: what their sums are costed as)
+    buckets = None if opts.bucket_mb is None else opts.bucket_mb * 2**20
+    key = (plan_key(tg, mesh_spec, opts.cluster, budget, hints, opts.temporal, optimizer_impl=opts.optimizer_impl,
+                    grad_bucket_bytes=buckets)
            if opts.cache is not None else None)
     if key is not None and (plan := opts.cache.get(key)) is not None:
         plan.stats["cache"] = str(opts.cache.path(key))
         return plan
     plan = search(tg, mesh_spec, cluster=opts.cluster, budget_bytes=budget, hints=hints, temporal=opts.temporal,
-                  optimizer_impl=opts.optimizer_impl)
+                  optimizer_impl=opts.optimizer_impl, grad_bucket_bytes=buckets)
     if key is not None:
         opts.cache.put(key, plan)
     return plan
@@ -372,7 +375,9 @@ def compile(model: nn.Module, mesh=None, example_inputs=(), example_kwargs: dict
     ``stpc.cost_models.USABLE_MEMORY_FRACTION``). ``bucket_mb``: gradients of parameters
     replicated over a data-parallel axis are summed in buckets of that many MiB, launched
     asynchronously as backward produces them (as DDP does); None: each is all-reduced
-    where it is used, synchronously. ``optimizer_impl``: the AdamW implementation the
+    where it is used, synchronously; the plan is searched for the one given
+    (``MemoryModel.grad_bucket_bytes``; a ``plan`` passed in keeps what it was costed
+    with, ``plan.stats["grad_bucket_bytes"]``). ``optimizer_impl``: the AdamW implementation the
     trainer will step the parameters with, whose step time and scratch memory every plan is
     charged: ``"foreach"`` (``AdamW(foreach=True)``, torch's default on CUDA), ``"fused"``
     (``AdamW(fused=True)``: one pass, no scratch; TorchTitan's default) or ``"single"`` (the

@@ -296,3 +296,34 @@ def test_a_plan_that_keeps_the_buckets_has_its_reducer_keep_them():
         assert r["kept"] == {"planned": True, "keeps": True, "reused": True}, r
         assert r["made"]["planned"] is False and r["made"]["keeps"] is False, r
         assert r["same"], r
+
+
+def _searched_for_its_buckets(rank, world):
+    import copy
+
+    import stpc
+    from stpc import models
+
+    torch.manual_seed(0)
+    model = models.build("llama-tiny")
+    # (a batch the plan splits over the ranks: at B x S, latency beats any collective)
+    inputs = models.example_inputs("llama-tiny", 32, 128, device="cpu")
+    out = {}
+    for bucket_mb in (25, 0.5, None):
+        pm = stpc.compile(copy.deepcopy(model), (world,), inputs, hints="dp", cluster="cpu-local", cache=False,
+                          bucket_mb=bucket_mb)
+        pm(*inputs).backward()  # (the reducer hooks the gradients at the first call)
+        prog = next(iter(pm.stpc.programs.values()))
+        out[bucket_mb] = {"costed": prog.plan.stats["grad_bucket_bytes"], "s": prog.plan.modelled_step_time_s,
+                          "reducer": prog.reducer is not None}
+    return out
+
+
+def test_the_plan_is_searched_for_the_buckets_the_program_sums_in():
+    """``stpc.compile(bucket_mb=)`` plans for the reducer it builds: the plan is costed with
+    those buckets (``plan.stats["grad_bucket_bytes"]``), and without any (``None``: each
+    summed gradient all-reduced where backward makes it, waited there) it is costed dearer."""
+    for r in spawn(_searched_for_its_buckets, 2, timeout_s=180):
+        assert [r[b]["costed"] for b in (25, 0.5, None)] == [25 * 2**20, 0.5 * 2**20, None], r
+        assert r[25]["reducer"] and r[0.5]["reducer"] and not r[None]["reducer"], r
+        assert r[None]["s"] > r[25]["s"], r

@@ -1621,3 +1621,45 @@ def test_a_gradient_copied_into_a_kept_bucket_pays_no_first_touch():
     assert kept == (0.0, pytest.approx(cm.copy(n) - n / 1e9))
     assert param_copy_phases(cm, 0, "S0", "R", n, True, True, kept_bucket=True) == param_copy_phases(
         cm, 0, "S0", "R", n, True, True)
+
+
+def test_a_plan_is_costed_with_the_gradient_buckets_the_runtime_sums_in():
+    """``MemoryModel.grad_bucket_bytes`` (``stpc.compile``'s ``bucket_mb``): the default is the
+    plan as it was (hash and time); without buckets the runtime all-reduces each summed
+    gradient where backward makes it and waits there, so the same data-parallel assignment
+    costs more: each of those sums, charged as a blocking collective of its own (with the
+    ranks' skew the compute since their last meeting leaves), instead of an overlapped share
+    of a 25 MiB bucket's (the difference lies between the sums less the buckets' shares and
+    the sums each with the profile's whole skew), and nothing is kept between steps where a
+    CPU's buckets would be."""
+    from stpc.cost_models import MemoryModel
+    from stpc.planner import build_problem
+    from stpc.planner.hints import preset
+
+    tg = _meta_trace("llama-tiny")
+    base = get_cluster("cpu-local")
+    cl = dataclasses.replace(base, device=dataclasses.replace(base.device, fresh_alloc_bytes=2.0**50,
+                                                               fresh_page_bw=1e9))  # (its buckets kept)
+    default, explicit, unbucketed = (search(tg, (4,), cluster=cl, hints="dp", grad_bucket_bytes=b)
+                                     for b in (GRAD_BUCKET_BYTES, float(GRAD_BUCKET_BYTES), None))
+    assert search(tg, (4,), cluster=cl, hints="dp").hash() == default.hash() == explicit.hash()
+    assert default.stats["grad_bucket_bytes"] == GRAD_BUCKET_BYTES and default.stats["keep_grad_buckets"] is True
+    assert unbucketed.stats["grad_bucket_bytes"] is None and unbucketed.stats["keep_grad_buckets"] is False
+    assert unbucketed.hash() != default.hash()
+    assert breakdown(unbucketed)["forward_grad_bytes"] == 0 < breakdown(default)["forward_grad_bytes"]
+    assert unbucketed.modelled_step_time_s > default.modelled_step_time_s
+
+    # one assignment (the default's, every weight replicated, every reader splitting the batch), costed both ways
+    cm = CostModel(cl, (4,))
+    built = {b: build_problem(tg, cm, None, hints=preset("dp", (4,)), memory=MemoryModel(grad_bucket_bytes=b))
+             for b in (GRAD_BUCKET_BYTES, None)}
+    choice = default._solved.choice
+    ns = {b: problem.evaluate(choice)[0] for b, (_, problem) in built.items()}
+    assert all(t == "R" for n in default.nodes.values() if n.role == "param" for t in n.out)
+    with torch.device("meta"):
+        grads = [p.numel() * 4 for p in models.build("llama-tiny").parameters()]
+    plain = sum(cm.all_reduce(g, 0) for g in grads)  # (the sums themselves)
+    skewed = sum(cm.blocking(cm.all_reduce(g, 0)) for g in grads)  # (each with the profile's whole skew)
+    shares = sum(cm.coalesced("all_reduce", g, 0, GRAD_BUCKET_BYTES) for g in grads)
+    extra = (ns[None] - ns[GRAD_BUCKET_BYTES]) * 1e-9
+    assert plain - shares <= extra * (1 + 1e-6) and extra <= skewed * (1 + 1e-6), (extra, plain, skewed, shares)

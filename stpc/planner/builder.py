@@ -71,7 +71,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from stpc.cost_models import (GRAD_BUCKET_BYTES, CostModel, MemoryModel, bytes_per_param, keeps_grad_buckets,
+from stpc.cost_models import (CostModel, MemoryModel, bytes_per_param, keeps_grad_buckets,
                               optimizer_step_time)
 from stpc.frontend.trace import TracedGraph
 from stpc.placement import REPLICATE, fits, shard, shard_factor
@@ -147,8 +147,11 @@ class Builder:
         self.graph = tg.graph
         # (a layout name: that layout's state, stepped by foreach AdamW)
         self.memory = memory if isinstance(memory, MemoryModel) else MemoryModel(memory)
-        if self.memory.kept_buckets is None:  # (as the device's allocator calls for)
-            self.memory = replace(self.memory, kept_buckets=keeps_grad_buckets(cm.device))
+        if self.memory.kept_buckets is None:  # (as the device's allocator calls for; no buckets, none kept)
+            self.memory = replace(self.memory, kept_buckets=keeps_grad_buckets(cm.device)
+                                  and self.memory.grad_bucket_bytes is not None)
+        # the message a data-parallel gradient's sum rides in (0: one of its own, waited where made)
+        self.bucket_bytes = float(self.memory.grad_bucket_bytes or 0.0)
         # (only the first k layers recomputed: their own facts, those layers tied apart)
         k = self.hints.recompute_layers if self.hints.recompute in ("full", "selective") else None
         self.facts = analyse(tg, k) if k is not None else facts or analyse(tg)
@@ -1020,7 +1023,8 @@ class Builder:
         and backward parts, each overlapped with the consumer's compute of that phase
         (``CostModel.overlapped``, windows from :meth:`_windows`). Its collectives ride in
         the runtime's coalesced messages: a data-parallel gradient in a bucket of
-        ``GRAD_BUCKET_BYTES``, a ZeRO gather and reduce-scatter in its layer's one collective
+        ``MemoryModel.grad_bucket_bytes`` (without buckets, its own all-reduce, waited where
+        it is made: not overlapped), a ZeRO gather and reduce-scatter in its layer's one collective
         (``layer``: the layer's parameter bytes, split on the other axes as this one is).
         ``inline``: the consumer sits in a recomputed layer (``passes.recompute``), whose
         ZeRO gathers stay the parameter's own, waited where they stand and replayed in
@@ -1047,18 +1051,19 @@ class Builder:
             # (the memo is the cost model's, shared by builders of other memory models: whether the
             # buckets are kept changes the gradient's copy)
             key = ("param", sig, tuple(ukeys), tuple(vkeys), nbytes, layer, rg, inline, regather, pen_bytes, saves,
-                   bool(self.memory.kept_buckets))
+                   bool(self.memory.kept_buckets), self.bucket_bytes)
             merged = self._axis_tables.get(key)
             if merged is None:
                 need, col = _classes([(q, split) for q, split, _ in vkeys])  # the reshards, without windows
                 phases = np.zeros((2, len(ukeys), len(col)))
                 copies = np.zeros((len(ukeys), len(col)))  # (on the rank's own thread: not overlapped)
+                sums = np.zeros((len(ukeys), len(col)))  # (gradient sums waited where backward makes them)
                 for pc, ((tok, sf), r) in enumerate(ukeys):
                     again = regather and saves[r == grad_sum.EARLIEST]
                     for qc, (q, split) in enumerate(col):
                         gathered = inline and tok[0] not in "RP" and q[0] in "RP"
                         k = (sig, tok, q, nbytes / sf, layer / sf, split, rg, again, gathered,
-                             bool(self.memory.kept_buckets))
+                             bool(self.memory.kept_buckets), self.bucket_bytes)
                         c = self._reshard_phases.get(k)
                         if c is None:
                             copy = sum(param_copy_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=True
@@ -1069,20 +1074,26 @@ class Builder:
                             # stands, forward and backward (``runtime.shard_slice``, ``redistribute``),
                             # not a gather or a gradient sum the runtime overlaps
                             waited = q[0] not in "RP" and q != tok
-                            if gathered or waited:  # (exposed: counted with the copies, not overlapped)
+                            if tok == q == REPLICATE and not self.bucket_bytes:
+                                # a gradient summed without buckets: its own all-reduce, waited where
+                                # backward makes it (blocking: below, with the compute since the last)
+                                c = (0.0, 0.0), copy, axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split,
+                                                                          rg)[1]
+                            elif gathered or waited:  # (exposed: counted with the copies, not overlapped)
                                 f, b = axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg, regather=True,
-                                                           messages=(GRAD_BUCKET_BYTES, 0.0))
-                                c = (0.0, 0.0), copy + self.cm.blocking(f) + self.cm.blocking(b, after_ring=q[0] in "XW")
+                                                           messages=(self.bucket_bytes, 0.0))
+                                c = ((0.0, 0.0), copy + self.cm.blocking(f) + self.cm.blocking(b, after_ring=q[0] in "XW"),
+                                     0.0)
                             else:
                                 c = (axis_reshard_phases(self.cm, a, tok, q, nbytes / sf, split, rg,
-                                                         regather=again, messages=(GRAD_BUCKET_BYTES, layer / sf)),
-                                     copy)
+                                                         regather=again, messages=(self.bucket_bytes, layer / sf)),
+                                     copy, 0.0)
                             self._reshard_phases[k] = c
-                        phases[:, pc, qc], copies[pc, qc] = c
+                        phases[:, pc, qc], copies[pc, qc], sums[pc, qc] = c
                 fwd, bwd = phases[:, :, list(need)]
                 wins = np.array([w for _, _, w in vkeys]).reshape(-1, 2)
                 cost = (self.cm.overlapped(fwd, wins[:, 0]) + self.cm.overlapped(bwd, wins[:, 1])
-                        + copies[:, list(need)])
+                        + copies[:, list(need)] + self._blocking_sums(sums[:, list(need)], wins[:, 1]))
                 if pen_bytes is not None:
                     self._charge_sum_roles(cost, a, ukeys, vkeys, pen_bytes, rg)
                 nz = np.nonzero(cost)
@@ -1092,6 +1103,16 @@ class Builder:
             if table:
                 edges.append((tuple([rmap[c] for c in ucls]), tuple([cmap[c] for c in vcls]), table))
         return edges
+
+    def _blocking_sums(self, sums: np.ndarray, since: np.ndarray) -> np.ndarray:
+        """Seconds of gradient sums waited where backward makes them (no buckets), producer
+        rows by consumer columns: each a blocking collective (``CostModel.blocking``), the ranks'
+        skew at it as the compute since they last met leaves it, by the square-root law:
+        backward meets at every such sum, and between two of them runs one consumer's share of
+        its backward (``since``, per column: the window its parameter's sum would have run beside)."""
+        if not sums.any():
+            return sums
+        return np.vectorize(lambda s, w: self.cm.blocking(s, since_meeting_s=w))(sums, since[None, :])
 
     def _charge_sum_roles(self, cost: np.ndarray, a: int, ukeys, vkeys, pen_bytes: float, rg: bool) -> None:
         """Rows of a parameter edge's table on axis ``a`` (producer keys ``((token, split
@@ -1107,7 +1128,7 @@ class Builder:
                 continue
             if tok not in pens:
                 f, b = axis_reshard_phases(self.cm, a, tok, REPLICATE, pen_bytes, True, True, regather=True,
-                                           messages=(GRAD_BUCKET_BYTES, 0.0))
+                                           messages=(self.bucket_bytes, 0.0))
                 copy_s = sum(param_copy_phases(self.cm, a, tok, REPLICATE, pen_bytes, True, True, regather=True,
                                                kept_bucket=bool(self.memory.kept_buckets)))
                 pens[tok] = grad_sum.penalty(f + b, copy_s, self.cm.overlap_slowdown)
@@ -1510,7 +1531,9 @@ def make_plan(b: Builder, problem: Problem, sol: Solution, build_time_s: float, 
              "tied_nodes": len(b.tie), "fallback_ops": dict(b.fallback), "hints": b.hints.name,
              "optimizer": {"layout": b.memory.layout, "impl": b.memory.optimizer_impl},
              # (the runtime keeps its data-parallel gradient buckets between steps: MemoryModel)
-             "keep_grad_buckets": bool(b.memory.kept_buckets)}
+             "keep_grad_buckets": bool(b.memory.kept_buckets),
+             # (the buckets' size it was costed with; None: none, each gradient summed where made)
+             "grad_bucket_bytes": b.memory.grad_bucket_bytes}
     choice, saved = b.settle_modes(sol.choice, problem)
     if saved:
         sol = replace(sol, choice=choice, objective_ns=sol.objective_ns - saved)

@@ -28,6 +28,7 @@ from functools import lru_cache
 
 import torch
 
+from stpc.cost_models import GRAD_BUCKET_BYTES
 from stpc.planner.hints import Hints
 from stpc.planner.plan import Plan
 
@@ -102,15 +103,18 @@ def _hints_key(hints) -> str | None:
 
 
 def plan_key(tg, mesh, cluster, budget_bytes, hints, temporal, dtype="fp32",
-             optimizer_layout="fp32-adam", optimizer_impl="foreach") -> str | None:
+             optimizer_layout="fp32-adam", optimizer_impl="foreach",
+             grad_bucket_bytes: float | None = GRAD_BUCKET_BYTES) -> str | None:
     """The cache key of a search, or None when the search cannot be cached faithfully."""
     ck, hk = _cluster_key(cluster), _hints_key(hints)
     if hk is None:
         return None
-    blob = json.dumps({"graph": graph_digest(tg), "mesh": repr(mesh), "cluster": ck,
-                       "budget": budget_bytes, "hints": hk, "temporal": bool(temporal), "dtype": dtype,
-                       "optimizer": optimizer_layout, "optimizer_impl": optimizer_impl,
-                       "code": _code_digest()}, sort_keys=True)
+    key = {"graph": graph_digest(tg), "mesh": repr(mesh), "cluster": ck,
+           "budget": budget_bytes, "hints": hk, "temporal": bool(temporal), "dtype": dtype,
+           "optimizer": optimizer_layout, "optimizer_impl": optimizer_impl, "code": _code_digest()}
+    if grad_bucket_bytes != GRAD_BUCKET_BYTES:  # (the default's keys as they were)
+        key["grad_bucket_bytes"] = grad_bucket_bytes
+    blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -17,6 +17,7 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from stpc.cost_models import GRAD_BUCKET_BYTES
 from stpc.planner.summary import Solved, explain, summary
 
 
@@ -133,6 +134,8 @@ class Plan:
                 out["recompute_layers"] = self.stats["recompute_layers"]
         if self.stats.get("keep_grad_buckets"):  # the reducer's buffers held between steps: another peak
             out["keep_grad_buckets"] = True
+        if self.stats.get("grad_bucket_bytes", GRAD_BUCKET_BYTES) != GRAD_BUCKET_BYTES:  # another reducer
+            out["grad_bucket_bytes"] = self.stats["grad_bucket_bytes"]
         return out
 
     def hash(self) -> str:

@@ -64,7 +64,7 @@ import math
 import time
 from typing import Callable
 
-from stpc.cost_models import CostModel, MemoryModel, get_cluster
+from stpc.cost_models import GRAD_BUCKET_BYTES, CostModel, MemoryModel, get_cluster
 from stpc.frontend.trace import TracedGraph
 from stpc.planner import baselines, lagrangian
 from stpc.planner.analysis import analyse
@@ -194,7 +194,7 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
            optimizer_layout: str = "fp32-adam",
            progress: Callable[[SearchProgress], None] | None = None, recompute: str | None = None,
            time_limit_s: float = TIME_LIMIT_S, recompute_layers: int | None = None,
-           optimizer_impl: str = "foreach") -> Plan:
+           optimizer_impl: str = "foreach", grad_bucket_bytes: float | None = GRAD_BUCKET_BYTES) -> Plan:
     """Plan ``tg`` on ``mesh`` (an int N, "N", "AxB", or a shape tuple). ``hints``: a
     ``Hints``, or a preset name: ``megatron``, ``fsdp-tp`` and ``spatial`` search their
     whole layout space (``stpc.planner.baselines``; a given shape keeps the layouts on it),
@@ -210,12 +210,15 @@ def search(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | Non
     implementation the trainer steps with (``"foreach"``, ``"fused"``: ``AdamW(fused=True)``,
     TorchTitan's default; ``"single"``: the per-tensor loop), whose step time and scratch
     every plan is charged (``cost_models.MemoryModel.step_scratch``,
-    ``cost_models.optimizer_step_time``)."""
+    ``cost_models.optimizer_step_time``). ``grad_bucket_bytes``: the runtime's data-parallel
+    gradient buckets (``stpc.compile``'s ``bucket_mb``), None for none (each gradient summed
+    where it is made, waited there: ``MemoryModel.grad_bucket_bytes``)."""
     if recompute not in RECOMPUTE_LEVELS:
         raise ValueError(f"recompute={recompute!r}: one of {', '.join(map(repr, RECOMPUTE_LEVELS))}")
     if recompute_layers is not None:  # (the same check as Hints')
         Hints(recompute=recompute, recompute_layers=recompute_layers)
-    memory = MemoryModel(optimizer_layout, optimizer_impl=optimizer_impl)  # (an unknown one fails here)
+    # (an unknown optimizer, or a bucket size that is no number of bytes, fails here)
+    memory = MemoryModel(optimizer_layout, optimizer_impl=optimizer_impl, grad_bucket_bytes=grad_bucket_bytes)
     with _no_gc():
         return _search(tg, mesh, cluster, budget_bytes, hints, temporal, dtype, memory, progress, recompute,
                        time_limit_s, recompute_layers)
@@ -369,7 +372,7 @@ def _rungs(h: Hints, layout: dict, facts):
 def fits_budget(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float | None = None,
                 hints: str | Hints | None = None, temporal: bool = True, optimizer_layout: str = "fp32-adam",
                 recompute: str | None = None, recompute_layers: int | None = None,
-                optimizer_impl: str = "foreach") -> bool:
+                optimizer_impl: str = "foreach", grad_bucket_bytes: float | None = GRAD_BUCKET_BYTES) -> bool:
     """Whether :func:`search` with the same arguments finds a plan that fits ``budget_bytes``
     (rather than raising :class:`InfeasibleBudget`), decided at the first proof instead of
     by finding the fastest plan: the points of the same space (the recomputation ladder's
@@ -380,7 +383,7 @@ def fits_budget(tg: TracedGraph, mesh, cluster="cpu-local", budget_bytes: float 
     the order of their bounds. What a depth search asks at every depth it tries
     (``python -m stpc bench primepar``), where a budget-bound search's CP-SAT solves take
     minutes."""
-    memory = MemoryModel(optimizer_layout, optimizer_impl=optimizer_impl)
+    memory = MemoryModel(optimizer_layout, optimizer_impl=optimizer_impl, grad_bucket_bytes=grad_bucket_bytes)
     if budget_bytes is None:
         return True
     cl = get_cluster(cluster) if isinstance(cluster, str) else cluster
