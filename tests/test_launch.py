@@ -140,6 +140,9 @@ def test_a_rank_killed_by_a_signal_says_which_and_where():
     assert ei.value.rank == 1 and "code -11" in tb and "SIGSEGV" in tb
     # faulthandler's stack of the crashing thread names the Python frame it died in
     assert "_rank1_segfaults_in_a_named_frame" in tb, tb
+    # ... and c10's handler, ahead of it, every thread's C++ stack, the crashing one's first (a
+    # backend's worker thread has no Python frame to name)
+    assert "rank 1's stderr ---\nSIGSEGV(11), PID: " in tb and "fatalSignalHandler" in tb, tb
     assert multiprocessing.active_children() == []
 
 

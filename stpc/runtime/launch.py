@@ -110,8 +110,9 @@ def _stderr_log(fault_dir: str, rank: int) -> str:
     return os.path.join(fault_dir, f"rank{rank}.stderr")
 
 
-# How much of a dead rank's stderr its failure quotes (the end: the native library's reason).
-_STDERR_TAIL_BYTES = 4096
+# How much of a dead rank's stderr its failure quotes (the end: the native library's reason,
+# or c10's report of every thread's C++ stack, the crashing thread's first; a few KiB a thread).
+_STDERR_TAIL_BYTES = 65536
 
 _tee: subprocess.Popen | None = None  # this rank's stderr copier (``_tee_stderr``)
 
@@ -197,6 +198,10 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
     faulthandler.enable(file=fault_file, all_threads=True)
     # ... and on the parent's SIGUSR1 at the deadline, so a hang names the line each rank is stuck on
     faulthandler.register(_STACKS_SIGNAL, file=fault_file, all_threads=True, chain=False)
+    # A crash in a thread with no Python frames (a backend's worker) leaves faulthandler only the
+    # other threads' stacks: c10's fatal-signal handler, ahead of it, writes every thread's C++
+    # stack to stderr first (which the parent quotes, ``_tee_stderr``)
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
     # Few threads per rank: ranks share the machine's cores, and OpenMP
     # oversubscription makes start-up and every matmul slower, not faster.
     initialised = False
