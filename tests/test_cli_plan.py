@@ -158,3 +158,22 @@ def test_plan_cli_recompute(tmp_path):
 def test_plan_cli_recompute_layers_needs_a_level(capsys):
     code, _, err = _main(capsys, "plan", "--model", "llama-tiny", "--mesh", "2", "--recompute-layers", "1")
     assert code == 2 and "--recompute-layers 1" in err and "Fix: add --recompute full" in err
+
+
+def test_plan_cli_bucket_mb(tmp_path, capsys):
+    """``--bucket-mb``: the plan is costed with the program's gradient buckets (``none``: each
+    gradient summed where backward makes it, dearer), the JSON says which; a size that is no
+    positive number is a usage error naming the fix."""
+    got = {}
+    for mb in ("25", "none"):
+        out = tmp_path / f"{mb}.json"
+        code, _, err = _main(capsys, "plan", "--model", "llama-tiny", "--mesh", "4", "--cluster", "cpu-local",
+                             "--batch", "32", "--seq", "128", "--hints", "dp", "--bucket-mb", mb, "--brief",
+                             "--json", str(out))
+        assert code == 0, err
+        got[mb] = json.loads(out.read_text())
+    assert got["25"]["grad_bucket_bytes"] == 25 * 2**20 and got["none"]["grad_bucket_bytes"] is None
+    assert got["none"]["modelled_step_time_s"] > got["25"]["modelled_step_time_s"]
+    for bad in ("0", "-3", "lots"):
+        code, _, err = _main(capsys, "plan", "--model", "llama-tiny", "--mesh", "2", "--bucket-mb", bad)
+        assert code == 2 and f"--bucket-mb {bad}" in err and "Fix: e.g. --bucket-mb 25" in err, err

@@ -44,7 +44,7 @@ import time
 from stpc.cli._common import (DEFAULT_BATCH, DEFAULT_SEQ, Failure, Parser, add_flags, check_mesh_fits, meta_trace, verb,
                               write_json)
 from stpc.cli._progress import SearchStatus
-from stpc.cost_models import OPTIMIZER_IMPLS, get_cluster
+from stpc.cost_models import GRAD_BUCKET_BYTES, OPTIMIZER_IMPLS, get_cluster
 from stpc.frontend import dump
 from stpc.planner import BASELINES, PRESETS, HintUnsatisfiable, InfeasibleBudget, search
 from stpc.planner.baselines import describe_layout
@@ -58,13 +58,13 @@ def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int
                hints: str | None = None, temporal: bool = True, use_budget: bool = True,
                layers: int | None = None, progress: bool = False, recompute: str | None = None,
                time_limit_s: float = TIME_LIMIT_S, recompute_layers: int | None = None,
-               optimizer_impl: str = "foreach"):
+               optimizer_impl: str = "foreach", grad_bucket_bytes: float | None = GRAD_BUCKET_BYTES):
     """Trace ``model`` (a zoo name, ``package.module:factory`` or a Hugging Face config path:
     ``stpc.cli._common.load_model``) on meta tensors and search; returns (plan, traced graph).
     ``progress``: status lines on stderr for the trace and a search over a second.
     ``recompute_layers``: with ``recompute`` full or selective, only that many leading layers
     (``Hints.recompute_layers``). ``optimizer_impl``: the AdamW implementation the step is
-    costed with (``stpc.search``)."""
+    costed with, ``grad_bucket_bytes`` the data-parallel gradient buckets (``stpc.search``)."""
     t0 = time.perf_counter()
     tg, batch, seq = meta_trace(model, batch, seq, dtype, layers, progress=progress)
     t1 = time.perf_counter()
@@ -76,7 +76,7 @@ def plan_model(model: str, mesh: str, cluster: str = "primepar-v100", batch: int
         plan = search(tg, mesh, cl, budget_bytes=budget, hints=hints, temporal=temporal, dtype=dtype,
                       optimizer_layout="fp32-adam" if dtype == "fp32" else "mixed-adam", progress=status,
                       recompute=recompute, time_limit_s=time_limit_s, recompute_layers=recompute_layers,
-                      optimizer_impl=optimizer_impl)
+                      optimizer_impl=optimizer_impl, grad_bucket_bytes=grad_bucket_bytes)
     t2 = time.perf_counter()
     plan.stats.update(trace_time_s=t1 - t0, analysis_time_s=tg.meta.get("analysis_s"), total_time_s=t2 - t0,
                       batch=batch, seq=seq)
@@ -95,7 +95,7 @@ def summary(plan) -> dict:
             "strategy_counts": plan.strategy_counts(), "fallback_ops": s["fallback_ops"],
             "mesh_shapes_tried": s["mesh_shapes_tried"], "batch": s.get("batch"), "seq": s.get("seq"),
             "hints": s.get("hints"), "layout": s.get("layout"), "optimal": s.get("optimal"),
-            "unresolved": s.get("unresolved", [])}
+            "unresolved": s.get("unresolved", []), "grad_bucket_bytes": s.get("grad_bucket_bytes")}
 
 
 
@@ -126,6 +126,9 @@ def main_plan(argv: list[str]) -> int:
                    help="the AdamW implementation the trainer steps with, whose step time and scratch every plan is "
                         "charged: foreach (AdamW(foreach=True)), fused (AdamW(fused=True), TorchTitan's default), "
                         "single (the per-tensor loop) (default: %(default)s)")
+    p.add_argument("--bucket-mb", default=f"{GRAD_BUCKET_BYTES / 2**20:g}", metavar="MB",
+                   help="the data-parallel gradient buckets the program will sum in (stpc.compile's bucket_mb), or "
+                        "none: each gradient summed where backward makes it (default: %(default)s)")
     p.add_argument("--dump", default=None, metavar="FILE", help="write the per-node plan table here (+ .dot)")
     p.add_argument("--brief", action="store_true", help="print the header lines only, not the plan's summary")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write FILE-memory.png (memory over the step) "
@@ -139,6 +142,7 @@ def main_plan(argv: list[str]) -> int:
     if a.recompute_layers is not None and (a.recompute not in ("selective", "full") or a.recompute_layers < 1):
         p.error(f"--recompute-layers {a.recompute_layers}: a count of layers >= 1, with --recompute selective or "
                 f"full (it is {a.recompute}). Fix: add --recompute full, or leave --recompute-layers out")
+    buckets = _bucket_bytes(p, a.bucket_mb)
     check_mesh_fits(a.mesh, get_cluster(a.cluster))
     say = (lambda *x, **k: None) if a.quiet else print
     viz = None
@@ -151,7 +155,7 @@ def main_plan(argv: list[str]) -> int:
                           not a.no_temporal, use_budget=not a.no_budget, layers=a.layers, progress=not a.quiet,
                           recompute=None if a.recompute == "auto" else a.recompute,
                           time_limit_s=a.solver_time_limit, recompute_layers=a.recompute_layers,
-                          optimizer_impl=a.optimizer_impl)
+                          optimizer_impl=a.optimizer_impl, grad_bucket_bytes=buckets)
     s = summary(plan)
     if a.quiet:
         print(f"mesh {'x'.join(map(str, plan.mesh_shape))}  modelled step {plan.modelled_step_time_s * 1e3:.2f} ms  "
@@ -193,6 +197,20 @@ def main_plan(argv: list[str]) -> int:
     return 0
 
 
+def _bucket_bytes(p: Parser, text: str) -> float | None:
+    """``--bucket-mb``'s bytes (None for ``none``), or the parser's error naming the fix."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = float("nan")
+    if not mb > 0 or mb == float("inf"):
+        p.error(f"--bucket-mb {text}: a positive number of MiB, or none. Fix: e.g. --bucket-mb 25 (DDP's "
+                f"default)")
+    return mb * 2**20
+
+
 def _plot(viz, a, plan, tg, say=print) -> None:
     """``--plot``: the baseline (the megatron preset; stpc's own plan if this one is megatron's)
     searched on the same graph, devices and budget, then ``stpc.viz.plot_plan``."""
@@ -201,7 +219,8 @@ def _plot(viz, a, plan, tg, say=print) -> None:
         base = search(tg, a.mesh, get_cluster(a.cluster), budget_bytes=plan.budget_bytes, hints=other,
                       temporal=not a.no_temporal, dtype=a.dtype,
                       optimizer_layout="fp32-adam" if a.dtype == "fp32" else "mixed-adam",
-                      optimizer_impl=a.optimizer_impl)
+                      optimizer_impl=a.optimizer_impl,
+                      grad_bucket_bytes=plan.stats.get("grad_bucket_bytes", GRAD_BUCKET_BYTES))
     except (InfeasibleBudget, HintUnsatisfiable, ValueError) as e:
         say(f"(no {other or 'stpc'} baseline in the picture: {str(e).splitlines()[0]})")
         base = None
