@@ -255,9 +255,7 @@ def _let_the_server_end() -> None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # (someone else's process by now: not ours)
+    except (ProcessLookupError, PermissionError):  # (gone, or someone else's process by now)
         return False
     return True
 
